@@ -1,0 +1,399 @@
+"""`run_bench`: run every method on every prompt in one process and write the results.
+
+Outputs in ``out_dir``: ``results.json`` (one record per prompt x method), ``run.json`` (command,
+machine, versions, models, settings), ``report.md`` and PNG plots (see ``report.py``).
+
+Fairness rules: all methods run on the same prompts, in the same process, interleaved per prompt
+(prompt 1: ar, m2, ...; prompt 2: ...) so slow drifts of the machine (thermals, neighbours) hit
+every method alike; each method gets one untimed warm-up generation first; and every method's
+tokens/s is measured the same way, by this harness, around the whole generate call.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from specwood.bench import report as _report
+from specwood.bench.hf_baseline import HF_METHODS, HFBaseline, decode
+from specwood.bench.workload import Prompt, Workload, load_workload
+from specwood.errors import SamplingParamsError, SpecwoodError
+
+AR = "ar"
+WARMUP_MESSAGES = [{"role": "user", "content": "Say hello in one short sentence."}]
+WARMUP_TOKENS = 16
+METHOD_OPTION_KEYS = ("budget", "depth", "topk", "threshold")
+
+
+# --------------------------------------------------------------------------------------- arguments
+def parse_methods(methods: str | Iterable[str]) -> list[str]:
+    """'ar,hf' or ['ar', 'hf'] -> unique names in order."""
+    items = methods.split(",") if isinstance(methods, str) else list(methods)
+    out = list(dict.fromkeys(m.strip() for m in items if m and m.strip()))
+    if not out:
+        raise SpecwoodError("no methods given (e.g. --methods ar,hf)")
+    return out
+
+
+def normalise_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
+    s = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+    s.update({k: v for k, v in (sampling or {}).items() if v is not None})
+    unknown = set(s) - {"temperature", "top_p", "top_k", "seed"}
+    if unknown:
+        raise SamplingParamsError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+    if s["temperature"] < 0:
+        raise SamplingParamsError(f"temperature must be >= 0 (got {s['temperature']})")
+    if not 0 < s["top_p"] <= 1:
+        raise SamplingParamsError(f"top-p must be in (0, 1] (got {s['top_p']})")
+    if s["top_k"] < 0:
+        raise SamplingParamsError(f"top-k must be >= 0, 0 = off (got {s['top_k']})")
+    return s
+
+
+# ---------------------------------------------------------------------------------------- metadata
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip()
+        except Exception:
+            pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> list[str]:
+    # the flags that decide whether bf16 / int8 matmuls are fast on this CPU
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [w for w in wanted if w in have]
+    except OSError:
+        pass
+    return []
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    mem_gib = None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_gib = round(int(line.split()[1]) / 2**20, 1)
+                    break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu_model": _cpu_model(),
+        "cpu_cores_logical": os.cpu_count(),
+        "cpu_cores_usable": usable,
+        "cpu_flags": _cpu_flags(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": mem_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except Exception:
+        info["transformers"] = None
+    info["summary"] = (f"{info['cpu_model']}, {usable} usable cores, {info['torch_threads']} torch threads, "
+                       f"torch {info['torch']}" + (f", GPU {info['gpu']}" if info["gpu"] else ""))
+    return info
+
+
+def _git_commit() -> str | None:
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                           cwd=Path(__file__).resolve().parent)
+        return r.stdout.strip() or None if r.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def _model_label(engine: Any, which: str) -> str | None:
+    for attr in (f"{which}_name", f"{which}_path"):
+        v = getattr(engine, attr, None)
+        if v:
+            return str(v)
+    cfg = getattr(engine, f"{which}_config", None)
+    return (getattr(cfg, "name", None) or getattr(cfg, "arch", None)) if cfg is not None else None
+
+
+def _dtype_name(d: Any) -> str | None:
+    if d is None:
+        return None
+    name = str(d).replace("torch.", "")
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(name, name)
+
+
+def run_metadata(engine: Any, workload: Workload, methods: Sequence[str], sampling: dict[str, Any],
+                 method_options: dict[str, Any], max_tokens: int, run_info: dict[str, Any] | None) -> dict[str, Any]:
+    info = dict(run_info or {})
+    argv = info.pop("argv", None) or sys.argv
+    cats = workload.categories
+    meta: dict[str, Any] = {
+        "command": info.pop("command", None) or shlex.join(["specwood" if i == 0 else a for i, a in enumerate(argv)]),
+        "argv": list(argv),
+        "date": _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "specwood_commit": _git_commit(),
+        "target": info.pop("target", None) or _model_label(engine, "target"),
+        "draft": info.pop("draft", None) or _model_label(engine, "draft"),
+        "dtype": info.pop("dtype", None) or _dtype_name(getattr(engine, "dtype", None)),
+        "device": info.pop("device", None) or str(getattr(engine, "device", "") or "") or None,
+        "eos_token_ids": sorted(int(t) for t in (getattr(engine, "eos_token_ids", None) or [])),
+        "methods": list(methods),
+        "max_tokens": max_tokens,
+        "sampling": sampling,
+        "method_options": method_options,
+        "warmup": {"messages": WARMUP_MESSAGES, "max_tokens": min(WARMUP_TOKENS, max_tokens)},
+        "workload": {
+            "source": workload.source,
+            "n_prompts": len(workload.prompts),
+            "categories": {c: sum(p.category == c for p in workload.prompts) for c in cats},
+            "notes": list(workload.notes),
+            "summary": f"{workload.source}: {len(workload.prompts)} prompts in {len(cats)} categories",
+        },
+        "timing": ("tokens_per_s: decode throughput, tokens after the first / time after the first token; "
+                   "e2e_tokens_per_s: new tokens / wall time of the whole generate call (harness clock); "
+                   "ttft_s: start of decoding (after tokenising) to the first token"),
+    }
+    if any(m in HF_METHODS for m in methods):
+        meta["hf"] = {"hf-pld": {"prompt_lookup_num_tokens": 10},
+                      "hf-assisted": "transformers defaults (num_assistant_tokens=20, constant schedule, "
+                                     "assistant_confidence_threshold=0.4)"}
+    meta.update(info)  # anything else the caller wants recorded
+    return meta
+
+
+# ------------------------------------------------------------------------------------------ running
+def _stat(stats: Any, key: str) -> Any:
+    if isinstance(stats, dict):
+        return stats.get(key)
+    return getattr(stats, key, None)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if hasattr(x, "item"):  # numpy / torch scalars
+        try:
+            return x.item()
+        except Exception:
+            pass
+    return str(x)
+
+
+class _Runner:
+    """Runs one (prompt, method) generation and returns a record."""
+
+    def __init__(self, engine: Any, methods: Sequence[str], sampling: dict[str, Any],
+                 method_options: dict[str, Any], max_tokens: int) -> None:
+        self.engine = engine
+        self.sampling = sampling
+        self.method_options = method_options
+        self.max_tokens = max_tokens
+        hf_methods = [m for m in methods if m in HF_METHODS]
+        self.hf = HFBaseline(engine, hf_methods) if hf_methods else None
+
+    def generate(self, method: str, content: Any, raw: bool, max_tokens: int) -> dict[str, Any]:
+        if method in HF_METHODS:
+            assert self.hf is not None
+            return self.hf.generate(method, content, raw, max_tokens, self.sampling)
+        # ar takes no method options; every other engine method gets the pass-through ones
+        opts = {} if method == AR else self.method_options
+        t0 = time.perf_counter()
+        res = self.engine.generate(content, max_tokens=max_tokens, method=method, raw=raw,
+                                   temperature=self.sampling["temperature"], top_p=self.sampling["top_p"],
+                                   top_k=self.sampling["top_k"], seed=self.sampling["seed"], **opts)
+        wall = time.perf_counter() - t0
+        stats = getattr(res, "stats", None) or {}
+        return {
+            "token_ids": [int(t) for t in res.token_ids],
+            "text": res.text,
+            "prompt_tokens": _stat(stats, "prompt_tokens"),
+            "wall_s": wall,
+            "ttft_s": _stat(stats, "ttft_s"),
+            "tokens_per_s": _stat(stats, "tokens_per_s"),
+            "tbt_ms_p50": _stat(stats, "tbt_ms_p50"),
+            "mean_accepted_tokens": _stat(stats, "mean_accepted_tokens"),
+            "acceptance_rate": _stat(stats, "acceptance_rate"),
+            "engine_stats": _jsonable(dict(stats) if isinstance(stats, dict) else getattr(stats, "__dict__", {})),
+        }
+
+    def run(self, prompt: Prompt, method: str) -> dict[str, Any]:
+        rec: dict[str, Any] = {"id": prompt.id, "category": prompt.category, "method": method}
+        gc.collect()  # outside the clock: a collection mid-generation would bias one method
+        try:
+            r = self.generate(method, prompt.content, prompt.raw, self.max_tokens)
+        except SpecwoodError as e:  # e.g. a prompt too long for the context: record it, keep going
+            rec.update(error=str(e), text="", token_ids=[], new_tokens=0, tokens_per_s=None)
+            return rec
+        n = len(r["token_ids"])
+        wall = r["wall_s"]
+        rec.update(
+            text=r["text"],
+            token_ids=r["token_ids"],
+            new_tokens=n,
+            prompt_tokens=r.get("prompt_tokens"),
+            wall_s=wall,
+            # decode throughput (tokens after the first / time after the first), the engine's definition
+            tokens_per_s=r.get("tokens_per_s"),
+            # end to end: all new tokens / the whole call, measured here the same way for every method
+            e2e_tokens_per_s=n / wall if wall > 0 and n else None,
+            ttft_s=r.get("ttft_s"),
+            tbt_ms_p50=r.get("tbt_ms_p50"),
+            mean_accepted_tokens=r.get("mean_accepted_tokens"),
+            acceptance_rate=r.get("acceptance_rate"),
+        )
+        if "engine_stats" in r:
+            rec["engine_stats"] = r["engine_stats"]
+        return rec
+
+    def warmup(self, method: str) -> None:
+        """One short untimed generation: first-call allocations, kernel selection, lazy init.
+        Errors here are configuration errors (unknown method, missing draft) and abort the bench."""
+        self.generate(method, WARMUP_MESSAGES, False, min(WARMUP_TOKENS, self.max_tokens))
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional: run silently
+        tqdm = None
+    if tqdm is None or not enabled:
+        class _Null:
+            def update(self, n: int = 1) -> None: ...
+            def set_postfix_str(self, s: str) -> None: ...
+            def write(self, s: str) -> None: print(s, file=sys.stderr)
+            def close(self) -> None: ...
+        return _Null()
+    bar = tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, dynamic_ncols=True)
+    bar.write = lambda s: tqdm.write(s, file=sys.stderr)  # type: ignore[method-assign]
+    return bar
+
+
+def _mark_agreement(records: list[dict[str, Any]], eos: Sequence[int]) -> None:
+    """matches_ar on every non-ar record: greedy outputs must be token-identical to ar (lossless)."""
+    ar = {r["id"]: r for r in records if r["method"] == AR and _report.ok(r)}
+    for r in records:
+        if r["method"] != AR and _report.ok(r) and r["id"] in ar:
+            r["matches_ar"] = (_report._strip_eos(r["token_ids"], eos)
+                               == _report._strip_eos(ar[r["id"]]["token_ids"], eos))
+
+
+def write_outputs(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """results.json, run.json, PNGs, report.md; returns the markdown report."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(_jsonable(records), indent=1, ensure_ascii=False) + "\n",
+                                          encoding="utf-8")
+    plots: list[Path] = []
+    if any(_report.ok(r) for r in records):
+        try:
+            plots = _report.make_plots(records, out_dir)
+        except ImportError:
+            meta.setdefault("workload", {}).setdefault("notes", []).append(
+                "plots skipped: matplotlib is not installed (pip install matplotlib)")
+    meta["outputs"] = ["results.json", "run.json", "report.md", *[p.name for p in plots]]
+    (out_dir / "run.json").write_text(json.dumps(_jsonable(meta), indent=1, ensure_ascii=False) + "\n",
+                                      encoding="utf-8")
+    md = _report.markdown_report(records, meta, plots=[str(p) for p in plots])
+    (out_dir / "report.md").write_text(md, encoding="utf-8")
+    return md
+
+
+def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods: str | Sequence[str],
+              out_dir: str | os.PathLike[str], sampling: dict[str, Any] | None = None,
+              method_options: dict[str, Any] | None = None, max_tokens: int = 128, *,
+              run_info: dict[str, Any] | None = None, warmup: bool = True, progress: bool = True,
+              on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Benchmark `methods` on `workload` with one loaded engine; write results into `out_dir`.
+
+    sampling: temperature/top_p/top_k/seed (greedy by default). method_options: passed to every
+    engine method except `ar` (budget, depth, topk, threshold, ...). run_info: extra metadata for
+    run.json (command, target, draft, dtype, device...). Returns the per-(prompt, method) records.
+    A generation that raises SpecwoodError is recorded with an `error` and the run goes on; an
+    interrupt still writes what finished (run.json says completed: false) and re-raises.
+    """
+    methods = parse_methods(methods)
+    sampling = normalise_sampling(sampling)
+    method_options = {k: v for k, v in (method_options or {}).items() if v is not None}
+    if max_tokens < 1:
+        raise SamplingParamsError(f"max tokens must be >= 1 (got {max_tokens})")
+    if isinstance(workload, str):
+        workload = load_workload(workload)
+    elif not isinstance(workload, Workload):
+        workload = Workload(prompts=list(workload), source="(in memory)")
+    if not workload.prompts:
+        raise SpecwoodError("the workload has no prompts to run (check --categories / --limit)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    meta = run_metadata(engine, workload, methods, sampling, method_options, max_tokens, run_info)
+    runner = _Runner(engine, methods, sampling, method_options, max_tokens)
+    records: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    meta["completed"] = False
+    bar = None
+    try:
+        bar = _progress(len(workload.prompts) * len(methods), progress)
+        if warmup:
+            for m in methods:
+                bar.set_postfix_str(f"warm-up [{m}]")
+                runner.warmup(m)
+        for prompt in workload.prompts:
+            for m in methods:
+                bar.set_postfix_str(f"{prompt.id} [{m}]")
+                rec = runner.run(prompt, m)
+                if rec.get("error"):
+                    bar.write(f"specwood bench: {prompt.id} [{m}] failed: {rec['error']}")
+                records.append(rec)
+                if on_record:
+                    on_record(rec)
+                bar.update(1)
+        meta["completed"] = True
+    finally:
+        if bar is not None:
+            bar.close()
+        meta["elapsed_s"] = round(time.perf_counter() - t_start, 3)
+        meta["n_errors"] = sum(1 for r in records if r.get("error"))
+        _mark_agreement(records, meta["eos_token_ids"])
+        if records or meta["completed"]:
+            write_outputs(out, records, meta)
+    return records
+
+
+__all__ = ["run_bench", "parse_methods", "normalise_sampling", "machine_info", "write_outputs",
+           "decode", "METHOD_OPTION_KEYS"]

@@ -1,0 +1,131 @@
+"""The `specwood` command."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from specwood.errors import SpecwoodError
+
+METHOD_OPTIONS = ("budget", "depth", "topk", "threshold")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="registry name, .gguf file or HF folder (default: qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--draft", default="auto", help="draft model name/path; 'auto' = the target's default draft; 'none' = no draft")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto = bf16 on CPUs with AVX512-BF16/AMX and on GPUs, else fp32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def add_method_args(p: argparse.ArgumentParser, default: str = "ar") -> None:
+    p.add_argument("--method", default=default, help="ar, chain, static, sequoia, eagle, dyspec, dyspec-threshold, pld, early-exit")
+    p.add_argument("--budget", type=int, default=None, help="tree nodes per step (speculative methods)")
+    p.add_argument("--depth", type=int, default=None, help="maximum tree depth")
+    p.add_argument("--topk", type=int, default=None, help="branching for top-k shapes (eagle)")
+    p.add_argument("--threshold", type=float, default=None, help="dyspec-threshold expansion threshold in (0,1)")
+
+
+def method_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in METHOD_OPTIONS if getattr(args, k, None) is not None}
+
+
+def load_engine(args: argparse.Namespace, need_draft: bool = True):
+    import specwood
+
+    draft = None if (args.draft in (None, "none") or not need_draft) else args.draft
+    return specwood.load(args.target, draft, dtype=args.dtype, device=args.device, max_context=args.max_context)
+
+
+def needs_draft(method: str) -> bool:
+    return method not in ("ar", "pld", "early-exit")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = load_engine(args, need_draft=needs_draft(args.method))
+    prompt: Any = args.prompt
+    if args.system and not args.raw:
+        prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
+    stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = engine.generate(
+        prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop, method=args.method, raw=args.raw, on_text=stream, **method_options(args),
+    )
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stats": result.stats}))
+    else:
+        s = result.stats
+        line = (f"[{s['method']}] {s['new_tokens']} tokens, {s['tokens_per_s']} tok/s, TTFT {s['ttft_s']:.3f}s, "
+                f"TBT p50 {s['tbt_ms_p50']} ms, finish={result.finish_reason}")
+        if "mean_accepted_tokens" in s:
+            line += f", AAT {s['mean_accepted_tokens']:.2f}, acceptance {s['acceptance_rate']:.2f}"
+        print("\n" + line, file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from specwood.models.registry import REGISTRY, cache_dir, model_cache_dir
+
+    print(f"cache: {cache_dir()}")
+    for spec in REGISTRY.values():
+        path = model_cache_dir(spec.name) / spec.filename
+        state = "assembled" if path.exists() else "not assembled"
+        print(f"{spec.name:32s} {spec.role:6s} {spec.size / 2**20:8.1f} MiB  {state}  {spec.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from specwood import __version__
+
+    parser = argparse.ArgumentParser(prog="specwood", description="Lossless tree speculative decoding for LLMs.")
+    parser.add_argument("--version", action="version", version=f"specwood {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("prompt")
+    add_model_args(g)
+    add_sampling_args(g)
+    add_method_args(g)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--system", default=None, help="system message (chat mode)")
+    g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list the embedded models")
+    m.set_defaults(func=cmd_models)
+
+    try:
+        from specwood.bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecwoodError as e:
+        print(f"specwood: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specwood: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Turning a stream of token ids into text: stop conditions, streaming, timing statistics.
+
+Decoding loops (autoregressive, speculative, parallel, pipeline) only yield the tokens each
+step produced; this object decides when to stop, what text to stream and what the stats are,
+so every method stops at exactly the same token as plain decoding would.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string), "length"
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class OutputStream:
+    """Accumulates generated tokens; applies EOS, stop strings and the token limit; streams text."""
+
+    def __init__(self, tokenizer: Any, prompt_tokens: int, max_tokens: int, eos_ids: set[int],
+                 stop: list[str] | None = None, on_text: Callable[[str], None] | None = None):
+        self.tokenizer = tokenizer
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.eos_ids = eos_ids
+        self.stop = [s for s in (stop or []) if s]
+        self.on_text = on_text
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.emitted = 0  # characters of self.text already streamed
+        self.finish_reason: str | None = None
+        self.t_start = time.perf_counter()
+        self.t_first: float | None = None
+        self.step_times: list[tuple[float, int]] = []  # (time, tokens in that step)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def push_step(self, tokens: list[int]) -> bool:
+        """Add the tokens one decoding step produced; True once generation should stop."""
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        taken = 0
+        for t in tokens:
+            taken += 1
+            if self._push(int(t)):
+                break
+        self.step_times.append((now, taken))
+        self._stream()
+        return self.finished
+
+    def _push(self, token: int) -> bool:
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+            return True
+        self.token_ids.append(token)
+        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        for s in self.stop:
+            # only search where a newly completed stop string can be
+            i = self.text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                self.text = self.text[:i]
+                self.finish_reason = "stop"
+                return True
+        if len(self.token_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def _stream(self) -> None:
+        end = len(self.text)
+        if not self.finished:
+            if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
+                end = len(self.text.rstrip("\ufffd"))
+            for s in self.stop:  # hold back a tail that may grow into a stop string
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if self.text[:end].endswith(s[:k]):
+                        end -= k
+                        break
+        if end > self.emitted:
+            if self.on_text is not None:
+                self.on_text(self.text[self.emitted:end])
+            self.emitted = end
+
+    def finish(self, method: str, extra: dict[str, Any] | None = None) -> GenerationResult:
+        if self.finish_reason is None:
+            self.finish_reason = "length"
+        self._stream()
+        t_end = time.perf_counter()
+        n = len(self.token_ids)
+        ttft = (self.t_first or t_end) - self.t_start
+        decode_s = t_end - (self.t_first or t_end)
+        # per-token latency of each decode step (a speculative step emits several tokens at once)
+        per_token = []
+        prev = self.t_first
+        for t, k in self.step_times[1:]:
+            if k:
+                per_token.append((t - prev) / k)
+            prev = t
+        stats: dict[str, Any] = {
+            "method": method,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": n,
+            "ttft_s": round(ttft, 5),
+            "prefill_tokens_per_s": round(self.prompt_tokens / ttft, 2) if ttft > 0 else None,
+            # decode throughput: tokens after the first over the time after the first
+            "tokens_per_s": round(sum(k for _, k in self.step_times[1:]) / decode_s, 3) if decode_s > 0 else None,
+            "e2e_tokens_per_s": round(n / (t_end - self.t_start), 3) if t_end > self.t_start else None,
+            "tbt_ms_p50": round(statistics.median(per_token) * 1e3, 3) if per_token else None,
+            "total_s": round(t_end - self.t_start, 4),
+            "finish_reason": self.finish_reason,
+        }
+        stats.update(extra or {})
+        return GenerationResult(self.text, list(self.token_ids), self.finish_reason, stats)

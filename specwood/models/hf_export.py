@@ -1,0 +1,110 @@
+"""Canonical weights -> a transformers model, for the `hf` benchmark baseline and logit-parity tests.
+
+The transformers model is built from a config matching ours and gets exactly our tensors, so any
+difference in logits comes from the runtimes, never from the weights.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specwood.models.config import ModelConfig
+from specwood.models.hf_loader import HF_GLOBAL_NAMES, HF_LAYER_NAMES
+from specwood.models.loader import validate_state_dict
+from specwood.models.testing import random_state_dict, random_tiny_config  # re-exported for convenience
+
+__all__ = ["hf_config", "hf_state_dict", "to_hf_model", "random_tiny_config", "random_state_dict"]
+
+
+def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrides: Any):
+    """A transformers LlamaConfig / Qwen2Config / MistralConfig equivalent to ``config``."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    c = config
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if c.rope_scaling:
+        rope.update({k: v for k, v in c.rope_scaling.items() if k != "freq_factors"})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope["rope_theta"] = c.rope_theta
+    common: dict[str, Any] = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=c.tie_embeddings,
+        rope_parameters=rope,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=(c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else list(c.eos_token_ids)) or None,
+        hidden_act="silu",
+        dtype=dtype,
+    )
+    if c.arch == "qwen2":
+        if not c.qkv_bias or c.head_dim != c.dim // c.n_heads:
+            raise ValueError("transformers' Qwen2 always has q/k/v biases and head_dim = hidden_size / heads")
+        cfg = Qwen2Config(**common, use_sliding_window=c.sliding_window is not None,
+                          sliding_window=c.sliding_window, max_window_layers=c.n_layers, **overrides)
+    elif c.arch == "mistral":
+        if c.qkv_bias:
+            raise ValueError("transformers' Mistral has no q/k/v biases")
+        cfg = MistralConfig(**common, head_dim=c.head_dim, sliding_window=c.sliding_window, **overrides)
+    else:
+        cfg = LlamaConfig(**common, head_dim=c.head_dim, attention_bias=c.qkv_bias, mlp_bias=False, **overrides)
+    return cfg
+
+
+def hf_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical names -> transformers names (lm_head shares the embedding when tied)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        if name in HF_GLOBAL_NAMES:
+            out[HF_GLOBAL_NAMES[name]] = t
+            continue
+        _, i, rest = name.split(".", 2)
+        out[f"model.layers.{i}.{HF_LAYER_NAMES[rest]}"] = t
+    if config.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    if config.arch == "llama" and config.qkv_bias:
+        # transformers' attention_bias also gives o_proj a bias; ours has none, i.e. zero.
+        for i in range(config.n_layers):
+            key = f"model.layers.{i}.self_attn.o_proj.weight"
+            if key in out:
+                out[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(config.dim, dtype=out[key].dtype)
+    return out
+
+
+def to_hf_model(
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = "sdpa",
+):  # -> transformers.PreTrainedModel
+    """A transformers LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM holding our weights."""
+    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    from transformers.initialization import no_init_weights
+
+    validate_state_dict(config, state_dict, config.name or "state_dict")
+    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[config.arch]
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    cfg = hf_config(config, dtype, **kwargs)
+    # Build on the meta device (no memory, no random init), then adopt our tensors with assign=True.
+    with no_init_weights(), torch.device("meta"):
+        model = cls(cfg)
+    sd = {k: v.to(dtype) for k, v in hf_state_dict(config, state_dict).items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if unexpected or missing:
+        raise ValueError(f"weights do not fit {cls.__name__}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if config.tie_embeddings:
+        model.tie_weights()
+    # Non-persistent buffers (RoPE inv_freq) were created on meta: rebuild the rotary module on the CPU.
+    rotary = model.model.rotary_emb
+    with torch.device("cpu"):
+        model.model.rotary_emb = type(rotary)(cfg)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise ValueError(f"{cls.__name__}: tensors left uninitialised: {left[:4]}")
+    return model.eval()

