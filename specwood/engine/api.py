@@ -12,7 +12,7 @@ from specwood.engine.autoregressive import autoregressive_steps
 from specwood.engine.output import GenerationResult, OutputStream
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.config import ModelConfig
-from specwood.models.transformer import Transformer, build_model
+from specwood.models.transformer import Transformer, build_model, int4_available
 from specwood.sampling import SamplingParams
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -148,14 +148,22 @@ class Engine:
 
     def _steps(self, method: str, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
                generator: torch.Generator | None, options: dict[str, Any]):
+        components = None
+        if method == "auto":  # the planner's choice for this hardware and context; may be plain decoding
+            from specwood.planner import auto_components
+
+            components = auto_components(self, options)
+            if components is None:
+                method, options = "ar", {}
         if method == "ar":
             if options:
                 raise SpecwoodError(f"method 'ar' takes no options (got {', '.join(sorted(options))})")
             cache = self.target.new_cache(len(prompt_ids) + max_tokens + 1)
             return autoregressive_steps(self.target, cache, prompt_ids, params, generator), dict
-        from specwood.engine.speculative import speculative_run  # imported late: heavier
+        from specwood.engine.speculative import build_method, speculative_run  # imported late: heavier
 
-        return speculative_run(self, method, prompt_ids, max_tokens, params, generator, options)
+        source, shape = components or build_method(self, method, options)
+        return speculative_run(self.target, source, shape, prompt_ids, max_tokens, params, generator)
 
 
 def load(
@@ -163,6 +171,7 @@ def load(
     draft: str | os.PathLike[str] | None = "auto",
     *,
     dtype: str | torch.dtype = "auto",
+    draft_dtype: str = "auto",
     device: str = "cpu",
     max_context: int | None = None,
     progress: bool = True,
@@ -170,7 +179,9 @@ def load(
     """Load a target model (a registry name, a .gguf file or a Hugging Face folder) and a draft.
 
     draft="auto" picks the registry's default draft for a registry target (none otherwise);
-    draft=None loads no draft.
+    draft=None loads no draft. draft_dtype="auto" runs the draft with int4 weights on CPUs
+    (bf16 activations; drafting never affects the output, only the speed) and in the target's
+    dtype elsewhere; "int4", "bf16", "fp32" force one.
     """
     from specwood.models.loader import load_checkpoint, load_tokenizer
     from specwood.models.registry import DEFAULT_TARGET, default_draft_for
@@ -187,8 +198,12 @@ def load(
     tokenizer = load_tokenizer(path)
     draft_model = None
     if draft is not None:
-        dcfg, dsd, _ = load_checkpoint(str(draft), dtype=torch_dtype)
-        draft_model = build_model(dcfg, dsd, torch_dtype, device, max_positions=positions)
+        int4 = draft_dtype == "int4" or (draft_dtype == "auto" and device == "cpu" and int4_available())
+        ddtype = torch.bfloat16 if int4 else resolve_dtype("auto" if draft_dtype == "auto" else draft_dtype, device)
+        if draft_dtype == "auto" and not int4:
+            ddtype = torch_dtype
+        dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype)
+        draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4)
         del dsd
     return Engine(model, tokenizer, draft=draft_model, target_name=target,
                   draft_name=str(draft) if draft is not None else None, max_context=max_context)

@@ -104,13 +104,17 @@ def build_method(engine: "Engine", method: str, options: dict[str, Any]) -> tupl
     from specwood.drafting.shapes import SHAPES, make_shape, needs_model
 
     options = dict(options)
+    if method == "prior":
+        from specwood.planner import prior_components
+
+        return prior_components(engine, options)
     if method == "early-exit":
         layer = options.pop("exit_layer", None) or max(1, engine.target_config.n_layers // 4)
         shape_name = options.pop("shape", "chain")
         source = ModelDraftSource(early_exit_model(engine.target, int(layer)))
         return source, make_shape(shape_name, **options)
     if method not in SHAPES:
-        raise SpecwoodError(f"unknown method '{method}' (choose from ar, early-exit, {', '.join(SHAPES)})")
+        raise SpecwoodError(f"unknown method '{method}' (choose from ar, auto, prior, early-exit, {', '.join(SHAPES)})")
     shape = make_shape(method, **options)
     if not needs_model(method):
         return None, shape
@@ -119,10 +123,9 @@ def build_method(engine: "Engine", method: str, options: dict[str, Any]) -> tupl
     return ModelDraftSource(engine.draft_model), shape
 
 
-def speculative_run(engine: "Engine", method: str, prompt: list[int], max_tokens: int, params: SamplingParams,
-                    generator: torch.Generator | None,
-                    options: dict[str, Any]) -> tuple[Iterator[list[int]], Callable[[], dict[str, Any]]]:
-    source, shape = build_method(engine, method, options)
+def speculative_run(target: Transformer, source: DraftSource | None, shape: TreeShape, prompt: list[int],
+                    max_tokens: int, params: SamplingParams, generator: torch.Generator | None,
+                    ) -> tuple[Iterator[list[int]], Callable[[], dict[str, Any]]]:
+    """The step iterator and a function returning its statistics once it has run."""
     stats = SpecStats()
-    steps = speculative_steps(engine.target, source, shape, prompt, max_tokens, params, generator, stats)
-    return steps, stats.as_dict
+    return speculative_steps(target, source, shape, prompt, max_tokens, params, generator, stats), stats.as_dict

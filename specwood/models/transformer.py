@@ -16,6 +16,77 @@ from specwood.models.config import ModelConfig
 from specwood.models.rope import apply_rope, rope_tables
 
 
+def cpu_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """A bf16 Linear whose weight is reordered once, at load time, into oneDNN's blocked layout.
+
+    F.linear re-packs the weight on every call; for decode-sized inputs (a few rows) that makes it
+    read weights at ~15 GB/s where the pre-packed kernel reaches ~20 GB/s on our 2-core CPU, with
+    bit-identical results. CPU only.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.data, 1)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain weight (a dense copy), for exporting; the forward never needs it."""
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def int4_available() -> bool:
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 Linear (asymmetric, per group of 32 inputs) on torch's CPU int4 kernel.
+
+    For draft models only: drafting may be approximate without costing losslessness, and the
+    kernel reads a quarter of the bf16 bytes (~3x faster per token on our CPU). Group 32 with a
+    scale and a minimum is the layout of GGUF's Q4_K sub-blocks, so Q4_K weights survive nearly
+    unchanged. Activations are bf16.
+    """
+
+    GROUP = 32
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.data.float()
+        n, k = w.shape
+        g = w.reshape(n, k // self.GROUP, self.GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+        # the kernel computes (q - 8) * scale + zero
+        self.scales_zeros = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+        self.bias = linear.bias.data.to(torch.bfloat16) if linear.bias is not None else None
+        self.in_features, self.out_features = k, n
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised weight (bf16), e.g. to build a reference model with the same draft."""
+        n, k = self.out_features, self.in_features
+        eye = torch.eye(k, dtype=torch.bfloat16)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.GROUP, self.scales_zeros).t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.GROUP, self.scales_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -105,7 +176,7 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].attention.wo.weight.dtype
+        return self.layers[0].attention_norm.weight.dtype
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.config
@@ -156,6 +227,29 @@ class Transformer(nn.Module):
         if output_rows is not None:
             x = x[:, output_rows]
         return self.output(self.norm(x)).float()
+
+    def pack_for_cpu(self) -> bool:
+        """Swap every bf16 Linear for a PackedLinear; True if anything was packed."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not cpu_packing_available():
+            return False
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, PackedLinear(child))
+        return True
+
+    def quantize_int4(self) -> bool:
+        """Swap every Linear whose input size is a multiple of 32 for an Int4Linear (CPU, bf16
+        models); True if anything was swapped. Lossy: meant for draft models."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not int4_available():
+            return False
+        swapped = False
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear and child.in_features % Int4Linear.GROUP == 0:
+                    setattr(module, name, Int4Linear(child))
+                    swapped = True
+        return swapped
 
     # --- weights in canonical (loader) names ---------------------------------------------------
 
@@ -218,11 +312,17 @@ class Transformer(nn.Module):
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu", layers: range | None = None,
-                max_positions: int | None = None) -> Transformer:
-    """Instantiate (without random init) and load canonical weights."""
+                max_positions: int | None = None, pack: bool = True, int4: bool = False) -> Transformer:
+    """Instantiate (without random init) and load canonical weights; bf16 on a CPU gets packed
+    weights (see PackedLinear) unless `pack` is False, or int4 weights with `int4` (drafts)."""
     with torch.device("meta"):
         model = Transformer(config, layers, max_positions)
     model = model.to(dtype).to_empty(device=device)  # allocate once, in the final dtype
     model.rope_cos, model.rope_sin = rope_tables(config, model.max_positions, device)  # fp32 tables
     model.load_canonical(state_dict)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if int4:
+        model.quantize_int4()
+    if pack:
+        model.pack_for_cpu()  # whatever int4 left (e.g. odd-sized layers)
+    return model

@@ -1,0 +1,176 @@
+"""`specwood plan`: measure (or model) the hardware, print the per-context plan, write plots.
+
+Wire it into specwood/cli.py with:
+    from specwood.planner.cli import add_plan_parser
+    add_plan_parser(sub)          # sets func=run_plan_cli
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from specwood.errors import SpecwoodError
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _aat(text: str):
+    from specwood.planner.fits import AATFit
+
+    try:
+        a, b, c = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--aat takes A,B,C (AAT(x) = A + B ln(x - C)), got {text!r}") from None
+    return AATFit(a, b, c, r2=float("nan"), n_points=0)
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="profile the hardware and choose SD vs AR and the tree size per context length",
+        description="Roofline planner: P_eff(x) = AAT(x) / (T_v(x) + T_d(x)) per context bucket. "
+                    "--device local measures this machine; a device name (u280, vhk158, v80, u250, a100, h100, "
+                    "l40, rtx3090, rtx4090, local-cpu) predicts it from an analytic model.")
+    p.add_argument("--target", default=None, help="registry name, .gguf/HF path, or (analytic) a shape preset such as "
+                                                   "llama2-7b, llama3.1-8b, qwen2.5-1.5b")
+    p.add_argument("--draft", default="auto", help="draft name/path/preset; 'auto' = the target's default; "
+                                                  "'one-layer' (analytic) = an EAGLE-style one-layer draft; 'none'")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8", "int4"],
+                   help="weights dtype (int8/int4 only for analytic devices)")
+    p.add_argument("--method", default="dyspec", help="speculative method to tune: dyspec, chain, static, sequoia, "
+                                                     "eagle, dyspec-threshold, pld, early-exit, prior")
+    p.add_argument("--device", default="local", help="'local' (measure here) or a device model name")
+    p.add_argument("--torch-device", default="cpu", help="where the engine runs for --device local (cpu, cuda[:N])")
+    p.add_argument("--max-context", type=int, default=None, help="cap the engine's context (local)")
+    p.add_argument("--quick", action="store_true", help="fewer points, prompts and repeats (a minute or two)")
+    p.add_argument("--contexts", type=_int_list, default=None, help="context buckets, e.g. 128,512,2048")
+    p.add_argument("--aat", type=_aat, default=None, help="assumed AAT curve A,B,C for analytic devices")
+    p.add_argument("--x-max", type=int, default=128, help="largest verification length an analytic plan considers")
+    p.add_argument("--out", default=None, help="folder for the PNG plots (default: next to the stored plan)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--force", action="store_true", help="re-measure even if a stored plan exists")
+    p.add_argument("--compare-trees", action="store_true",
+                   help="with --method prior: AAT of prior-score vs width- and depth-based trees")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run_plan_cli)
+    return p
+
+
+def format_plan(plan: Any) -> str:
+    """The plan as a text table: fits, then one row per context bucket."""
+    import math
+
+    lines = [f"plan: {plan.key.method} | target {plan.key.target} | draft {plan.key.draft} | {plan.key.dtype} | "
+             f"{plan.key.device} ({plan.source})"]
+    a = plan.aat
+    r2 = "n/a" if math.isnan(a.r2) else f"{a.r2:.3f}"
+    pts = ", ".join(f"{x}:{v:.2f}" for x, v in sorted(plan.aat_points.items())) or "none (assumed)"
+    lines.append(f"AAT(x) = {a.A:.3f} + {a.B:.3f} ln(x - {a.C:.3f})   R² {r2}   measured {pts}")
+    for ctx, f in sorted(plan.rooflines.items()):
+        ridge = "beyond range" if math.isinf(f.x_ridge) else f"{f.x_ridge:.1f}"
+        lines.append(f"roofline ctx {ctx:>6}: P(x) = {f.a:.4g} x + {f.b:.4g} below x_R = {ridge}, "
+                     f"P_max {f.p_max:.4g} tok/s, rel. error {f.rel_error:.1%}")
+    lines.append("")
+    lines.append(f"{'context':>8} {'decision':>10} {'x':>5} {'budget':>6} {'P_eff(x)':>10} {'P_AR':>9} "
+                 f"{'speedup':>8} {'best SD x':>9}")
+    for c in plan.choices:
+        lines.append(f"{c.context:>8} {c.method:>10} {c.x:>5} {c.budget:>6} {c.p_eff:>10.2f} {c.p_ar:>9.2f} "
+                     f"{c.speedup:>7.2f}x {c.x_best_sd:>9}")
+    lines.append("(x = tokens per target forward incl. the root; budget = x - 1 drafted nodes; P in tokens/s)")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _local_plan(args: argparse.Namespace) -> Any:
+    import specwood
+    from specwood.planner.plan import build_plan, load_plan, plan_key_for, save_plan
+
+    needs_draft = args.method not in ("pld", "early-exit")
+    draft = None if (args.draft in (None, "none") or not needs_draft) else args.draft
+    engine = specwood.load(args.target, draft, dtype=args.dtype, device=args.torch_device,
+                           max_context=args.max_context)
+    key = plan_key_for(engine, args.method)
+    plan = None if args.force else load_plan(key)
+    mode = "quick" if args.quick else "full"
+    if plan is not None and ((plan.mode == "quick" and mode == "full")
+                             or (args.contexts and sorted(args.contexts) != plan.contexts)):
+        print(f"[plan] the stored plan is {plan.mode} over contexts {plan.contexts}; re-measuring", file=sys.stderr)
+        plan = None
+    if plan is not None:
+        print(f"[plan] using the stored {plan.mode} plan from {plan.created} (--force to re-measure)",
+              file=sys.stderr)
+    else:
+        plan = build_plan(engine, args.method, quick=args.quick, contexts=args.contexts)
+        path = save_plan(plan)
+        print(f"[plan] saved {path}", file=sys.stderr)
+    if args.compare_trees:
+        _compare_trees(engine, plan, args.quick)
+    return plan
+
+
+def _compare_trees(engine: Any, plan: Any, quick: bool) -> None:
+    from specwood.planner.plan import CALIBRATION_PROMPTS, encode_prompts
+    from specwood.planner.prior_tree import compare_tree_methods
+
+    if plan.prior is None:
+        print("[plan] --compare-trees needs --method prior", file=sys.stderr)
+        return
+    xs = [x for x in (4, 8, 16, 32) if x <= len(plan.prior.layout) + 1]
+    prompts = encode_prompts(engine, CALIBRATION_PROMPTS[: 3 if quick else None])
+    rows = compare_tree_methods(engine, plan.prior, xs, prompts, 32 if quick else 64)
+    print(f"{'x':>4} {'prior':>7} {'width':>7} {'depth':>7}   (AAT per target forward)")
+    for r in rows:
+        print(f"{r['x']:>4} {r['prior']:>7.3f} {r['width']:>7.3f} {r['depth']:>7.3f}")
+
+
+def run_plan_cli(args: argparse.Namespace) -> int:
+    from specwood.planner.plan import build_analytic_plan, plan_path, save_plan
+
+    if args.device.strip().lower() == "local":
+        plan = _local_plan(args)
+    else:
+        from specwood.models.registry import DEFAULT_TARGET
+
+        dtype = "bf16" if args.dtype == "auto" else args.dtype
+        contexts = args.contexts or [128, 512, 2048]
+        plan = build_analytic_plan(args.device, str(args.target or DEFAULT_TARGET), args.draft, method=args.method,
+                                   dtype=dtype, contexts=contexts, aat=args.aat, x_max=args.x_max)
+        save_plan(plan)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        print(format_plan(plan))
+    if not args.no_plots:
+        from specwood.planner.plots import plot_plan
+
+        out = Path(args.out) if args.out else plan_path(plan.key).with_suffix("")
+        for path in plot_plan(plan, out):
+            print(f"[plan] wrote {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (python -m specwood.planner.cli ...) until specwood/cli.py wires it in."""
+    parser = argparse.ArgumentParser(prog="specwood")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecwoodError as e:
+        print(f"specwood: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,683 @@
+"""Effective performance, the SD-vs-AR decision, and the persisted plan (seed paper 000, Eq. 7-8).
+
+    P_eff(x) = AAT(x) / (T_v(x) + T_d(x)),    P_AR = P(1) = 1 / T_v(1)
+
+Per context bucket: if max_x P_eff(x) < P_AR, decode autoregressively; otherwise verify trees of
+x* = argmax_x P_eff(x) tokens (x* - 1 drafted nodes, the shape's `budget`). The plan keeps the
+measurements and fits behind each choice and is stored as JSON under `<cache>/plans/`, keyed by
+(device, target, draft, dtype, method).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from specwood.errors import SpecwoodError
+from specwood.planner.fits import DEFAULT_AAT, AATFit, RooflineFit, fit_aat, fit_roofline
+from specwood.planner.prior_tree import PriorScores
+from specwood.planner.profiler import TimeTable
+
+if TYPE_CHECKING:
+    from specwood.planner.devices import DeviceModel
+
+SCHEMA_VERSION = 1
+DEFAULT_METHOD = "dyspec"
+MAX_X = 1025  # the engine's largest tree (MAX_BUDGET drafted nodes + root)
+
+# Calibration prompts for AAT(x) and the prior-score search. Deliberately *not* the benchmark
+# workload (specwood/bench/data/builtin.jsonl), so plans are not tuned on what we report.
+CALIBRATION_PROMPTS: tuple[str, ...] = (
+    "Write a Python function `chunked(seq, n)` that yields consecutive lists of length n from any "
+    "iterable, the last one possibly shorter. Include a docstring and two doctests.",
+    "Explain in four sentences why a hash map has average O(1) lookups but O(n) in the worst case.",
+    "Convert this loop to a list comprehension and explain the change:\n\nsquares = []\n"
+    "for i in range(20):\n    if i % 3 == 0:\n        squares.append(i * i)",
+    "Write a bash one-liner that counts the lines of every .py file under the current folder and "
+    "prints the ten largest, then explain each part of the pipeline.",
+    "Summarise the difference between a process and a thread for a new programmer, with one "
+    "example of when to prefer each.",
+    "Write a C function `int is_palindrome(const char *s)` that ignores case and non-letters. "
+    "Add a short main() that tests three strings.",
+    "List five practical tips for writing clear git commit messages, one line each.",
+    "Implement binary search over a sorted Python list that returns the leftmost index of the "
+    "target or -1, and state its loop invariant.",
+)
+
+
+class PlanWarning(UserWarning):
+    """A stored plan could not be used (missing fields, older schema, other key, corrupt JSON)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the decision rule
+
+
+@dataclass
+class Decision:
+    method: str  # "ar" or "sd"
+    x: int  # verification length to use (1 for AR)
+    speedup: float  # max P_eff / P_AR (below 1 when AR wins)
+    p_eff: float  # best SD effective performance, tokens/s
+    p_ar: float  # 1 / T_v(1), tokens/s
+    x_best_sd: int  # argmax of P_eff even when AR wins
+
+
+def p_eff(x: int, t_v: Callable[[int], float], t_d: Callable[[int], float], aat: Callable[[int], float]) -> float:
+    """Eq. 7: effective tokens per second when verifying x tokens per target forward."""
+    return float(aat(x)) / (float(t_v(x)) + float(t_d(x)))
+
+
+def decide(t_v: Callable[[int], float], t_d: Callable[[int], float], aat: Callable[[int], float],
+           xs: Sequence[int]) -> Decision:
+    """Eq. 8: SD only if some x >= 2 beats autoregressive decoding; then its argmax (the smallest
+    x among equal maxima, which costs the least drafting)."""
+    p_ar = 1.0 / float(t_v(1))
+    cands = sorted({int(x) for x in xs if int(x) >= 2})
+    if not cands:
+        return Decision("ar", 1, 0.0, 0.0, p_ar, 1)
+    values = np.array([p_eff(x, t_v, t_d, aat) for x in cands])
+    i = int(np.argmax(values))
+    best = float(values[i])
+    if best < p_ar:
+        return Decision("ar", 1, best / p_ar, best, p_ar, cands[i])
+    return Decision("sd", cands[i], best / p_ar, best, p_ar, cands[i])
+
+
+def interpolate(row: dict[int, float], x: float) -> float:
+    """Piecewise-linear T(x) through measured points; linear extrapolation past either end."""
+    xs = sorted(row)
+    if len(xs) == 1:
+        return float(row[xs[0]])
+    if x <= xs[0]:
+        lo, hi = xs[0], xs[1]
+    elif x >= xs[-1]:
+        lo, hi = xs[-2], xs[-1]
+    else:
+        hi = next(v for v in xs if v >= x)
+        lo = xs[xs.index(hi) - 1]
+        if hi == x:
+            return float(row[hi])
+    slope = (row[hi] - row[lo]) / (hi - lo)
+    return max(0.0, float(row[lo] + slope * (x - lo)))
+
+
+def monotone(row: dict[int, float]) -> dict[int, float]:
+    """The non-decreasing least-squares fit to T(x) (pool adjacent violators): a forward over
+    more tokens never takes less time, so a dip is timing noise and must not attract argmax."""
+    xs = sorted(row)
+    blocks: list[list[float]] = []  # [sum, count]
+    for x in xs:
+        blocks.append([row[x], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    values = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return dict(zip(xs, values))
+
+
+def nearest_context(contexts: Sequence[int], ctx: float) -> int:
+    """The bucket closest to ctx on a log scale (contexts grow geometrically)."""
+    return min(contexts, key=lambda c: (abs(math.log(max(c, 1)) - math.log(max(ctx, 1))), c))
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    device: str
+    target: str
+    draft: str
+    dtype: str
+    method: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PlanKey":
+        return cls(**{k: str(d[k]) for k in ("device", "target", "draft", "dtype", "method")})
+
+    def filename(self) -> str:
+        digest = hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+        readable = f"{self.method}-{Path(self.target).name}-{Path(self.draft).name}-{self.dtype}"
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", readable)[:120] + f"-{digest}.json"
+
+
+@dataclass
+class BucketChoice:
+    context: int
+    method: str  # "ar" or the plan's method
+    x: int  # verification length (tree tokens incl. root); 1 for AR
+    speedup: float
+    p_eff: float
+    p_ar: float
+    x_best_sd: int
+
+    @property
+    def budget(self) -> int:
+        """Drafted nodes per tree: what `budget=` means for the shapes."""
+        return max(0, self.x - 1)
+
+
+@dataclass
+class Plan:
+    key: PlanKey
+    contexts: list[int]
+    verify_times: TimeTable  # ctx -> x -> T_v seconds
+    draft_times: TimeTable  # ctx -> x -> T_d seconds (may hold fewer contexts than verify_times)
+    aat: AATFit
+    aat_points: dict[int, float] = field(default_factory=dict)  # measured AAT at x
+    rooflines: dict[int, RooflineFit] = field(default_factory=dict)
+    choices: list[BucketChoice] = field(default_factory=list)
+    x_cap: int = MAX_X  # largest x the method can build (e.g. the prior's maximal tree + 1)
+    source: str = "measured"  # or "analytic" (a device model, no hardware)
+    mode: str = "quick"  # "quick" or "full" measurement, "analytic"
+    prior: PriorScores | None = None
+    observed: dict[int, dict[str, float]] = field(default_factory=dict)  # calibration step stats per x
+    notes: list[str] = field(default_factory=list)
+    created: str = ""
+    schema: int = SCHEMA_VERSION
+    _smooth: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict, init=False, repr=False,
+                                                             compare=False)
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    def _row(self, which: str, table: TimeTable, ctx: int) -> dict[int, float]:
+        """The measured row of the nearest bucket, made monotone in x (cached)."""
+        c = nearest_context(list(table), ctx)
+        if (which, c) not in self._smooth:
+            self._smooth[(which, c)] = monotone(table[c])
+        return self._smooth[(which, c)]
+
+    def t_v(self, ctx: int, x: float) -> float:
+        return interpolate(self._row("v", self.verify_times, ctx), x)
+
+    def t_d(self, ctx: int, x: float) -> float:
+        if x <= 1 or not self.draft_times:
+            return 0.0
+        return interpolate(self._row("d", self.draft_times, ctx), x)
+
+    def candidate_xs(self, ctx: int) -> list[int]:
+        row = self.verify_times[nearest_context(list(self.verify_times), ctx)]
+        return list(range(1, min(max(row), self.x_cap, MAX_X) + 1))
+
+    def p_eff_curve(self, ctx: int) -> tuple[list[int], list[float]]:
+        xs = [x for x in self.candidate_xs(ctx) if x >= 2]
+        return xs, [p_eff(x, lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), self.aat) for x in xs]
+
+    def decide(self, ctx: int) -> Decision:
+        return decide(lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), self.aat, self.candidate_xs(ctx))
+
+    def refresh(self) -> "Plan":
+        """Recompute the fits and per-bucket choices from the stored measurements."""
+        self._smooth.clear()
+        self.rooflines = {c: fit_roofline(list(row), list(row.values())) for c, row in self.verify_times.items()
+                          if len(row) >= 2}
+        self.choices = []
+        for c in self.contexts:
+            d = self.decide(c)
+            method = "ar" if d.method == "ar" else self.key.method
+            self.choices.append(BucketChoice(c, method, d.x, d.speedup, d.p_eff, d.p_ar, d.x_best_sd))
+        return self
+
+    def choose(self, context_len: int) -> tuple[str, int]:
+        """(method, x) for a request whose context holds `context_len` tokens: the choice of the
+        nearest bucket (log scale). x is the verification length; use budget = x - 1."""
+        if not self.choices:
+            raise SpecwoodError("this plan has no per-context choices (call refresh())")
+        by_ctx = {c.context: c for c in self.choices}
+        c = by_ctx[nearest_context(list(by_ctx), context_len)]
+        return c.method, c.x
+
+    # --- JSON ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "key": self.key.to_dict(),
+            "created": self.created,
+            "source": self.source,
+            "mode": self.mode,
+            "contexts": list(self.contexts),
+            "x_cap": self.x_cap,
+            "verify_times": _table_out(self.verify_times),
+            "draft_times": _table_out(self.draft_times),
+            "aat": self.aat.to_dict(),
+            "aat_points": {str(k): v for k, v in self.aat_points.items()},
+            "rooflines": {str(c): f.to_dict() for c, f in self.rooflines.items()},
+            "choices": [asdict(c) for c in self.choices],
+            "prior": self.prior.to_dict() if self.prior is not None else None,
+            "observed": {str(k): v for k, v in self.observed.items()},
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        return cls(
+            key=PlanKey.from_dict(d["key"]),
+            contexts=[int(c) for c in d["contexts"]],
+            verify_times=_table_in(d["verify_times"]),
+            draft_times=_table_in(d.get("draft_times") or {}),
+            aat=AATFit.from_dict(d["aat"]),
+            aat_points={int(k): float(v) for k, v in (d.get("aat_points") or {}).items()},
+            rooflines={int(c): RooflineFit.from_dict(f) for c, f in (d.get("rooflines") or {}).items()},
+            choices=[BucketChoice(**c) for c in d.get("choices") or []],
+            x_cap=int(d.get("x_cap", MAX_X)),
+            source=str(d.get("source", "measured")),
+            mode=str(d.get("mode", "quick")),
+            prior=PriorScores.from_dict(d["prior"]) if d.get("prior") else None,
+            observed={int(k): dict(v) for k, v in (d.get("observed") or {}).items()},
+            notes=list(d.get("notes") or []),
+            created=str(d.get("created", "")),
+            schema=int(d["schema"]),
+        )
+
+
+def _table_out(t: TimeTable) -> dict[str, dict[str, float]]:
+    return {str(c): {str(x): float(v) for x, v in row.items()} for c, row in t.items()}
+
+
+def _table_in(t: dict[str, Any]) -> TimeTable:
+    return {int(c): {int(x): float(v) for x, v in row.items()} for c, row in t.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# persistence
+
+
+def plans_dir() -> Path:
+    from specwood.models.registry import cache_dir
+
+    return cache_dir() / "plans"
+
+
+def plan_path(key: PlanKey) -> Path:
+    return plans_dir() / key.filename()
+
+
+def save_plan(plan: Plan, path: Path | None = None) -> Path:
+    """Write atomically (a crash never leaves half a plan under the final name)."""
+    path = Path(path) if path is not None else plan_path(plan.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(plan.to_dict(), indent=1, allow_nan=False))
+    os.replace(tmp, path)
+    return path
+
+
+def load_plan(key: PlanKey, path: Path | None = None) -> Plan | None:
+    """The stored plan for `key`, or None: missing (silently), or stale/corrupt (with a
+    PlanWarning saying why). Never raises for a bad file; the caller re-plans."""
+    path = Path(path) if path is not None else plan_path(key)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        warnings.warn(f"plan {path} is unreadable or corrupt ({e}); re-planning", PlanWarning, stacklevel=2)
+        return None
+    schema = data.get("schema")
+    if schema != SCHEMA_VERSION:
+        warnings.warn(f"plan {path} has schema {schema!r}, this specwood writes {SCHEMA_VERSION}; it is stale, "
+                      "re-planning", PlanWarning, stacklevel=2)
+        return None
+    try:
+        plan = Plan.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        warnings.warn(f"plan {path} is corrupt (bad field: {e!r}); re-planning", PlanWarning, stacklevel=2)
+        return None
+    if plan.key != key:
+        warnings.warn(f"plan {path} belongs to {plan.key}, not {key}; it is stale, re-planning",
+                      PlanWarning, stacklevel=2)
+        return None
+    if not plan.choices:
+        warnings.warn(f"plan {path} has no decisions; re-planning", PlanWarning, stacklevel=2)
+        return None
+    return plan
+
+
+def list_plans() -> list[Plan]:
+    """Every readable current-schema plan in the cache (stale files are skipped quietly)."""
+    out = []
+    for p in sorted(plans_dir().glob("*.json")):
+        try:
+            data = json.loads(p.read_text())
+            if data.get("schema") == SCHEMA_VERSION:
+                out.append(Plan.from_dict(data))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# building a plan on the engine's own device
+
+
+def local_device_id(engine: Any) -> str:
+    """What the timings depend on: the accelerator or CPU model and the thread count."""
+    import torch
+
+    dev = engine.device
+    if dev.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(dev)}"
+    model = "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{model}/{torch.get_num_threads()}t"
+
+
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float16": "fp16"}
+
+
+def plan_key_for(engine: Any, method: str = DEFAULT_METHOD, device: str | None = None) -> PlanKey:
+    return PlanKey(device=device or local_device_id(engine), target=str(engine.target_name or "target"),
+                   draft=str(engine.draft_name or "none"), dtype=_DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype)),
+                   method=method)
+
+
+def encode_prompts(engine: Any, prompts: Sequence[str], raw: bool = False) -> list[list[int]]:
+    """Token ids through the chat template (or raw text); long prompts keep their last
+    half-context tokens."""
+    limit = max(8, engine.max_context // 2)
+    return [engine.encode(p, raw=raw)[-limit:] for p in prompts]
+
+
+def method_factory(engine: Any, method: str, prior: PriorScores | None = None) -> Callable[[int], tuple[Any, Any]]:
+    """budget -> (source, shape) for a method name, or for "prior" from the prior scores. The
+    source is created once and shared (its cache is reused across builds)."""
+    from specwood.planner.profiler import method_components
+    from specwood.planner.prior_tree import prior_shape
+
+    state: dict[str, Any] = {}
+
+    def make(budget: int) -> tuple[Any, Any]:
+        if method == "prior":
+            if prior is None:
+                raise SpecwoodError("method 'prior' needs prior scores (run `specwood plan --method prior`)")
+            src, shape = method_components(engine, lambda b: prior_shape(prior.best_layout(b)), budget)
+        else:
+            src, shape = method_components(engine, method, budget)
+        state.setdefault("source", src)
+        return state["source"], shape
+
+    return make
+
+
+def measure_aat(engine: Any, make: Callable[[int], tuple[Any, Any]], xs: Sequence[int],
+                prompts_ids: Sequence[Sequence[int]], max_tokens: int,
+                progress: bool = True) -> dict[int, dict[str, float]]:
+    """AAT(x) on the calibration prompts for each verification length x (budget x - 1), plus the
+    per-step draft and verify seconds seen while decoding."""
+    from specwood.planner.profiler import _progress, run_speculative
+
+    out: dict[int, dict[str, float]] = {}
+    with _progress(len(xs), "calibrating AAT(x)", progress) as bar:
+        for x in xs:
+            source, shape = make(int(x) - 1)
+            stats = run_speculative(engine, source, shape, prompts_ids, max_tokens)
+            s = stats.as_dict()
+            steps = max(stats.steps, 1)
+            out[int(x)] = {"aat": float(s["mean_accepted_tokens"]), "steps": float(stats.steps),
+                           "draft_s": stats.draft_s / steps, "verify_s": stats.verify_s / steps,
+                           "mean_tree_nodes": float(s["mean_tree_nodes"])}
+            bar.set_postfix(x=x, aat=f"{out[int(x)]['aat']:.2f}")
+            bar.update(1)
+    return out
+
+
+def build_plan(
+    engine: Any,
+    method: str = DEFAULT_METHOD,
+    quick: bool = True,
+    calibration_prompts: Sequence[str] | None = None,
+    *,
+    contexts: Sequence[int] | None = None,
+    xs: Sequence[int] | None = None,
+    aat_xs: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    repeats: int | None = None,
+    device_id: str | None = None,
+    prior_nodes: int | None = None,
+    prior_levels: int | None = None,
+    raw_prompts: bool = False,
+    progress: bool = True,
+) -> Plan:
+    """Profile T_v and T_d, calibrate AAT(x), fit, and decide per context bucket.
+
+    x is the verification length everywhere (tree tokens including the root); AAT(x) is measured
+    by decoding with budget = x - 1 drafted nodes. With method "prior" the prior-score search
+    runs first (maximal tree of `prior_nodes` over `prior_levels` levels) and AAT(x) is measured
+    with its top-(x - 1) trees. quick: fewer x points, contexts, prompts and tokens.
+    raw_prompts: feed the calibration prompts as plain text instead of through the chat template.
+    """
+    from specwood.planner import profiler as prof
+    from specwood.planner.prior_tree import collect_prior_scores
+
+    if method in ("ar", "auto"):
+        raise SpecwoodError(f"cannot plan method '{method}': give the speculative method to tune (e.g. dyspec)")
+    xs = sorted(set(xs or (prof.QUICK_XS if quick else prof.DEFAULT_XS)) | {1})
+    wanted = list(contexts or (prof.QUICK_CONTEXTS if quick else prof.DEFAULT_CONTEXTS))
+    fit_ctx = [c for c in wanted if c + max(xs) + 1 < engine.max_context]
+    if not fit_ctx:  # a small model: one bucket that fits
+        fit_ctx = [max(1, engine.max_context - max(xs) - 2)]
+    prompts = list(calibration_prompts or CALIBRATION_PROMPTS[: 3 if quick else None])
+    prompts_ids = encode_prompts(engine, prompts, raw_prompts)
+    max_tokens = max_tokens or (32 if quick else 96)
+    repeats = repeats or (3 if quick else 7)
+    notes = [f"x = verification length (tree tokens incl. root); budget = x - 1 drafted nodes",
+             f"AAT measured on {len(prompts)} calibration prompts x {max_tokens} tokens (greedy), "
+             "applied to every context bucket"]
+
+    prior = None
+    x_cap = MAX_X
+    if method == "prior":
+        n_nodes = prior_nodes or (32 if quick else 64)
+        levels = prior_levels or (6 if quick else 8)
+        if progress:
+            print(f"[plan] prior-score search: maximal tree of {n_nodes} nodes over {levels} levels", file=sys.stderr)
+        prior = collect_prior_scores(engine, prompts_ids, max_tokens, n_nodes, levels)
+        x_cap = n_nodes + 1
+    make = method_factory(engine, method, prior)
+    xs = [x for x in xs if x <= x_cap] or [1, 2]
+
+    t_v = prof.measure_verify_times(engine.target, xs, fit_ctx, repeats, quick, progress=progress)
+    t_v = {c: r for c, r in t_v.items() if r} or t_v
+    draft_ctx = fit_ctx[:1] if quick else fit_ctx
+    shape_spec = {method: (lambda b: make(b)[1])} if method == "prior" else [method]
+    t_d = prof.measure_draft_times(engine, shape_spec, xs, draft_ctx, max(2, repeats // 2),
+                                   seed_ids=[t for ids in prompts_ids for t in ids], progress=progress)[method]
+    if quick:
+        notes.append(f"T_d measured at context {draft_ctx[0]} only (quick) and reused for every bucket")
+
+    default_aat = (2, 4, 8, 16, 32) if quick else (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    aat_xs = sorted({int(x) for x in (aat_xs or default_aat) if 2 <= int(x) <= min(max(xs), x_cap)})
+    observed = measure_aat(engine, make, aat_xs, prompts_ids, max_tokens, progress) if aat_xs else {}
+    points = {x: o["aat"] for x, o in observed.items()}
+    few = [x for x, o in observed.items() if o["steps"] < 8]
+    if few:
+        notes.append(f"AAT at x = {few} rests on fewer than 8 decoding steps (the model stopped early)")
+    if len(points) >= 2:
+        aat = fit_aat(list(points), list(points.values()))
+    else:
+        aat = DEFAULT_AAT
+        notes.append("too few AAT points: using the default AAT curve")
+
+    plan = Plan(key=PlanKey(device_id or local_device_id(engine), str(engine.target_name or "target"),
+                            str(engine.draft_name or "none"),
+                            _DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype)), method),
+                contexts=sorted(t_v), verify_times=t_v, draft_times=t_d, aat=aat, aat_points=points,
+                x_cap=x_cap, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
+                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    return plan.refresh()
+
+
+def get_plan(engine: Any, method: str = DEFAULT_METHOD, *, build_if_missing: bool = False, quick: bool = True,
+             progress: bool = True) -> Plan | None:
+    """The stored plan for this engine and method; with build_if_missing, plan now (and save)
+    when there is none or it is stale."""
+    key = plan_key_for(engine, method)
+    plan = load_plan(key)
+    if plan is None and build_if_missing:
+        if progress:
+            print(f"[plan] no usable plan for {key}; profiling now ({'quick' if quick else 'full'} mode)",
+                  file=sys.stderr)
+        plan = build_plan(engine, method, quick=quick, progress=progress)
+        save_plan(plan)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# what the engine calls: --method auto and --method prior
+
+
+class PlannedShape:
+    """A tree shape that follows a plan as the context grows: at each step it asks the plan for
+    (method, x) at the current context length and drafts with budget x - 1, or returns a bare
+    root (a plain autoregressive step through the same loop) where the plan chose AR."""
+
+    def __init__(self, plan: Plan, make: Callable[[int], tuple[Any, Any]]):
+        self.plan = plan
+        self.name = f"auto:{plan.key.method}"
+        self._make = make
+        self._shapes: dict[int, Any] = {}
+
+    def shape_for(self, context_len: int) -> Any | None:
+        method, x = self.plan.choose(context_len)
+        if method == "ar" or x <= 1:
+            return None
+        if x not in self._shapes:
+            self._shapes[x] = self._make(x - 1)[1]
+        return self._shapes[x]
+
+    def build(self, context: list[int], root: int, source: Any, params: Any, generator: Any):
+        from specwood.tree.token_tree import TokenTree
+
+        shape = self.shape_for(len(context))
+        if shape is None:
+            return TokenTree.with_root(root, "selected" if params.greedy else "sampled")
+        return shape.build(context, root, source, params, generator)
+
+
+def auto_components(engine: Any, options: dict[str, Any] | None = None, *, build_if_missing: bool = True,
+                    progress: bool = True) -> tuple[Any, Any] | None:
+    """For `generate(method="auto")`: (source, PlannedShape) following the plan for this
+    engine, or None when the plan says autoregressive at every context (use method "ar").
+
+    options: {"shape": base method} (default dyspec); tree-size options are ignored (the plan
+    picks the budget). Without a stored plan a quick one is built and saved first.
+    """
+    options = dict(options or {})
+    base = str(options.pop("shape", None) or DEFAULT_METHOD)
+    plan = get_plan(engine, base, build_if_missing=build_if_missing, progress=progress)
+    if plan is None:
+        raise SpecwoodError(f"no plan for method '{base}' on this device; run `specwood plan --method {base}`")
+    if all(c.method == "ar" for c in plan.choices):
+        return None
+    make = method_factory(engine, base, plan.prior)
+    first_sd = next(c for c in plan.choices if c.method != "ar")
+    source, _ = make(first_sd.budget)
+    return source, PlannedShape(plan, make)
+
+
+def prior_components(engine: Any, options: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """For `generate(method="prior", budget=n)`: (draft source, LayoutShape) of the best n-node
+    tree from the stored prior scores (plan key method "prior"). Without stored scores a warning
+    is given and an analytic prior (rank-only acceptance model) is used. Without a budget the
+    plan's choice at the shortest context is used (16 nodes when there is no plan)."""
+    from specwood.drafting.model_source import ModelDraftSource
+    from specwood.planner.prior_tree import PriorScores, analytic_scores, maximal_layout, prior_shape
+
+    if engine.draft_model is None:
+        raise SpecwoodError("method 'prior' needs a draft model; pass --draft NAME|PATH")
+    options = dict(options or {})
+    plan = load_plan(plan_key_for(engine, "prior"))
+    if plan is not None and plan.prior is not None:
+        prior = plan.prior
+    else:
+        warnings.warn("no prior-score plan for this engine; using an analytic prior "
+                      "(run `specwood plan --method prior` to measure one)", PlanWarning, stacklevel=2)
+        layout = maximal_layout(64, 8)
+        prior = PriorScores(layout, analytic_scores(layout), measured=False)
+    budget = options.get("budget")
+    if budget is None:
+        sd = [c for c in plan.choices if c.method != "ar"] if plan is not None else []
+        budget = sd[0].budget if sd else 16
+    return ModelDraftSource(engine.draft_model), prior_shape(prior.best_layout(int(budget)))
+
+
+# ---------------------------------------------------------------------------------------------
+# plans for hardware we do not have
+
+
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "auto": 2.0, "fp32": 4.0, "int8": 1.0, "int4": 0.5}
+
+
+def stored_aat(target: str, draft: str, method: str) -> tuple[AATFit, str] | None:
+    """The AAT fit of the newest measured local plan for this target/draft/method, if any."""
+    found = [p for p in list_plans() if p.source == "measured" and p.key.target == target
+             and p.key.draft == draft and p.key.method == method and p.aat.n_points >= 2]
+    if not found:
+        return None
+    newest = max(found, key=lambda p: p.created)
+    return newest.aat, f"AAT from the measured plan of {newest.key.device} ({newest.created})"
+
+
+def build_analytic_plan(device: "str | DeviceModel", target: str, draft: str | None = None, *, method: str = DEFAULT_METHOD,
+                        dtype: str = "bf16", contexts: Sequence[int] = (128, 512, 2048), aat: AATFit | None = None,
+                        x_max: int = 128) -> Plan:
+    """Predict a plan from a device model and model shapes only (no weights, no hardware).
+
+    draft None: the default for the target (same-family small model, else a one-layer draft);
+    "none": no draft cost (e.g. pld). AAT: `aat`, else one measured with a stored local plan of
+    the same target/draft/method, else DEFAULT_AAT.
+    """
+    from specwood.planner.devices import DeviceModel, default_draft_name, get_device, resolve_config
+
+    model = device if isinstance(device, DeviceModel) else get_device(device, dtype)
+    tcfg = resolve_config(target)
+    draft_name = default_draft_name(target) if draft in (None, "auto") else draft
+    dcfg = None if draft_name == "none" else resolve_config(draft_name, tcfg)
+    notes = [f"analytic: {model.name} ({model.note}); peak {model.peak_flops / 1e12:.2f} TFLOP/s, "
+             f"{model.mem_bw / 1e9:.0f} GB/s; compute/bandwidth ridge ~{model.ridge_tokens:.0f} tokens",
+             f"target {tcfg.name or target} ({tcfg.n_params / 1e9:.2f} B params), draft "
+             f"{(dcfg.name if dcfg else 'none')} ({(dcfg.n_params / 1e9 if dcfg else 0):.3f} B params)",
+             "x = verification length (tree tokens incl. root); budget = x - 1 drafted nodes"]
+    if aat is None:
+        found = stored_aat(target, draft_name, method)
+        if found is not None:
+            aat, why = found
+            notes.append(why)
+        else:
+            aat = DEFAULT_AAT
+            notes.append(f"assumed AAT(x) = {aat.A} + {aat.B} ln(x - {aat.C}) (default typical curve)")
+    else:
+        notes.append(f"given AAT(x) = {aat.A:.3g} + {aat.B:.3g} ln(x - {aat.C:.3g})")
+    from specwood.planner.devices import analytic_tables
+
+    weight_bytes = WEIGHT_BYTES.get(dtype, 2.0)
+    tv, td = analytic_tables(model, tcfg, dcfg, method, contexts, x_max, weight_bytes)
+    plan = Plan(key=PlanKey(f"model:{model.name}", target, draft_name, dtype, method), contexts=list(contexts),
+                verify_times=tv, draft_times=td, aat=aat, source="analytic", mode="analytic", notes=notes,
+                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    return plan.refresh()

@@ -1,0 +1,32 @@
+"""The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft), fp32: every speculative method
+emits exactly our autoregressive greedy tokens (64 per prompt), with stop strings honoured."""
+import pytest
+
+METHODS = ["chain", "static", "sequoia", "eagle", "dyspec", "dyspec-threshold", "pld", "early-exit"]
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    [{"role": "user", "content": "Translate to French: The weather is nice today and we are going to the beach."}],
+]
+
+
+@pytest.fixture(scope="module")
+def references(real_pair_engine_fp32):
+    return [real_pair_engine_fp32.generate(p, max_tokens=64) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_real_pair_greedy_lossless(real_pair_engine_fp32, references, method):
+    for prompt, ref in zip(PROMPTS, references):
+        out = real_pair_engine_fp32.generate(prompt, max_tokens=64, method=method)
+        assert out.token_ids == ref.token_ids, (method, prompt)
+        assert out.stats["mean_accepted_tokens"] >= 1.0
+
+
+def test_real_pair_stop_string_inside_accepted_path(real_pair_engine_fp32, references):
+    ref = references[0]
+    stop = "def "
+    assert stop in ref.text
+    a = real_pair_engine_fp32.generate(PROMPTS[0], max_tokens=64, stop=[stop])
+    b = real_pair_engine_fp32.generate(PROMPTS[0], max_tokens=64, stop=[stop], method="dyspec")
+    assert a.text == b.text == ref.text[: ref.text.find(stop)]
+    assert a.token_ids == b.token_ids and b.finish_reason == "stop"
