@@ -545,8 +545,8 @@ def test_make_shape_defaults():
         assert make_shape(name.upper().replace("-", "_")).name == name
     assert make_shape("dyspec-threshold", budget=64).threshold == pytest.approx(1 / 64)
     eagle = make_shape("eagle")
-    assert (eagle.budget, eagle.depth, eagle.topk) == (32, 6, 8)
-    assert len(make_shape("sequoia").layout) == 32
+    assert (eagle.budget, eagle.depth, eagle.topk) == (16, 6, 4)
+    assert len(make_shape("sequoia").layout) == 16
 
 
 def test_sampled_children_are_sequential_draws_without_replacement():

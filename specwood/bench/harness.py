@@ -276,6 +276,8 @@ class _Runner:
             # end to end: all new tokens / the whole call, measured here the same way for every method
             e2e_tokens_per_s=n / wall if wall > 0 and n else None,
             ttft_s=r.get("ttft_s"),
+            # prefill throughput: prompt tokens over the time to the first token
+            prefill_tokens_per_s=r["prompt_tokens"] / r["ttft_s"] if r.get("prompt_tokens") and r.get("ttft_s") else None,
             tbt_ms_p50=r.get("tbt_ms_p50"),
             mean_accepted_tokens=r.get("mean_accepted_tokens"),
             acceptance_rate=r.get("acceptance_rate"),

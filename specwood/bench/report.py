@@ -97,6 +97,7 @@ def summary_rows(records: Sequence[dict[str, Any]], *, greedy: bool = True,
                 "e2e_tokens_per_s": _mean(r.get("e2e_tokens_per_s") for r in good),
                 "new_tokens": _mean(r.get("new_tokens") for r in good),
                 "ttft_s": _mean(r.get("ttft_s") for r in good),
+                "prefill_tokens_per_s": _mean(r.get("prefill_tokens_per_s") for r in good),
                 "tbt_ms_p50": _mean(r.get("tbt_ms_p50") for r in good),
                 "mean_accepted_tokens": _mean(r.get("mean_accepted_tokens") for r in good),
                 "acceptance_rate": _mean(r.get("acceptance_rate") for r in good),
@@ -131,7 +132,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     head += ["AAT"] + (["accept rate"] if has_acc else []) + ["e2e tok/s"]
     if has_ar:
         head.append("e2e speedup")
-    head += ["TTFT s", "TBT p50 ms", "new tokens"]
+    head += ["TTFT s", "prefill tok/s", "TBT p50 ms", "new tokens"]
     if has_agree:
         head.append("= ar (greedy)")
     if has_err:
@@ -149,7 +150,8 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         cells.append(_f(r.get("e2e_tokens_per_s"), ".1f"))
         if has_ar:
             cells.append(_f(r.get("e2e_speedup_vs_ar"), ".2f", "x"))
-        cells += [_f(r.get("ttft_s"), ".3f"), _f(r.get("tbt_ms_p50"), ".1f"), _f(r.get("new_tokens"), ".0f")]
+        cells += [_f(r.get("ttft_s"), ".3f"), _f(r.get("prefill_tokens_per_s"), ".1f"), _f(r.get("tbt_ms_p50"), ".1f"),
+                  _f(r.get("new_tokens"), ".0f")]
         if has_agree:
             ag = r.get("same_as_ar")
             cells.append("" if r["method"] == AR else ("–" if ag is None else f"{ag[0]}/{ag[1]}"))

@@ -428,11 +428,14 @@ def make_shape(
     chain:            k = min(budget, depth) of those given, default 5 tokens.
     static:           `branching` per depth (default SpecInfer's 1,1,3,1,1,1,1,1), cut to `depth`
                       layers and the first `budget` BFS nodes.
-    sequoia:          DP tree of `budget` nodes (default 32), max depth `depth` (default none),
+    sequoia:          DP tree of `budget` nodes (default 16), max depth `depth` (default none),
                       acceptance vector `acceptance` (default DEFAULT_ACCEPTANCE).
-    eagle:            `budget` nodes kept (default 32), `depth` layers (default 6), `topk` (default 8).
-    dyspec:           `budget` nodes (default 32), max depth `depth` (default none).
-    dyspec-threshold: `threshold` (default 1/budget), at most `budget` nodes (default 32), max depth.
+    eagle:            `budget` nodes kept (default 16), `depth` layers (default 6), `topk` (default 4).
+    dyspec:           `budget` nodes (default 12), max depth `depth` (default none).
+    dyspec-threshold: `threshold` (default 1/budget), at most `budget` nodes (default 16), max depth.
+
+    The default budgets suit a CPU, where every draft forward and every verified node costs real
+    time; `--method auto` (the planner) picks the budget from measurements instead.
     pld:              k = min(budget, depth) of those given, default 8 tokens; no model.
     """
     key = _canonical(name)
@@ -469,11 +472,11 @@ def make_shape(
             )
         return static_shape(levels, budget)
     if key == "sequoia":
-        return sequoia_shape(budget or 32, depth, acceptance if acceptance is not None else DEFAULT_ACCEPTANCE)
+        return sequoia_shape(budget or 16, depth, acceptance if acceptance is not None else DEFAULT_ACCEPTANCE)
     if key == "eagle":
-        return EagleShape(budget=budget or 32, depth=depth or 6, topk=topk or 8)
+        return EagleShape(budget=budget or 16, depth=depth or 6, topk=topk or 4)
     if key == "dyspec":
-        return DySpecShape(budget=budget or 32, max_depth=depth)
+        return DySpecShape(budget=budget or 12, max_depth=depth)
     # dyspec-threshold
-    size = budget or 32
+    size = budget or 16
     return DySpecThresholdShape(threshold=threshold if threshold is not None else 1.0 / size, budget=size, max_depth=depth)

@@ -239,14 +239,15 @@ class Transformer(nn.Module):
         return True
 
     def quantize_int4(self) -> bool:
-        """Swap every Linear whose input size is a multiple of 32 for an Int4Linear (CPU, bf16
+        """Swap every Linear the int4 kernel can take for an Int4Linear (CPU, bf16
         models); True if anything was swapped. Lossy: meant for draft models."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not int4_available():
             return False
         swapped = False
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
-                if type(child) is nn.Linear and child.in_features % Int4Linear.GROUP == 0:
+                # the kernel needs whole groups along K and N in multiples of 16
+                if type(child) is nn.Linear and child.in_features % Int4Linear.GROUP == 0 and child.out_features % 16 == 0:
                     setattr(module, name, Int4Linear(child))
                     swapped = True
         return swapped

@@ -1,0 +1,88 @@
+"""The `specwood` command as a user runs it (real subprocesses): JSON and streaming output, and
+one clear line with exit code 2 — never a traceback — for every kind of bad input."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder, write_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, tiny_tokenizer):
+    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
+    folder = save_hf_folder(tmp_path_factory.mktemp("m") / "tiny", cfg, random_state_dict(cfg, seed=1))
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SPECWOOD_CACHE=str(cache))
+    return subprocess.run([sys.executable, "-m", "specwood.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("specwood: error:")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_generate_json(tiny_folder, tmp_path):
+    p = run("generate", "hello", "--target", str(tiny_folder), "--draft", "none", "--max-tokens", "6", "--json",
+            "--dtype", "fp32", cache=tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert set(out) >= {"text", "token_ids", "stats"} and len(out["token_ids"]) <= 6
+    for key in ("method", "new_tokens", "tokens_per_s", "ttft_s", "tbt_ms_p50"):
+        assert key in out["stats"]
+
+
+def test_generate_streams_text_and_prints_stats(tiny_folder, tmp_path):
+    p = run("generate", "hello", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--max-tokens", "8",
+            "--method", "chain", "--raw", "--dtype", "fp32", cache=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "[chain]" in p.stderr and "AAT" in p.stderr
+
+
+def test_missing_model(tmp_path):
+    assert_one_line_error(run("generate", "x", "--target", str(tmp_path / "nope.gguf"), cache=tmp_path), "nope.gguf")
+
+
+def test_truncated_gguf(tmp_path):
+    cfg = random_tiny_config("qwen2")
+    path = write_gguf(tmp_path / "t.gguf", cfg, random_state_dict(cfg), "F32")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(run("generate", "x", "--target", str(path), "--draft", "none", cache=tmp_path), "t.gguf")
+
+
+def test_unknown_architecture(tmp_path):
+    cfg = random_tiny_config("qwen2")
+    path = write_gguf(tmp_path / "g.gguf", cfg, random_state_dict(cfg), "F32", arch="gemma")
+    assert_one_line_error(run("generate", "x", "--target", str(path), "--draft", "none", cache=tmp_path), "gemma")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--method", "dyspec"], "needs a draft model"),
+    (["--method", "dyspec", "--draft", "SELF", "--budget", "0"], "budget"),
+    (["--method", "dyspec-threshold", "--draft", "SELF", "--threshold", "2"], "threshold"),
+])
+def test_bad_generation_options(tiny_folder, tmp_path, flags, needle):
+    flags = [str(tiny_folder) if f == "SELF" else f for f in flags]
+    if "--draft" not in flags:
+        flags += ["--draft", "none"]
+    p = run("generate", "x", "--target", str(tiny_folder), "--dtype", "fp32", *flags, cache=tmp_path)
+    assert_one_line_error(p, needle)
+
+
+def test_prompt_longer_than_context(tiny_folder, tmp_path):
+    p = run("generate", "word " * 200, "--target", str(tiny_folder), "--draft", "none", "--raw", cache=tmp_path)
+    assert_one_line_error(p, "context")
