@@ -11,16 +11,28 @@ from specwood.errors import SpecwoodError
 METHOD_OPTIONS = ("budget", "depth", "topk", "threshold")
 
 
+# methods that never draft with a model (the bench's Hugging Face baselines included)
+NO_DRAFT_METHODS = ("ar", "pld", "early-exit", "hf", "hf-pld")
+
+
+def needs_draft(method: str) -> bool:
+    return method not in NO_DRAFT_METHODS
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="registry name, .gguf file or HF folder (default: qwen2.5-coder-1.5b-instruct)")
-    p.add_argument("--draft", default="auto", help="draft model name/path; 'auto' = the target's default draft; 'none' = no draft")
+    p.add_argument("--draft", default="auto",
+                   help="draft model name/path; 'auto' = the target's default draft; 'none' = no draft. "
+                        "Loaded only when the method drafts with a model")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto = bf16 on CPUs with AVX512-BF16/AMX and on GPUs, else fp32")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "int4", "bf16", "fp32"],
+                   help="auto = int4 weights on CPUs (drafts never change the output, only the speed), else --dtype")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -30,6 +42,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def add_method_args(p: argparse.ArgumentParser, default: str = "ar") -> None:
     p.add_argument("--method", default=default,
                    help="ar, auto (the planner's choice), chain, static, sequoia, eagle, dyspec, dyspec-threshold, pld, early-exit, prior")
+    add_method_options(p)
+
+
+def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=None, help="tree nodes per step (speculative methods)")
     p.add_argument("--depth", type=int, default=None, help="maximum tree depth")
     p.add_argument("--topk", type=int, default=None, help="branching for top-k shapes (eagle)")
@@ -44,11 +60,8 @@ def load_engine(args: argparse.Namespace, need_draft: bool = True):
     import specwood
 
     draft = None if (args.draft in (None, "none") or not need_draft) else args.draft
-    return specwood.load(args.target, draft, dtype=args.dtype, device=args.device, max_context=args.max_context)
-
-
-def needs_draft(method: str) -> bool:
-    return method not in ("ar", "pld", "early-exit")
+    return specwood.load(args.target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
+                         max_context=args.max_context)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

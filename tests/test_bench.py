@@ -385,85 +385,6 @@ def test_cli_errors_before_loading_a_model(tmp_path: Path, capsys: pytest.Captur
         assert err.startswith("specwood bench: error: ") and "\n" not in err, err
 
 
-# ------------------------------------------------------------ HF baselines with a stand-in exporter
-def _fake_hf_export(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stand-in `specwood.models.hf_export.to_hf_model` returning tiny random Llama models, so the
-    HF plumbing (streamer timing, EOS handling, PLD, assisted) is tested without the real exporter."""
-    import sys
-    import types
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def to_hf_model(config: Any, state_dict: Any, dtype: Any) -> Any:
-        torch.manual_seed(config.seed)
-        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=config.layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-        return LlamaForCausalLM(cfg).to(dtype)
-
-    mod = types.ModuleType("specwood.models.hf_export")
-    mod.to_hf_model = to_hf_model  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "specwood.models.hf_export", mod)
-
-
-class _FakeModel:
-    def __init__(self) -> None:
-        import torch
-
-        self.w = torch.zeros(1, dtype=torch.float32)
-
-    def canonical_state_dict(self) -> dict[str, Any]:
-        return {"w": self.w}
-
-    def parameters(self) -> Any:
-        return iter([self.w])
-
-
-def test_hf_methods_with_stand_in_exporter(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
-    _fake_hf_export(monkeypatch)
-    eng = FakeEngine()
-    eng.eos_token_ids = set()  # random weights: let every generation run to max tokens
-    eng.target = _FakeModel()  # type: ignore[attr-defined]
-    eng.draft_model = _FakeModel()  # type: ignore[assignment]
-    eng.target_config = SimpleNamespace(name="fake", max_position_embeddings=256, seed=0, layers=2)
-    eng.draft_config = SimpleNamespace(name="fake-draft", seed=1, layers=1)  # type: ignore[attr-defined]
-    eng.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))  # type: ignore[attr-defined]
-    wl = Workload(prompts=[Prompt(id="p1", category="code", prompt="abcabcabcabc abcabc"),
-                           Prompt(id="p2", category="chat", messages=({"role": "user", "content": "hi hi hi"},))],
-                  source="t")
-    recs = run_bench(eng, wl, ["hf", "hf-pld", "hf-assisted"], tmp_path, max_tokens=12, progress=False)
-    by = {(r["id"], r["method"]): r for r in recs}
-    for (pid, m), r in by.items():
-        assert not r.get("error"), r
-        assert r["new_tokens"] == 12 and r["prompt_tokens"] == len(eng.encode(wl.prompts[0].content if pid == "p1"
-                                                                              else wl.prompts[1].content))
-        assert r["ttft_s"] > 0 and r["tokens_per_s"] > 0 and r["e2e_tokens_per_s"] > 0 and r["tbt_ms_p50"] >= 0
-        assert r["text"] == " ".join(map(str, r["token_ids"]))
-        assert (r["mean_accepted_tokens"] is None) == (m == "hf")
-    for pid in ("p1", "p2"):  # greedy assisted/PLD decoding is lossless in transformers too
-        assert by[(pid, "hf")]["token_ids"] == by[(pid, "hf-pld")]["token_ids"] == by[(pid, "hf-assisted")]["token_ids"]
-    md = (tmp_path / "report.md").read_text()
-    assert "vs hf-assisted" in md and (tmp_path / "aat.png").is_file()
-
-    # EOS: HF stops at it and, like the engine, does not return it
-    first = by[("p1", "hf")]["token_ids"]
-    eng.eos_token_ids = {first[3]}
-    recs = run_bench(eng, Workload(prompts=wl.prompts[:1], source="t"), ["hf"], tmp_path / "eos", max_tokens=12,
-                     progress=False, warmup=False)
-    assert recs[0]["token_ids"] == first[: first.index(first[3])]
-
-
-def test_hf_assisted_needs_a_draft(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
-    _fake_hf_export(monkeypatch)
-    eng = FakeEngine()
-    eng.target = _FakeModel()  # type: ignore[attr-defined]
-    eng.target_config = SimpleNamespace(name="fake", max_position_embeddings=256, seed=0, layers=1)
-    with pytest.raises(SpecwoodError, match="'hf-assisted' needs a draft model"):
-        run_bench(eng, _wl(), ["hf-assisted"], tmp_path, progress=False)
-
-
 # --------------------------------------------------------------- end to end: specwood.load + HF folder
 def _bench_tokenizer() -> Any:
     """A byte-level tokenizer whose only special token is the EOS, with a plain-text chat template:
@@ -549,3 +470,12 @@ def test_end_to_end_cli(tmp_path: Path, tiny_pair: Any, capsys: pytest.CaptureFi
     recs = json.loads((out / "results.json").read_text())
     assert [(r["id"], r["method"]) for r in recs] == [("chat-1", "ar"), ("chat-1", "hf")]
     assert recs[0]["token_ids"] == recs[1]["token_ids"]
+
+
+def test_hf_assisted_needs_a_draft(tmp_path: Path, tiny_pair: Any) -> None:
+    import specwood
+
+    target, _ = _save_pair(tmp_path, tiny_pair)
+    engine = specwood.load(str(target), None, dtype="fp32", progress=False)
+    with pytest.raises(SpecwoodError, match="'hf-assisted' needs a draft model"):
+        run_bench(engine, _wl(), ["hf-assisted"], tmp_path / "o", progress=False)

@@ -72,9 +72,9 @@ def speculative_steps(target: Transformer, source: DraftSource | None, shape: Tr
     cache = target.new_cache(len(prompt) + max_tokens + MAX_TREE_NODES)
     logits = prefill(target, cache, prompt)
     root = int(next_token(logits, params, generator))
-    yield [root]
-    if source is not None:
+    if source is not None:  # the draft's prefill is part of the time to the first token
         source.start(prompt, max_tokens)
+    yield [root]
     context = list(prompt)
     while True:
         t0 = time.perf_counter()

@@ -53,10 +53,13 @@ class Int4Linear(nn.Module):
     For draft models only: drafting may be approximate without costing losslessness, and the
     kernel reads a quarter of the bf16 bytes (~3x faster per token on our CPU). Group 32 with a
     scale and a minimum is the layout of GGUF's Q4_K sub-blocks, so Q4_K weights survive nearly
-    unchanged. Activations are bf16.
+    unchanged. The int4 kernel's cost grows with the rows it multiplies, so inputs of more than
+    INT4_MAX_ROWS rows (a prompt prefill, a wide tree layer) use the bf16 weights, pre-packed.
+    Activations are bf16.
     """
 
     GROUP = 32
+    INT4_MAX_ROWS = 3
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -71,17 +74,24 @@ class Int4Linear(nn.Module):
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
         self.bias = linear.bias.data.to(torch.bfloat16) if linear.bias is not None else None
         self.in_features, self.out_features = k, n
+        # the same int4 weights in bf16 (as the kernel sees them), for many-row inputs
+        sz = self.scales_zeros.float()  # [groups, n, 2]
+        deq = (q.reshape(n, k // self.GROUP, self.GROUP).float() - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        dense = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+        dense.weight.data = deq.reshape(n, k).to(torch.bfloat16)
+        self.dense: nn.Module = PackedLinear(dense) if cpu_packing_available() else dense
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weight (bf16), e.g. to build a reference model with the same draft."""
-        n, k = self.out_features, self.in_features
-        eye = torch.eye(k, dtype=torch.bfloat16)
-        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.GROUP, self.scales_zeros).t().contiguous()
+        return self.dense.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.GROUP, self.scales_zeros)
+        if flat.shape[0] > self.INT4_MAX_ROWS:
+            out = self.dense(flat)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.GROUP, self.scales_zeros)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -93,10 +93,10 @@ def format_plan(plan: Any) -> str:
 
 def _local_plan(args: argparse.Namespace) -> Any:
     import specwood
+    from specwood.cli import needs_draft
     from specwood.planner.plan import build_plan, load_plan, plan_key_for, save_plan
 
-    needs_draft = args.method not in ("pld", "early-exit")
-    draft = None if (args.draft in (None, "none") or not needs_draft) else args.draft
+    draft = None if (args.draft in (None, "none") or not needs_draft(args.method)) else args.draft
     engine = specwood.load(args.target, draft, dtype=args.dtype, device=args.torch_device,
                            max_context=args.max_context)
     key = plan_key_for(engine, args.method)
@@ -157,20 +157,3 @@ def run_plan_cli(args: argparse.Namespace) -> int:
         for path in plot_plan(plan, out):
             print(f"[plan] wrote {path}", file=sys.stderr)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (python -m specwood.planner.cli ...) until specwood/cli.py wires it in."""
-    parser = argparse.ArgumentParser(prog="specwood")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_plan_parser(sub)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except SpecwoodError as e:
-        print(f"specwood: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
