@@ -6,6 +6,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from specwood.drafting.shapes import MAX_BUDGET
 from specwood.engine.autoregressive import prefill
 from specwood.errors import SpecwoodError
 from specwood.models.transformer import Transformer
@@ -21,7 +22,7 @@ class ModelDraftSource:
     tokens the draft never processed (leaves) are kept as `pending` and go into the next forward.
     """
 
-    def __init__(self, model: Transformer, extra_slots: int = 1100):
+    def __init__(self, model: Transformer, extra_slots: int = MAX_BUDGET + 1):
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.extra_slots = extra_slots

@@ -199,9 +199,7 @@ def load(
     draft_model = None
     if draft is not None:
         int4 = draft_dtype == "int4" or (draft_dtype == "auto" and device == "cpu" and int4_available())
-        ddtype = torch.bfloat16 if int4 else resolve_dtype("auto" if draft_dtype == "auto" else draft_dtype, device)
-        if draft_dtype == "auto" and not int4:
-            ddtype = torch_dtype
+        ddtype = torch.bfloat16 if int4 else torch_dtype if draft_dtype == "auto" else resolve_dtype(draft_dtype, device)
         dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype)
         draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4)
         del dsd

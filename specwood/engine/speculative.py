@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from specwood.drafting.base import DraftSource, TreeShape
+from specwood.drafting.shapes import MAX_BUDGET
 from specwood.engine.autoregressive import prefill
 from specwood.errors import SpecwoodError
 from specwood.models.transformer import Transformer
@@ -18,7 +19,7 @@ from specwood.verify import verify
 if TYPE_CHECKING:
     from specwood.engine.api import Engine
 
-MAX_TREE_NODES = 1025  # the largest budget a shape accepts, plus the root
+MAX_TREE_NODES = MAX_BUDGET + 1  # the largest budget a shape accepts, plus the root
 
 
 @dataclass
