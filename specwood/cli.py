@@ -39,9 +39,11 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     p.add_argument("--seed", type=int, default=None)
 
 
-def add_method_args(p: argparse.ArgumentParser, default: str = "ar") -> None:
+def add_method_args(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--method", default=default,
-                   help="ar, auto (the planner's choice), chain, static, sequoia, eagle, dyspec, dyspec-threshold, pld, early-exit, prior")
+                   help="auto (default: the planner's choice of AR or dyspec and its tree size for this hardware; "
+                        "the first run profiles for a few minutes), ar, chain, static, sequoia, eagle, dyspec, "
+                        "dyspec-threshold, pld, early-exit, prior")
     add_method_options(p)
 
 

@@ -18,6 +18,7 @@ from specwood.planner.plan import (
     BucketChoice,
     Plan,
     PlanKey,
+    AcceptanceTracker,
     PlannedShape,
     PlanWarning,
     build_analytic_plan,
@@ -175,6 +176,48 @@ def test_plan_choices_and_context_switching():
     assert plan.choose(300) == ("dyspec", 16)  # nearer to 64 than to 4096 on a log scale
     assert plan.choose(2000)[0] == "ar"
     assert plan.choices[0].budget == 15
+
+
+def cost_plan(aat: AATFit) -> Plan:
+    """T_v grows with x (a compute-limited CPU) and each drafted node costs 20% of a step, so the
+    best x depends on how deep the draft is accepted."""
+    xs = (1, 2, 4, 8, 16, 32)
+    plan = Plan(key=KEY, contexts=[128], verify_times={128: {x: 0.1 * (1 + 0.05 * (x - 1)) for x in xs}},
+                draft_times={128: {x: 0.02 * (x - 1) for x in xs}}, aat=aat)
+    return plan.refresh()
+
+
+def test_acceptance_tracker_scales_the_plan_curve():
+    aat = AATFit(1.0, 1.0, 0.0)
+    tracker = AcceptanceTracker(aat)
+    assert tracker.ratio == pytest.approx(1.0) and tracker(8) == pytest.approx(aat(8)) and tracker(1) == 1.0
+    for _ in range(20):  # every drafted token accepted on trees of 8
+        tracker.record(8, 8)
+    assert tracker.ratio > 3.0 and 7.9 < tracker(8) <= 8.0 and tracker(4) == 4.0  # capped at x
+    for _ in range(20):  # nothing accepted
+        tracker.record(8, 1)
+    assert tracker.ratio < 0.1 and tracker(8) < 1.2
+    for _ in range(30):  # plain steps carry no evidence: relax back to the plan
+        tracker.record(1, 1)
+    assert tracker.ratio == pytest.approx(1.0, abs=0.02)
+
+
+def test_planned_shape_follows_observed_acceptance():
+    plan = cost_plan(AATFit(1.0, 1.0, 0.0))
+    static = PlannedShape(plan, lambda b: (None, f"shape{b}"), adapt=False)
+    adaptive = PlannedShape(plan, lambda b: (None, f"shape{b}"))
+    planned = plan.choose(128)[1]
+    assert static.choose_x(128) == adaptive.choose_x(128) == planned
+    for _ in range(12):  # deep acceptance: the request asks for bigger trees
+        adaptive._tracker.record(planned, planned)
+    deep = adaptive.choose_x(128)
+    assert deep > planned and static.choose_x(128) == planned
+    for _ in range(12):  # the draft is never right: plain decoding
+        adaptive._tracker.record(deep, 1)
+    assert adaptive.choose_x(128) == 1 and adaptive.shape_for(128) is None
+    for _ in range(12):  # after some plain steps it tries speculation again
+        adaptive._tracker.record(1, 1)
+    assert adaptive.choose_x(128) == planned
 
 
 def test_plan_json_round_trip():
@@ -398,9 +441,10 @@ def test_build_plan_end_to_end_on_tiny_engine(tiny_engine, tmp_path):
     # --method auto: the plan drives the tree size; output is exactly the AR output
     plan.choices = [BucketChoice(32, "dyspec", 6, 2.0, 1.0, 0.5, 6), BucketChoice(96, "ar", 1, 0.5, 1.0, 2.0, 4)]
     save_plan(plan)
+    _, fixed = auto_components(tiny_engine, {"adapt": False}, build_if_missing=False, progress=False)
+    assert isinstance(fixed, PlannedShape)
+    assert fixed.shape_for(30).budget == 5 and fixed.shape_for(200) is None
     source, shape = auto_components(tiny_engine, {}, build_if_missing=False, progress=False)
-    assert isinstance(shape, PlannedShape)
-    assert shape.shape_for(30).budget == 5 and shape.shape_for(200) is None
     ids = tiny_engine.encode(RAW_PROMPTS[0], raw=True)
     ar = tiny_engine.generate(ids, max_tokens=24, method="ar").token_ids
     from specwood.engine.speculative import SpecStats

@@ -26,9 +26,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--workload", default="builtin",
                    help="a JSONL file (lines: id, category, messages|prompt) or 'builtin' (default)")
-    p.add_argument("--methods", default="ar",
-                   help="comma-separated methods: ar, engine speculative methods, hf, hf-assisted, hf-pld "
-                        "(default: ar)")
+    p.add_argument("--methods", default="ar,auto",
+                   help="comma-separated methods: ar, auto, engine speculative methods, hf, hf-assisted, hf-pld "
+                        "(default: ar,auto)")
     add_sampling_args(p, max_tokens=128)
     add_model_args(p)
     p.add_argument("--limit", type=int, default=None,

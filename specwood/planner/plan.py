@@ -551,32 +551,103 @@ def get_plan(engine: Any, method: str = DEFAULT_METHOD, *, build_if_missing: boo
 # what the engine calls: --method auto and --method prior
 
 
-class PlannedShape:
-    """A tree shape that follows a plan as the context grows: at each step it asks the plan for
-    (method, x) at the current context length and drafts with budget x - 1, or returns a bare
-    root (a plain autoregressive step through the same loop) where the plan chose AR."""
+class AcceptanceTracker:
+    """The plan's AAT(x) corrected by what the target accepts in this request.
 
-    def __init__(self, plan: Plan, make: Callable[[int], tuple[Any, Any]]):
+    AAT depends on the text as much as on the hardware: a code continuation accepts far deeper
+    than an open-ended chat answer, and P_eff(x) is flat enough near its maximum that the
+    calibration curve alone can pick a tree half the best size. We keep exponentially decayed
+    sums of accepted drafted tokens (observed) and of what the curve predicted for the trees
+    used, and scale the curve's drafted part by their ratio:
+        AAT_req(x) = 1 + min(x - 1, r * (AAT(x) - 1)),   r = observed / predicted.
+    Both sums start from `prior_steps` steps of agreement, so a request starts on the plan. On
+    plain (AR) steps nothing is observed and r relaxes towards 1, so a request that fell back
+    to AR tries speculation again after a few tokens instead of staying stuck.
+    """
+
+    def __init__(self, aat: Callable[[float], float], decay: float = 0.75, prior_steps: float = 2.0):
+        self.aat = aat
+        self.decay = decay
+        unit = max(float(aat(4)) - 1.0, 0.5)  # the size of one step's worth of evidence
+        self.observed = self.predicted = prior_steps * unit
+        self._unit = unit
+
+    @property
+    def ratio(self) -> float:
+        return min(4.0, max(0.05, self.observed / self.predicted))
+
+    def record(self, x: int, emitted: int) -> None:
+        """A step verified a tree of x tokens and emitted `emitted` (accepted + bonus)."""
+        if x <= 1:
+            target = self._unit  # no evidence: drift back to the plan
+            self.observed = self.decay * self.observed + (1 - self.decay) * target
+            self.predicted = self.decay * self.predicted + (1 - self.decay) * target
+            return
+        self.observed = self.decay * self.observed + max(0, emitted - 1)
+        self.predicted = self.decay * self.predicted + max(float(self.aat(x)) - 1.0, 1e-3)
+
+    def __call__(self, x: float) -> float:
+        if x <= 1:
+            return 1.0
+        return 1.0 + min(x - 1.0, self.ratio * (float(self.aat(x)) - 1.0))
+
+
+class PlannedShape:
+    """A tree shape that follows a plan as the context grows and as acceptance is observed.
+
+    At each step it takes the plan's measured T_v(x) and T_d(x) at the current context length,
+    the plan's AAT(x) corrected for this request (AcceptanceTracker), and drafts the argmax
+    x of P_eff (budget x - 1) -- or returns a bare root (a plain autoregressive step through the
+    same loop) where AR wins. With `adapt=False` it uses the plan's per-bucket choices as stored.
+    """
+
+    def __init__(self, plan: Plan, make: Callable[[int], tuple[Any, Any]], adapt: bool = True):
         self.plan = plan
         self.name = f"auto:{plan.key.method}"
+        self.adapt = adapt
         self._make = make
         self._shapes: dict[int, Any] = {}
+        self._tracker = AcceptanceTracker(plan.aat)
+        self._last: tuple[int, int] | None = None  # (context length, x) of the previous step
+        self.chosen: list[int] = []  # x per step, for statistics
+
+    def choose_x(self, context_len: int) -> int:
+        if not self.adapt:
+            method, x = self.plan.choose(context_len)
+            return 1 if method == "ar" else x
+        ctx = context_len
+        d = decide(lambda v: self.plan.t_v(ctx, v), lambda v: self.plan.t_d(ctx, v), self._tracker,
+                   self.plan.candidate_xs(ctx))
+        return 1 if d.method == "ar" else d.x
 
     def shape_for(self, context_len: int) -> Any | None:
-        method, x = self.plan.choose(context_len)
-        if method == "ar" or x <= 1:
+        x = self.choose_x(context_len)
+        if x <= 1:
             return None
         if x not in self._shapes:
             self._shapes[x] = self._make(x - 1)[1]
         return self._shapes[x]
 
+    def observe(self, context_len: int) -> None:
+        """Credit the previous step with the tokens the context grew by since it was drafted."""
+        if self._last is not None:
+            last_len, x = self._last
+            grew = context_len - last_len
+            if 1 <= grew <= max(x, 1):  # else: a new request on a reused shape
+                self._tracker.record(x, grew)
+            else:
+                self._tracker = AcceptanceTracker(self.plan.aat)
+
     def build(self, context: list[int], root: int, source: Any, params: Any, generator: Any):
         from specwood.tree.token_tree import TokenTree
 
+        self.observe(len(context))
         shape = self.shape_for(len(context))
-        if shape is None:
-            return TokenTree.with_root(root, "selected" if params.greedy else "sampled")
-        return shape.build(context, root, source, params, generator)
+        tree = (TokenTree.with_root(root, "selected" if params.greedy else "sampled") if shape is None
+                else shape.build(context, root, source, params, generator))
+        self._last = (len(context), len(tree))
+        self.chosen.append(len(tree))
+        return tree
 
 
 def auto_components(engine: Any, options: dict[str, Any] | None = None, *, build_if_missing: bool = True,
@@ -587,8 +658,16 @@ def auto_components(engine: Any, options: dict[str, Any] | None = None, *, build
     options: {"shape": base method} (default dyspec); tree-size options are ignored (the plan
     picks the budget). Without a stored plan a quick one is built and saved first.
     """
+    from specwood.drafting.shapes import needs_model
+
     options = dict(options or {})
     base = str(options.pop("shape", None) or DEFAULT_METHOD)
+    adapt = bool(options.pop("adapt", True))
+    if engine.draft_model is None and (base == "prior" or (base != "early-exit" and needs_model(base))):
+        if progress:
+            print(f"[plan] method auto: no draft model loaded, so '{base}' cannot draft; decoding "
+                  "autoregressively (load a draft, or use --method pld)", file=sys.stderr)
+        return None
     plan = get_plan(engine, base, build_if_missing=build_if_missing, progress=progress)
     if plan is None:
         raise SpecwoodError(f"no plan for method '{base}' on this device; run `specwood plan --method {base}`")
@@ -597,7 +676,7 @@ def auto_components(engine: Any, options: dict[str, Any] | None = None, *, build
     make = method_factory(engine, base, plan.prior)
     first_sd = next(c for c in plan.choices if c.method != "ar")
     source, _ = make(first_sd.budget)
-    return source, PlannedShape(plan, make)
+    return source, PlannedShape(plan, make, adapt=adapt)
 
 
 def prior_components(engine: Any, options: dict[str, Any] | None = None) -> tuple[Any, Any]:
