@@ -189,16 +189,17 @@ def cost_plan(aat: AATFit) -> Plan:
 
 def test_acceptance_tracker_scales_the_plan_curve():
     aat = AATFit(1.0, 1.0, 0.0)
-    tracker = AcceptanceTracker(aat)
-    assert tracker.ratio == pytest.approx(1.0) and tracker(8) == pytest.approx(aat(8)) and tracker(1) == 1.0
+    tracker = AcceptanceTracker()
+    assert tracker.ratio == pytest.approx(1.0) and tracker.scale(aat)(8) == pytest.approx(aat(8))
+    assert tracker.scale(aat)(1) == 1.0
     for _ in range(20):  # every drafted token accepted on trees of 8
-        tracker.record(8, 8)
-    assert tracker.ratio > 3.0 and 7.9 < tracker(8) <= 8.0 and tracker(4) == 4.0  # capped at x
+        tracker.record(aat(8), 8)
+    assert tracker.ratio > 3.0 and 7.9 < tracker.scale(aat)(8) <= 8.0 and tracker.scale(aat)(4) == 4.0  # capped
     for _ in range(20):  # nothing accepted
-        tracker.record(8, 1)
-    assert tracker.ratio < 0.1 and tracker(8) < 1.2
+        tracker.record(aat(8), 1)
+    assert tracker.ratio < 0.1 and tracker.scale(aat)(8) < 1.2
     for _ in range(30):  # plain steps carry no evidence: relax back to the plan
-        tracker.record(1, 1)
+        tracker.relax()
     assert tracker.ratio == pytest.approx(1.0, abs=0.02)
 
 
@@ -209,15 +210,28 @@ def test_planned_shape_follows_observed_acceptance():
     planned = plan.choose(128)[1]
     assert static.choose_x(128) == adaptive.choose_x(128) == planned
     for _ in range(12):  # deep acceptance: the request asks for bigger trees
-        adaptive._tracker.record(planned, planned)
+        adaptive.tracker.record(plan.aat(planned), planned)
     deep = adaptive.choose_x(128)
     assert deep > planned and static.choose_x(128) == planned
     for _ in range(12):  # the draft is never right: plain decoding
-        adaptive._tracker.record(deep, 1)
+        adaptive.tracker.record(plan.aat(deep), 1)
     assert adaptive.choose_x(128) == 1 and adaptive.shape_for(128) is None
     for _ in range(12):  # after some plain steps it tries speculation again
-        adaptive._tracker.record(1, 1)
+        adaptive.tracker.relax()
     assert adaptive.choose_x(128) == planned
+
+
+def test_plan_uses_the_aat_curve_of_the_nearest_bucket():
+    plan = cost_plan(AATFit(1.0, 1.0, 0.0))
+    plan.contexts = [128, 1024]
+    plan.verify_times[1024] = plan.verify_times[128]
+    plan.aat_by_context = {128: AATFit(1.0, 0.3, 0.0), 1024: AATFit(1.0, 3.0, 0.0)}
+    plan.refresh()
+    low, high = plan.choose(100)[1], plan.choose(2000)[1]
+    assert high > low  # deeper acceptance at long context -> bigger trees there
+    assert plan.aat_for(900) is plan.aat_by_context[1024]
+    back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back.aat_by_context == plan.aat_by_context and back.choose(2000) == plan.choose(2000)
 
 
 def test_plan_json_round_trip():
@@ -386,12 +400,30 @@ def test_positions_of_maps_tree_nodes_to_layout_positions():
     assert positions_of(tree, layout) == list(range(11))
 
 
+def test_calibration_set_has_windows_of_the_bucket_length(tiny_engine):
+    from specwood.planner.plan import CALIBRATION_PROMPTS, calibration_set, calibration_texts
+
+    texts = calibration_texts()
+    assert len(texts) >= 2 and not any("def _wrap_chunks" in t for t in texts)  # not the eval prompts
+    ids = calibration_set(tiny_engine, 48, 2, n_chat=1)
+    keep = max(8, tiny_engine.max_context // 2)  # long chat prompts keep their last half-context tokens
+    assert len(ids) == 3 and ids[0] == tiny_engine.encode(CALIBRATION_PROMPTS[0])[-keep:]
+    assert [len(w) for w in ids[1:]] == [48, 48] and ids[1] != ids[2]
+
+
 def test_prior_scores_on_tiny_engine(tiny_engine):
     prompts = [tiny_engine.encode(p, raw=True) for p in RAW_PROMPTS]
     prior = collect_prior_scores(tiny_engine, prompts, max_tokens=12, n_nodes=12, levels=3)
     assert prior.steps > 0 and len(prior.scores) == 12 and min(prior.scores) >= 0
     assert sum(prior.scores) == pytest.approx((prior.aat - 1) * prior.steps, abs=1e-2 * prior.steps)
     assert valid_layout(prior.best_layout(5))
+    from specwood.planner.prior_tree import compare_tree_methods
+
+    rows = compare_tree_methods(tiny_engine, prior, [3, 6], prompts, max_tokens=8)
+    assert [r["x"] for r in rows] == [3, 6]
+    for r in rows:
+        for name in ("prior", "width", "depth"):
+            assert 1.0 <= r[name] <= r["x"] and r[f"{name}_tok_s"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,7 +75,12 @@ def format_plan(plan: Any) -> str:
     a = plan.aat
     r2 = "n/a" if math.isnan(a.r2) else f"{a.r2:.3f}"
     pts = ", ".join(f"{x}:{v:.2f}" for x, v in sorted(plan.aat_points.items())) or "none (assumed)"
-    lines.append(f"AAT(x) = {a.A:.3f} + {a.B:.3f} ln(x - {a.C:.3f})   R² {r2}   measured {pts}")
+    lines.append(f"AAT(x) = {a.A:.3f} + {a.B:.3f} ln(x - {a.C:.3f})   R² {r2}   measured {pts}"
+                 + ("   (all buckets)" if plan.aat_by_context else ""))
+    for ctx, f in sorted(plan.aat_by_context.items()):
+        pts = ", ".join(f"{x}:{v:.2f}" for x, v in sorted(plan.aat_points_by_context.get(ctx, {}).items()))
+        fr2 = "n/a" if math.isnan(f.r2) else f"{f.r2:.3f}"
+        lines.append(f"AAT ctx {ctx:>6}: {f.A:.3f} + {f.B:.3f} ln(x - {f.C:.3f})   R² {fr2}   measured {pts}")
     for ctx, f in sorted(plan.rooflines.items()):
         ridge = "beyond range" if math.isinf(f.x_ridge) else f"{f.x_ridge:.1f}"
         lines.append(f"roofline ctx {ctx:>6}: P(x) = {f.a:.4g} x + {f.b:.4g} below x_R = {ridge}, "
@@ -119,18 +124,28 @@ def _local_plan(args: argparse.Namespace) -> Any:
 
 
 def _compare_trees(engine: Any, plan: Any, quick: bool) -> None:
-    from specwood.planner.plan import CALIBRATION_PROMPTS, encode_prompts
+    from specwood.bench.workload import load_workload
     from specwood.planner.prior_tree import compare_tree_methods
 
     if plan.prior is None:
         print("[plan] --compare-trees needs --method prior", file=sys.stderr)
         return
-    xs = [x for x in (4, 8, 16, 32) if x <= len(plan.prior.layout) + 1]
-    prompts = encode_prompts(engine, CALIBRATION_PROMPTS[: 3 if quick else None])
-    rows = compare_tree_methods(engine, plan.prior, xs, prompts, 32 if quick else 64)
-    print(f"{'x':>4} {'prior':>7} {'width':>7} {'depth':>7}   (AAT per target forward)")
+    xs = [x for x in (4, 8, 12, 16, 24, 32) if x <= len(plan.prior.layout) + 1]
+    # held out: the scores came from the calibration prompts, the comparison runs on the
+    # built-in workload's short prompts (one per category)
+    short = ["code", "chat", "math", "translation", "json-extraction", "summarisation"]
+    prompts = load_workload("builtin", categories=short[: 3 if quick else None]).prompts
+    picked = list({p.category: p for p in reversed(prompts)}.values())
+    ids = [engine.encode(p.content, raw=p.raw) for p in picked]
+    ar = engine.generate(ids[0], max_tokens=8, method="ar")  # warm-up
+    print(f"[plan] comparing trees on {len(ids)} built-in prompts ({', '.join(p.id for p in picked)}), "
+          f"{ar.stats['method']} warm-up done", file=sys.stderr)
+    rows = compare_tree_methods(engine, plan.prior, xs, ids, 32 if quick else 64)
+    print(f"{'x':>4} {'prior':>7} {'width':>7} {'depth':>7}   AAT per target forward  |  decode tok/s: "
+          f"{'prior':>7} {'width':>7} {'depth':>7}")
     for r in rows:
-        print(f"{r['x']:>4} {r['prior']:>7.3f} {r['width']:>7.3f} {r['depth']:>7.3f}")
+        print(f"{r['x']:>4} {r['prior']:>7.3f} {r['width']:>7.3f} {r['depth']:>7.3f}   {'':22}|  {'':14}"
+              f"{r['prior_tok_s']:>7.2f} {r['width_tok_s']:>7.2f} {r['depth_tok_s']:>7.2f}")
 
 
 def run_plan_cli(args: argparse.Namespace) -> int:

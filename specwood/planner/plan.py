@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from specwood.planner.profiler import TimeTable
 if TYPE_CHECKING:
     from specwood.planner.devices import DeviceModel
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: AAT(x) per context bucket, dense small-x timings
 DEFAULT_METHOD = "dyspec"
 MAX_X = 1025  # the engine's largest tree (MAX_BUDGET drafted nodes + root)
 
@@ -53,6 +54,50 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
     "Implement binary search over a sorted Python list that returns the leftmost index of the "
     "target or -1, and state its loop invariant.",
 )
+
+
+# Long calibration text for the context buckets: raw windows of stdlib source and of the bundled
+# language reference, again not what the built-in workload's long prompts use (textwrap, shlex,
+# LICENSE and the "with"/"exceptions"/"assert" topics).
+CALIBRATION_MODULES: tuple[str, ...] = ("heapq", "bisect", "fractions", "calendar", "glob", "queue")
+CALIBRATION_TOPICS: tuple[str, ...] = ("for", "try", "import", "class", "lambda", "numbers", "if", "while")
+
+
+def calibration_texts() -> list[str]:
+    """Code and prose (alternating) for calibration windows; whatever this Python install has."""
+    from specwood.bench.workload import _module_file
+
+    code = []
+    for module in CALIBRATION_MODULES:
+        path = _module_file(module)
+        if path is not None:
+            code.append(path.read_text(encoding="utf-8", errors="replace"))
+    prose = []
+    try:
+        from pydoc_data.topics import topics  # type: ignore[import-not-found]
+
+        text = "\n\n".join(topics[k] for k in CALIBRATION_TOPICS if k in topics)
+        half = len(text) // 2  # two different prose windows
+        prose = [text[:half], text[half:]] if half > 20000 else [text]
+    except Exception:  # minimal installs lack pydoc_data
+        pass
+    mixed = [t for pair in itertools.zip_longest(code, prose) for t in pair if t]
+    return mixed or list(CALIBRATION_PROMPTS)
+
+
+def calibration_set(engine: Any, ctx: int, n_windows: int, n_chat: int = 0, raw: bool = False) -> list[list[int]]:
+    """Calibration prompts for the context bucket `ctx`: `n_chat` short chat prompts (through the
+    chat template, as users send them) plus `n_windows` raw windows of exactly `ctx` tokens of
+    code and prose (a long document being continued)."""
+    out = encode_prompts(engine, CALIBRATION_PROMPTS[:n_chat], raw) if n_chat else []
+    windows = []
+    for text in calibration_texts():
+        ids = list(engine.tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) >= ctx + 1:
+            windows.append(ids[:ctx])
+        if len(windows) == n_windows:
+            break
+    return out + windows
 
 
 class PlanWarning(UserWarning):
@@ -179,8 +224,10 @@ class Plan:
     contexts: list[int]
     verify_times: TimeTable  # ctx -> x -> T_v seconds
     draft_times: TimeTable  # ctx -> x -> T_d seconds (may hold fewer contexts than verify_times)
-    aat: AATFit
-    aat_points: dict[int, float] = field(default_factory=dict)  # measured AAT at x
+    aat: AATFit  # over every bucket's calibration (display, analytic reuse, buckets without their own)
+    aat_points: dict[int, float] = field(default_factory=dict)  # measured AAT at x (all buckets)
+    aat_by_context: dict[int, AATFit] = field(default_factory=dict)  # AAT(x) per context bucket
+    aat_points_by_context: dict[int, dict[int, float]] = field(default_factory=dict)
     rooflines: dict[int, RooflineFit] = field(default_factory=dict)
     choices: list[BucketChoice] = field(default_factory=list)
     x_cap: int = MAX_X  # largest x the method can build (e.g. the prior's maximal tree + 1)
@@ -211,16 +258,25 @@ class Plan:
             return 0.0
         return interpolate(self._row("d", self.draft_times, ctx), x)
 
+    def aat_for(self, ctx: int) -> AATFit:
+        """AAT(x) of the nearest calibrated bucket (the pooled curve if none has its own)."""
+        if not self.aat_by_context:
+            return self.aat
+        return self.aat_by_context[nearest_context(list(self.aat_by_context), ctx)]
+
     def candidate_xs(self, ctx: int) -> list[int]:
         row = self.verify_times[nearest_context(list(self.verify_times), ctx)]
         return list(range(1, min(max(row), self.x_cap, MAX_X) + 1))
 
     def p_eff_curve(self, ctx: int) -> tuple[list[int], list[float]]:
         xs = [x for x in self.candidate_xs(ctx) if x >= 2]
-        return xs, [p_eff(x, lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), self.aat) for x in xs]
+        aat = self.aat_for(ctx)
+        return xs, [p_eff(x, lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), aat) for x in xs]
 
-    def decide(self, ctx: int) -> Decision:
-        return decide(lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), self.aat, self.candidate_xs(ctx))
+    def decide(self, ctx: int, aat: Callable[[float], float] | None = None) -> Decision:
+        """The decision at context ctx, with the plan's AAT(x) for it or the given curve."""
+        return decide(lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), aat or self.aat_for(ctx),
+                      self.candidate_xs(ctx))
 
     def refresh(self) -> "Plan":
         """Recompute the fits and per-bucket choices from the stored measurements."""
@@ -258,6 +314,9 @@ class Plan:
             "draft_times": _table_out(self.draft_times),
             "aat": self.aat.to_dict(),
             "aat_points": {str(k): v for k, v in self.aat_points.items()},
+            "aat_by_context": {str(c): f.to_dict() for c, f in self.aat_by_context.items()},
+            "aat_points_by_context": {str(c): {str(x): v for x, v in pts.items()}
+                                      for c, pts in self.aat_points_by_context.items()},
             "rooflines": {str(c): f.to_dict() for c, f in self.rooflines.items()},
             "choices": [asdict(c) for c in self.choices],
             "prior": self.prior.to_dict() if self.prior is not None else None,
@@ -274,6 +333,9 @@ class Plan:
             draft_times=_table_in(d.get("draft_times") or {}),
             aat=AATFit.from_dict(d["aat"]),
             aat_points={int(k): float(v) for k, v in (d.get("aat_points") or {}).items()},
+            aat_by_context={int(c): AATFit.from_dict(f) for c, f in (d.get("aat_by_context") or {}).items()},
+            aat_points_by_context={int(c): {int(x): float(v) for x, v in pts.items()}
+                                   for c, pts in (d.get("aat_points_by_context") or {}).items()},
             rooflines={int(c): RooflineFit.from_dict(f) for c, f in (d.get("rooflines") or {}).items()},
             choices=[BucketChoice(**c) for c in d.get("choices") or []],
             x_cap=int(d.get("x_cap", MAX_X)),
@@ -426,13 +488,13 @@ def method_factory(engine: Any, method: str, prior: PriorScores | None = None) -
 
 def measure_aat(engine: Any, make: Callable[[int], tuple[Any, Any]], xs: Sequence[int],
                 prompts_ids: Sequence[Sequence[int]], max_tokens: int,
-                progress: bool = True) -> dict[int, dict[str, float]]:
+                progress: bool = True, label: str = "") -> dict[int, dict[str, float]]:
     """AAT(x) on the calibration prompts for each verification length x (budget x - 1), plus the
     per-step draft and verify seconds seen while decoding."""
     from specwood.planner.profiler import _progress, run_speculative
 
     out: dict[int, dict[str, float]] = {}
-    with _progress(len(xs), "calibrating AAT(x)", progress) as bar:
+    with _progress(len(xs), f"calibrating AAT(x) {label}".strip(), progress) as bar:
         for x in xs:
             source, shape = make(int(x) - 1)
             stats = run_speculative(engine, source, shape, prompts_ids, max_tokens)
@@ -481,13 +543,20 @@ def build_plan(
     fit_ctx = [c for c in wanted if c + max(xs) + 1 < engine.max_context]
     if not fit_ctx:  # a small model: one bucket that fits
         fit_ctx = [max(1, engine.max_context - max(xs) - 2)]
-    prompts = list(calibration_prompts or CALIBRATION_PROMPTS[: 3 if quick else None])
-    prompts_ids = encode_prompts(engine, prompts, raw_prompts)
-    max_tokens = max_tokens or (32 if quick else 96)
-    repeats = repeats or (3 if quick else 7)
+    max_tokens = max_tokens or (32 if quick else 64)
+    repeats = repeats or (5 if quick else 7)
+    if calibration_prompts is not None:  # explicit prompts: one set for every bucket
+        given = encode_prompts(engine, calibration_prompts, raw_prompts)
+        sets = {c: given for c in fit_ctx}
+        what = f"{len(given)} given prompts"
+    else:  # the first bucket also gets short chat prompts: what most requests look like
+        n = 2 if quick else 4
+        sets = {c: calibration_set(engine, c, n, n if i == 0 else 0) for i, c in enumerate(fit_ctx)}
+        sets = {c: ids for c, ids in sets.items() if ids} or {fit_ctx[0]: encode_prompts(engine, CALIBRATION_PROMPTS)}
+        what = f"{n} chat prompts + {n} raw code/prose windows of the bucket's length (first bucket), {n} windows (others)"
+    prompts_ids = sets[min(sets)]
     notes = [f"x = verification length (tree tokens incl. root); budget = x - 1 drafted nodes",
-             f"AAT measured on {len(prompts)} calibration prompts x {max_tokens} tokens (greedy), "
-             "applied to every context bucket"]
+             f"AAT(x) measured per context bucket on {what}, {max_tokens} tokens each (greedy)"]
 
     prior = None
     x_cap = MAX_X
@@ -503,20 +572,41 @@ def build_plan(
 
     t_v = prof.measure_verify_times(engine.target, xs, fit_ctx, repeats, quick, progress=progress)
     t_v = {c: r for c, r in t_v.items() if r} or t_v
-    draft_ctx = fit_ctx[:1] if quick else fit_ctx
-    shape_spec = {method: (lambda b: make(b)[1])} if method == "prior" else [method]
-    t_d = prof.measure_draft_times(engine, shape_spec, xs, draft_ctx, max(2, repeats // 2),
-                                   seed_ids=[t for ids in prompts_ids for t in ids], progress=progress)[method]
-    if quick:
-        notes.append(f"T_d measured at context {draft_ctx[0]} only (quick) and reused for every bucket")
-
-    default_aat = (2, 4, 8, 16, 32) if quick else (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    default_aat = (2, 4, 8, 16, 32) if quick else (2, 3, 4, 6, 8, 12, 16, 24, 32)
     aat_xs = sorted({int(x) for x in (aat_xs or default_aat) if 2 <= int(x) <= min(max(xs), x_cap)})
-    observed = measure_aat(engine, make, aat_xs, prompts_ids, max_tokens, progress) if aat_xs else {}
+    by_ctx: dict[int, AATFit] = {}
+    t_d: dict[int, dict[int, float]] = {}
+    points_by_ctx: dict[int, dict[int, float]] = {}
+    observed: dict[int, dict[str, float]] = {}  # pooled over buckets, weighted by steps
+    for c, ids in sorted(sets.items()):
+        seen = measure_aat(engine, make, aat_xs, ids, max_tokens, progress, label=f"ctx {c}") if aat_xs else {}
+        points_by_ctx[c] = {x: o["aat"] for x, o in seen.items()}
+        few = [x for x, o in seen.items() if o["steps"] < 8]
+        if few:
+            notes.append(f"ctx {c}: AAT at x = {few} rests on fewer than 8 decoding steps (the model stopped early)")
+        if len(points_by_ctx[c]) >= 2:
+            by_ctx[c] = fit_aat(list(points_by_ctx[c]), list(points_by_ctx[c].values()))
+        for x, o in seen.items():
+            acc = observed.setdefault(x, {k: 0.0 for k in o})
+            for k, v in o.items():
+                acc[k] += v * o["steps"] if k != "steps" else v
+        if len(seen) >= 2:  # T_d(x) as drafted while decoding real text (see below)
+            t_d[c] = {1: 0.0, **{x: o["draft_s"] for x, o in seen.items()}}
+    for o in observed.values():
+        for k in o:
+            if k != "steps":
+                o[k] /= max(o["steps"], 1.0)
+    # T_d(x) comes from the calibration runs: how many draft forwards a heap or threshold shape
+    # spends depends on how sure the draft is, i.e. on the text, so a synthetic context misleads.
+    # Buckets without calibration fall back to profiling the shape on the calibration tokens.
+    if t_d:
+        notes.append("T_d(x) = mean drafting seconds per step while calibrating AAT(x) (per bucket)")
+    else:
+        shape_spec = {method: (lambda b: make(b)[1])} if method == "prior" else [method]
+        t_d = prof.measure_draft_times(engine, shape_spec, xs, fit_ctx[:1], max(2, repeats // 2),
+                                       seed_ids=[t for ids in prompts_ids for t in ids], progress=progress)[method]
+        notes.append(f"T_d(x) profiled at context {fit_ctx[0]} on the calibration tokens and reused for every bucket")
     points = {x: o["aat"] for x, o in observed.items()}
-    few = [x for x, o in observed.items() if o["steps"] < 8]
-    if few:
-        notes.append(f"AAT at x = {few} rests on fewer than 8 decoding steps (the model stopped early)")
     if len(points) >= 2:
         aat = fit_aat(list(points), list(points.values()))
     else:
@@ -527,7 +617,7 @@ def build_plan(
                             str(engine.draft_name or "none"),
                             _DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype)), method),
                 contexts=sorted(t_v), verify_times=t_v, draft_times=t_d, aat=aat, aat_points=points,
-                x_cap=x_cap, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
+                aat_by_context=by_ctx, aat_points_by_context=points_by_ctx, x_cap=x_cap, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
                 created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     return plan.refresh()
 
@@ -552,53 +642,53 @@ def get_plan(engine: Any, method: str = DEFAULT_METHOD, *, build_if_missing: boo
 
 
 class AcceptanceTracker:
-    """The plan's AAT(x) corrected by what the target accepts in this request.
+    """How much better (or worse) than the plan's AAT(x) the draft does in this request.
 
     AAT depends on the text as much as on the hardware: a code continuation accepts far deeper
     than an open-ended chat answer, and P_eff(x) is flat enough near its maximum that the
     calibration curve alone can pick a tree half the best size. We keep exponentially decayed
-    sums of accepted drafted tokens (observed) and of what the curve predicted for the trees
-    used, and scale the curve's drafted part by their ratio:
-        AAT_req(x) = 1 + min(x - 1, r * (AAT(x) - 1)),   r = observed / predicted.
+    sums of accepted drafted tokens (observed) and of what the plan's curve predicted for the
+    trees used, and scale the curve's drafted part by their ratio r:
+        AAT_req(x) = 1 + min(x - 1, r * (AAT(x) - 1)).
     Both sums start from `prior_steps` steps of agreement, so a request starts on the plan. On
     plain (AR) steps nothing is observed and r relaxes towards 1, so a request that fell back
     to AR tries speculation again after a few tokens instead of staying stuck.
     """
 
-    def __init__(self, aat: Callable[[float], float], decay: float = 0.75, prior_steps: float = 2.0):
-        self.aat = aat
+    def __init__(self, decay: float = 0.75, prior_steps: float = 2.0, unit: float = 2.0):
         self.decay = decay
-        unit = max(float(aat(4)) - 1.0, 0.5)  # the size of one step's worth of evidence
+        self.unit = unit  # one step's worth of evidence, in accepted drafted tokens
         self.observed = self.predicted = prior_steps * unit
-        self._unit = unit
 
     @property
     def ratio(self) -> float:
         return min(4.0, max(0.05, self.observed / self.predicted))
 
-    def record(self, x: int, emitted: int) -> None:
-        """A step verified a tree of x tokens and emitted `emitted` (accepted + bonus)."""
-        if x <= 1:
-            target = self._unit  # no evidence: drift back to the plan
-            self.observed = self.decay * self.observed + (1 - self.decay) * target
-            self.predicted = self.decay * self.predicted + (1 - self.decay) * target
-            return
+    def record(self, predicted_aat: float, emitted: int) -> None:
+        """A speculative step the plan expected to emit `predicted_aat` tokens emitted `emitted`
+        (accepted + bonus)."""
         self.observed = self.decay * self.observed + max(0, emitted - 1)
-        self.predicted = self.decay * self.predicted + max(float(self.aat(x)) - 1.0, 1e-3)
+        self.predicted = self.decay * self.predicted + max(predicted_aat - 1.0, 1e-3)
 
-    def __call__(self, x: float) -> float:
-        if x <= 1:
-            return 1.0
-        return 1.0 + min(x - 1.0, self.ratio * (float(self.aat(x)) - 1.0))
+    def relax(self) -> None:
+        """A plain step: no evidence, drift back towards the plan."""
+        self.observed = self.decay * self.observed + (1 - self.decay) * self.unit
+        self.predicted = self.decay * self.predicted + (1 - self.decay) * self.unit
+
+    def scale(self, aat: Callable[[float], float]) -> Callable[[float], float]:
+        """The curve corrected for this request."""
+        r = self.ratio
+        return lambda x: 1.0 if x <= 1 else 1.0 + min(x - 1.0, r * (float(aat(x)) - 1.0))
 
 
 class PlannedShape:
     """A tree shape that follows a plan as the context grows and as acceptance is observed.
 
     At each step it takes the plan's measured T_v(x) and T_d(x) at the current context length,
-    the plan's AAT(x) corrected for this request (AcceptanceTracker), and drafts the argmax
-    x of P_eff (budget x - 1) -- or returns a bare root (a plain autoregressive step through the
-    same loop) where AR wins. With `adapt=False` it uses the plan's per-bucket choices as stored.
+    the plan's AAT(x) for that context corrected for this request (AcceptanceTracker), and
+    drafts the argmax x of P_eff (budget x - 1) -- or returns a bare root (a plain
+    autoregressive step through the same loop) where AR wins. With `adapt=False` it uses the
+    plan's per-bucket choices as stored.
     """
 
     def __init__(self, plan: Plan, make: Callable[[int], tuple[Any, Any]], adapt: bool = True):
@@ -607,7 +697,7 @@ class PlannedShape:
         self.adapt = adapt
         self._make = make
         self._shapes: dict[int, Any] = {}
-        self._tracker = AcceptanceTracker(plan.aat)
+        self.tracker = AcceptanceTracker()
         self._last: tuple[int, int] | None = None  # (context length, x) of the previous step
         self.chosen: list[int] = []  # x per step, for statistics
 
@@ -615,9 +705,7 @@ class PlannedShape:
         if not self.adapt:
             method, x = self.plan.choose(context_len)
             return 1 if method == "ar" else x
-        ctx = context_len
-        d = decide(lambda v: self.plan.t_v(ctx, v), lambda v: self.plan.t_d(ctx, v), self._tracker,
-                   self.plan.candidate_xs(ctx))
+        d = self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)))
         return 1 if d.method == "ar" else d.x
 
     def shape_for(self, context_len: int) -> Any | None:
@@ -630,13 +718,16 @@ class PlannedShape:
 
     def observe(self, context_len: int) -> None:
         """Credit the previous step with the tokens the context grew by since it was drafted."""
-        if self._last is not None:
-            last_len, x = self._last
-            grew = context_len - last_len
-            if 1 <= grew <= max(x, 1):  # else: a new request on a reused shape
-                self._tracker.record(x, grew)
-            else:
-                self._tracker = AcceptanceTracker(self.plan.aat)
+        if self._last is None:
+            return
+        last_len, x = self._last
+        grew = context_len - last_len
+        if not 1 <= grew <= max(x, 1):  # a new request on a reused shape
+            self.tracker = AcceptanceTracker()
+        elif x <= 1:
+            self.tracker.relax()
+        else:
+            self.tracker.record(float(self.plan.aat_for(last_len)(x)), grew)
 
     def build(self, context: list[int], root: int, source: Any, params: Any, generator: Any):
         from specwood.tree.token_tree import TokenTree

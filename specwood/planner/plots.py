@@ -48,11 +48,18 @@ def plot_aat(plan: Plan, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     hi = max([*plan.aat_points, *(max(r) for r in plan.verify_times.values() if r), 8])
     grid = np.linspace(max(1.0, plan.aat.C + 1e-3), hi, 400)
-    r2 = "n/a" if not np.isfinite(plan.aat.r2) else f"{plan.aat.r2:.3f}"
-    ax.plot(grid, plan.aat(grid), "-", label=f"fit {plan.aat.A:.2f} + {plan.aat.B:.2f} ln(x - {plan.aat.C:.2f}), R² {r2}")
-    if plan.aat_points:
-        xs = sorted(plan.aat_points)
-        ax.plot(xs, [plan.aat_points[x] for x in xs], "o", label="measured")
+    curves = [(f"ctx {c}", f, plan.aat_points_by_context.get(c, {})) for c, f in sorted(plan.aat_by_context.items())]
+    curves = curves or [("", plan.aat, plan.aat_points)]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, fit, pts) in enumerate(curves):
+        color = colors[i % len(colors)]
+        r2 = "n/a" if not np.isfinite(fit.r2) else f"{fit.r2:.3f}"
+        g = grid[grid > fit.C]
+        ax.plot(g, fit(g), "-", color=color,
+                label=f"{label} fit {fit.A:.2f} + {fit.B:.2f} ln(x - {fit.C:.2f}), R² {r2}".strip())
+        if pts:
+            xs = sorted(pts)
+            ax.plot(xs, [pts[x] for x in xs], "o", color=color, label=f"{label} measured".strip())
     ax.set_xlabel("verification length x")
     ax.set_ylabel("AAT(x)  [tokens per target forward]")
     ax.set_title(f"AAT — {plan.key.method}, {Path(plan.key.target).name} / {Path(plan.key.draft).name}")

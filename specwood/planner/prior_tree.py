@@ -263,8 +263,9 @@ def collect_prior_scores(engine: Any, prompts_ids: Sequence[Sequence[int]], max_
 
 def compare_tree_methods(engine: Any, prior: PriorScores, xs: Sequence[int], prompts_ids: Sequence[Sequence[int]],
                          max_tokens: int = 48) -> list[dict[str, Any]]:
-    """The paper's Fig. 6 / Table III comparison: AAT of the prior-score, width-based and
-    depth-based trees at equal verification length x (x - 1 drafted nodes)."""
+    """The paper's Fig. 6 / Table III comparison: AAT, and decode tokens/s (draft + verify time),
+    of the prior-score, width-based and depth-based trees at equal verification length x (x - 1
+    drafted nodes). Give prompts the scores were not collected on."""
     from specwood.drafting.model_source import ModelDraftSource
     from specwood.planner.profiler import run_speculative
 
@@ -278,5 +279,7 @@ def compare_tree_methods(engine: Any, prior: PriorScores, xs: Sequence[int], pro
             stats = run_speculative(engine, ModelDraftSource(engine.draft_model), prior_shape(layout, name),
                                     prompts_ids, max_tokens)
             row[name] = stats.as_dict()["mean_accepted_tokens"]
+            seconds = stats.draft_s + stats.verify_s
+            row[f"{name}_tok_s"] = (stats.accepted + stats.steps) / seconds if seconds > 0 else 0.0
         rows.append(row)
     return rows

@@ -21,8 +21,10 @@ from specwood.models.transformer import Transformer
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
 
-DEFAULT_XS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-QUICK_XS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+# dense at small x: on a CPU T_v(x) already rises between 2 and 8 tokens, and P_eff(x) is flat
+# enough there that interpolating over a gap of 4 picks the wrong neighbour
+DEFAULT_XS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 48, 64, 96, 128)
+QUICK_XS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 DEFAULT_CONTEXTS: tuple[int, ...] = (128, 512, 2048)
 QUICK_CONTEXTS: tuple[int, ...] = (128, 512)
 
@@ -122,14 +124,14 @@ def measure_verify_times(
     The KV cache is filled with random values up to ctx (attention cost does not depend on the
     values, and this avoids a prefill per bucket). The forward includes the greedy argmax but not
     building the mask. With `refine`, up to 4 extra x points (2 when `quick`) are measured where
-    P(x) bends (see `bend_points`); `quick` also caps repeats at 3. x = 1 is timed with twice the
+    P(x) bends (see `bend_points`); `quick` also caps repeats at 5. x = 1 is timed with twice the
     repeats. Contexts that do not fit the model's positions are skipped.
     Returns {ctx: {x: seconds}}.
     """
     if mask not in ("tree", "chain"):
         raise ValueError(f"mask must be 'tree' or 'chain', got {mask!r}")
     if quick:
-        repeats = min(repeats, 3)
+        repeats = min(repeats, 5)
     xs = sorted({int(x) for x in xs if int(x) >= 1})
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
@@ -150,22 +152,30 @@ def measure_verify_times(
             for x in (max(xs), 1) if ctx == usable[0] else (1,):
                 _verify_callable(model, cache, ctx, random_tree(x, gen, vocab, mask))()
 
-            def measure(x: int) -> None:
-                fn = _verify_callable(model, cache, ctx, random_tree(x, gen, vocab, mask))
-                # P(1) = P_AR is the reference of every decision: time it twice as often
-                n = 2 * repeats if x == 1 else repeats
-                row[x] = median_time(fn, n, warmup=1, device=model.device)
-                bar.set_postfix(ctx=ctx, x=x, ms=f"{row[x] * 1e3:.1f}")
+            def measure(batch: list[int]) -> None:
+                # round-robin over x, `repeats` rounds: a slow spell of a shared machine (memory
+                # bandwidth taken by a neighbour) then hits every x alike instead of bending the
+                # curve at whichever x it happened to fall on
+                fns = {x: _verify_callable(model, cache, ctx, random_tree(x, gen, vocab, mask)) for x in batch}
+                samples: dict[int, list[float]] = {x: [] for x in batch}
+                for fn in fns.values():  # first call of a new shape
+                    fn()
+                for _ in range(repeats):
+                    for x, fn in fns.items():
+                        # P(1) = P_AR is the reference of every decision: time it twice as often
+                        for _ in range(2 if x == 1 else 1):
+                            samples[x].append(median_time(fn, 1, warmup=0, device=model.device))
+                for x in batch:
+                    row[x] = statistics.median(samples[x])
+                    bar.set_postfix(ctx=ctx, x=x, ms=f"{row[x] * 1e3:.1f}")
+                    bar.update(1)
 
-            for x in xs:
-                measure(x)
-                bar.update(1)
+            measure(list(xs))
             if refine:
                 extra = bend_points(row, max_new=2 if quick else 4)
                 bar.total += len(extra)
-                for x in extra:
-                    measure(x)
-                    bar.update(1)
+                if extra:
+                    measure(extra)
             table[ctx] = dict(sorted(row.items()))
     return table
 
