@@ -221,6 +221,21 @@ def test_planned_shape_follows_observed_acceptance():
     assert adaptive.choose_x(128) == planned
 
 
+def test_speculation_must_earn_back_the_draft_prefill():
+    plan = cost_plan(AATFit(1.0, 1.0, 0.0))
+    d = plan.decide(128)
+    assert d.method == "sd"
+    saving_per_token = 1 / d.p_ar - 1 / d.p_eff
+    assert plan.speculation_pays(128, 64)  # prefill cost unknown: speculate
+    plan.draft_prefill_s = 0.001
+    assert plan.speculation_pays(128, 64)
+    long_prompt = int(64 * saving_per_token / 0.001) + 10  # its prefill outweighs 64 tokens of saving
+    assert not plan.speculation_pays(long_prompt, 64)
+    assert plan.speculation_pays(long_prompt, 64 * 4)  # a longer answer earns it back
+    back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back.draft_prefill_s == 0.001
+
+
 def test_plan_uses_the_aat_curve_of_the_nearest_bucket():
     plan = cost_plan(AATFit(1.0, 1.0, 0.0))
     plan.contexts = [128, 1024]
@@ -490,6 +505,16 @@ def test_build_plan_end_to_end_on_tiny_engine(tiny_engine, tmp_path):
             break
     steps.close()
     assert out[: len(ar)] == ar[: len(out)]
+    # through the API: lossless, and a prompt whose draft prefill outweighs the saving runs as AR
+    assert plan.draft_prefill_s is not None and plan.draft_prefill_s > 0
+    plan.draft_prefill_s = 0.0
+    save_plan(plan)
+    res = tiny_engine.generate(ids, max_tokens=24, method="auto")
+    assert res.token_ids == ar and res.stats["auto"] == "sd" and "mean_accepted_tokens" in res.stats
+    plan.draft_prefill_s = 10.0
+    save_plan(plan)
+    res = tiny_engine.generate(ids, max_tokens=24, method="auto")
+    assert res.token_ids == ar and res.stats["auto"] == "ar" and "mean_accepted_tokens" not in res.stats
     # an all-AR plan means: just decode autoregressively
     plan.choices = [BucketChoice(c.context, "ar", 1, 0.5, 1.0, 2.0, 4) for c in plan.choices]
     save_plan(plan)

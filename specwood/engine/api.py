@@ -152,9 +152,9 @@ class Engine:
         if method == "auto":  # the planner's choice for this hardware and context; may be plain decoding
             from specwood.planner import auto_components
 
-            components = auto_components(self, options)
-            if components is None:
-                method, options = "ar", {}
+            components = auto_components(self, options, prompt_len=len(prompt_ids), max_tokens=max_tokens)
+            if components is None:  # stats say what auto decided
+                return self._steps("ar", prompt_ids, max_tokens, params, generator, {})[0], lambda: {"auto": "ar"}
         if method == "ar":
             if options:
                 raise SpecwoodError(f"method 'ar' takes no options (got {', '.join(sorted(options))})")
@@ -163,7 +163,10 @@ class Engine:
         from specwood.engine.speculative import build_method, speculative_run  # imported late: heavier
 
         source, shape = components or build_method(self, method, options)
-        return speculative_run(self.target, source, shape, prompt_ids, max_tokens, params, generator)
+        steps, stats = speculative_run(self.target, source, shape, prompt_ids, max_tokens, params, generator)
+        if components is not None:
+            return steps, lambda: {**stats(), "auto": "sd"}
+        return steps, stats
 
 
 def load(

@@ -17,12 +17,14 @@ import math
 import os
 import re
 import sys
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from specwood.errors import SpecwoodError
 from specwood.planner.fits import DEFAULT_AAT, AATFit, RooflineFit, fit_aat, fit_roofline
@@ -231,6 +233,7 @@ class Plan:
     rooflines: dict[int, RooflineFit] = field(default_factory=dict)
     choices: list[BucketChoice] = field(default_factory=list)
     x_cap: int = MAX_X  # largest x the method can build (e.g. the prior's maximal tree + 1)
+    draft_prefill_s: float | None = None  # the draft's prefill, seconds per prompt token
     source: str = "measured"  # or "analytic" (a device model, no hardware)
     mode: str = "quick"  # "quick" or "full" measurement, "analytic"
     prior: PriorScores | None = None
@@ -299,6 +302,19 @@ class Plan:
         c = by_ctx[nearest_context(list(by_ctx), context_len)]
         return c.method, c.x
 
+    def speculation_pays(self, prompt_len: int, max_tokens: int) -> bool:
+        """End to end, not just per decoded token: speculating first costs the draft's own
+        prefill of the prompt, which only the decode steps can earn back. True if the time the
+        chosen tree saves over `max_tokens` tokens exceeds that prefill (unknown cost: True)."""
+        by_ctx = {c.context: c for c in self.choices}
+        d = by_ctx[nearest_context(list(by_ctx), prompt_len)]
+        if d.method == "ar" or d.p_eff <= 0:
+            return False
+        if not self.draft_prefill_s:
+            return True
+        saving = max_tokens * (1.0 / d.p_ar - 1.0 / d.p_eff)
+        return saving > prompt_len * self.draft_prefill_s
+
     # --- JSON ---------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -310,6 +326,7 @@ class Plan:
             "mode": self.mode,
             "contexts": list(self.contexts),
             "x_cap": self.x_cap,
+            "draft_prefill_s": self.draft_prefill_s,
             "verify_times": _table_out(self.verify_times),
             "draft_times": _table_out(self.draft_times),
             "aat": self.aat.to_dict(),
@@ -339,6 +356,7 @@ class Plan:
             rooflines={int(c): RooflineFit.from_dict(f) for c, f in (d.get("rooflines") or {}).items()},
             choices=[BucketChoice(**c) for c in d.get("choices") or []],
             x_cap=int(d.get("x_cap", MAX_X)),
+            draft_prefill_s=None if d.get("draft_prefill_s") is None else float(d["draft_prefill_s"]),
             source=str(d.get("source", "measured")),
             mode=str(d.get("mode", "quick")),
             prior=PriorScores.from_dict(d["prior"]) if d.get("prior") else None,
@@ -508,6 +526,25 @@ def measure_aat(engine: Any, make: Callable[[int], tuple[Any, Any]], xs: Sequenc
     return out
 
 
+def measure_draft_prefill(engine: Any, n_tokens: int = 512, repeats: int = 2) -> float | None:
+    """Seconds per prompt token of the draft model's prefill (None without a draft model)."""
+    from specwood.drafting.model_source import ModelDraftSource
+
+    if engine.draft_model is None:
+        return None
+    n = max(8, min(n_tokens, engine.max_context // 2))
+    ids = calibration_set(engine, n, 1) or encode_prompts(engine, CALIBRATION_PROMPTS[:1])
+    source = ModelDraftSource(engine.draft_model)
+    with torch.inference_mode():
+        source.start(ids[0][:16])  # allocate the cache, warm the kernels
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            source.start(ids[0])
+            best = min(best, time.perf_counter() - t0)
+    return best / len(ids[0])
+
+
 def build_plan(
     engine: Any,
     method: str = DEFAULT_METHOD,
@@ -613,11 +650,13 @@ def build_plan(
         aat = DEFAULT_AAT
         notes.append("too few AAT points: using the default AAT curve")
 
+    draft_prefill = measure_draft_prefill(engine, max(fit_ctx))
     plan = Plan(key=PlanKey(device_id or local_device_id(engine), str(engine.target_name or "target"),
                             str(engine.draft_name or "none"),
                             _DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype)), method),
                 contexts=sorted(t_v), verify_times=t_v, draft_times=t_d, aat=aat, aat_points=points,
-                aat_by_context=by_ctx, aat_points_by_context=points_by_ctx, x_cap=x_cap, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
+                aat_by_context=by_ctx, aat_points_by_context=points_by_ctx, x_cap=x_cap,
+                draft_prefill_s=draft_prefill, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
                 created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     return plan.refresh()
 
@@ -742,7 +781,8 @@ class PlannedShape:
 
 
 def auto_components(engine: Any, options: dict[str, Any] | None = None, *, build_if_missing: bool = True,
-                    progress: bool = True) -> tuple[Any, Any] | None:
+                    progress: bool = True, prompt_len: int | None = None,
+                    max_tokens: int | None = None) -> tuple[Any, Any] | None:
     """For `generate(method="auto")`: (source, PlannedShape) following the plan for this
     engine, or None when the plan says autoregressive at every context (use method "ar").
 
@@ -764,6 +804,16 @@ def auto_components(engine: Any, options: dict[str, Any] | None = None, *, build
         raise SpecwoodError(f"no plan for method '{base}' on this device; run `specwood plan --method {base}`")
     if all(c.method == "ar" for c in plan.choices):
         return None
+    if prompt_len and max_tokens:
+        if plan.draft_prefill_s is None and plan.source == "measured":  # a plan from before this field
+            plan.draft_prefill_s = measure_draft_prefill(engine)
+            save_plan(plan)
+        if not plan.speculation_pays(prompt_len, max_tokens):
+            if progress:
+                print(f"[plan] method auto: decoding autoregressively -- for a {prompt_len}-token prompt and "
+                      f"{max_tokens} new tokens the draft's prefill would cost more than speculation saves",
+                      file=sys.stderr)
+            return None
     make = method_factory(engine, base, plan.prior)
     first_sd = next(c for c in plan.choices if c.method != "ar")
     source, _ = make(first_sd.budget)
