@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import specwood
 from specwood.bench.workload import load_workload
-from specwood.planner.plan import get_plan
+
+from _common import engine_and_plan
 
 
 def bucket_prompts(engine, ctx: int, n: int) -> list[list[int]]:
@@ -39,10 +39,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
-    engine = specwood.load()
-    plan = get_plan(engine, args.method)
-    if plan is None:
-        raise SystemExit(f"no stored plan; run `specwood plan --method {args.method}` first")
+    engine, plan = engine_and_plan(args.method)
     xs = [int(x) for x in args.xs.split(",")]
     warm = bucket_prompts(engine, 64, 1)[0]  # first calls allocate and page in weights: keep them out
     for kw in ({}, {"method": args.method, "budget": 4}, {"method": "auto", "shape": args.method}):

@@ -26,11 +26,14 @@ def main() -> None:
     ap.add_argument("--levels", type=int, default=6)
     ap.add_argument("--xs", default="4,8,12,16,24,32")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--calib-tokens", type=int, default=None, help="tokens per calibration prompt (default --max-tokens)")
+    ap.add_argument("--chat", type=int, default=4, help="calibration chat prompts")
+    ap.add_argument("--windows", type=int, default=2, help="calibration raw windows of 128 tokens")
     args = ap.parse_args()
     engine = specwood.load()
     t0 = time.perf_counter()
-    calib = calibration_set(engine, 128, 2, n_chat=4)
-    prior = collect_prior_scores(engine, calib, args.max_tokens, args.nodes, args.levels)
+    calib = calibration_set(engine, 128, args.windows, n_chat=args.chat)
+    prior = collect_prior_scores(engine, calib, args.calib_tokens or args.max_tokens, args.nodes, args.levels)
     print(f"prior scores: maximal tree of {args.nodes} nodes over {args.levels} levels, {prior.steps} steps, "
           f"AAT of the maximal tree {prior.aat:.2f} ({time.perf_counter() - t0:.0f} s)")
     prompts = load_workload("builtin", categories=SHORT).prompts

@@ -1,6 +1,8 @@
 """How fast can speculative decoding be on this machine? The ceiling implied by the measured
-costs of the stored plan (T_v(x): one target forward over x tokens, T_d(x): drafting x - 1
-nodes, one draft forward each) for a chain whose tokens are each accepted with probability a:
+costs of the stored plan (T_v(x): one target forward over x tokens, T_d(x): drafting a tree of
+x - 1 nodes as measured while calibrating -- a dyspec tree spends at most one draft forward per
+node, so for a chain, which needs exactly one per node, this is optimistic) for a chain whose
+tokens are each accepted with probability a:
 
     AAT(k) = (1 - a^(k+1)) / (1 - a),   speedup(k) = AAT(k) * T_v(1) / (T_v(k+1) + T_d(k+1))
 
@@ -11,8 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-import specwood
-from specwood.planner.plan import get_plan
+from _common import engine_and_plan
 
 
 def main() -> None:
@@ -20,10 +21,7 @@ def main() -> None:
     ap.add_argument("--method", default="dyspec")
     ap.add_argument("--context", type=int, default=128)
     args = ap.parse_args()
-    engine = specwood.load()
-    plan = get_plan(engine, args.method)
-    if plan is None:
-        raise SystemExit(f"no stored plan; run `specwood plan --method {args.method}` first")
+    engine, plan = engine_and_plan(args.method)
     ctx = args.context
     t1 = plan.t_v(ctx, 1)
     print(f"plan {plan.key.device}, context {ctx}: T_v(1) = {1000 * t1:.0f} ms")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from specwood.planner.cli import _aat
+from specwood.planner.devices import DeviceModel
 from specwood.planner.plan import build_analytic_plan
 
 BOARDS = ("u280", "vhk158", "v80", "u250")
@@ -50,6 +51,12 @@ def main() -> None:
             cells = " | ".join(f"{m} ({t})" for m, t in zip(mine, theirs))
             print(f"| {ctx} | {label} | {cells} |")
     print("\ncells: ours (paper)")
+    # a compute-starved board: U280's bandwidth behind an 8x8 PE array (ridge below 1 token)
+    starved = DeviceModel.pe_array("u280-8x8", 8, 8, 460, note="U280 bandwidth, 8x8 PE array")
+    plan = build_analytic_plan(starved, "llama3.1-8b", args.draft, method=args.method, contexts=CONTEXTS, aat=args.aat)
+    print(f"\ncompute-starved {starved.note}: ridge ~{starved.ridge_tokens:.1f} tokens")
+    for c in plan.choices:
+        print(f"  ctx {c.context}: {c.method} (best SD x = {c.x_best_sd}, its speedup {c.speedup:.2f}x)")
 
 
 if __name__ == "__main__":
