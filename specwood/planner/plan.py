@@ -738,7 +738,6 @@ class PlannedShape:
         self._shapes: dict[int, Any] = {}
         self.tracker = AcceptanceTracker()
         self._last: tuple[int, int] | None = None  # (context length, x) of the previous step
-        self.chosen: list[int] = []  # x per step, for statistics
 
     def choose_x(self, context_len: int) -> int:
         if not self.adapt:
@@ -776,7 +775,6 @@ class PlannedShape:
         tree = (TokenTree.with_root(root, "selected" if params.greedy else "sampled") if shape is None
                 else shape.build(context, root, source, params, generator))
         self._last = (len(context), len(tree))
-        self.chosen.append(len(tree))
         return tree
 
 
