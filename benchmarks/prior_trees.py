@@ -13,11 +13,8 @@ import argparse
 import time
 
 import specwood
-from specwood.bench.workload import load_workload
 from specwood.planner.plan import calibration_set
-from specwood.planner.prior_tree import collect_prior_scores, compare_tree_methods
-
-SHORT = ["code", "chat", "math", "translation", "json-extraction", "summarisation"]
+from specwood.planner.prior_tree import collect_prior_scores, compare_tree_methods, held_out_prompts
 
 
 def main() -> None:
@@ -36,13 +33,11 @@ def main() -> None:
     prior = collect_prior_scores(engine, calib, args.calib_tokens or args.max_tokens, args.nodes, args.levels)
     print(f"prior scores: maximal tree of {args.nodes} nodes over {args.levels} levels, {prior.steps} steps, "
           f"AAT of the maximal tree {prior.aat:.2f} ({time.perf_counter() - t0:.0f} s)")
-    prompts = load_workload("builtin", categories=SHORT).prompts
-    picked = list({p.category: p for p in reversed(prompts)}.values())
-    ids = [engine.encode(p.content, raw=p.raw) for p in picked]
+    names, ids = held_out_prompts(engine)
     engine.generate(ids[0], max_tokens=8)  # warm-up
     xs = [int(x) for x in args.xs.split(",") if int(x) <= args.nodes + 1]
     rows = compare_tree_methods(engine, prior, xs, ids, args.max_tokens)
-    print(f"held-out prompts: {', '.join(p.id for p in picked)}; {args.max_tokens} new tokens each, greedy\n")
+    print(f"held-out prompts: {', '.join(names)}; {args.max_tokens} new tokens each, greedy\n")
     print("| x | prior AAT | width AAT | depth AAT | prior tok/s | width tok/s | depth tok/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -434,6 +434,11 @@ def test_prior_scores_on_tiny_engine(tiny_engine):
     assert valid_layout(prior.best_layout(5))
     from specwood.planner.prior_tree import compare_tree_methods
 
+    from specwood.planner.prior_tree import HELD_OUT_CATEGORIES, held_out_prompts
+
+    names, held_out = held_out_prompts(tiny_engine)
+    assert len(names) == len(held_out) == len(HELD_OUT_CATEGORIES)
+    assert {n.split("-")[0] for n in names} == {"code", "chat", "math", "translate", "json", "summary"}
     rows = compare_tree_methods(tiny_engine, prior, [3, 6], prompts, max_tokens=8)
     assert [r["x"] for r in rows] == [3, 6]
     for r in rows:

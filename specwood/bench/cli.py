@@ -7,7 +7,7 @@ import shlex
 import sys
 from typing import Any
 
-from specwood.cli import add_method_options, add_model_args, add_sampling_args, load_engine, needs_draft
+from specwood.cli import add_method_options, add_model_args, add_sampling_args, load_engine, method_options, needs_draft
 from specwood.errors import SpecwoodError
 
 DEFAULT_OUT = "bench-out"
@@ -62,12 +62,11 @@ def run_bench_cli(args: argparse.Namespace) -> int:
 
         # a draft costs memory and load time: only load it when some method drafts with it
         engine = load_engine(args, need_draft=any(needs_draft(m) for m in methods))
-        method_options = {k: getattr(args, k, None) for k in ("budget", "depth", "topk", "threshold")}
         run_info = {"argv": ["specwood", *sys.argv[1:]],
                     "command": shlex.join(["specwood", *sys.argv[1:]]),
                     "dtype_requested": args.dtype, "max_context": args.max_context}
         records = run_bench(engine, workload, methods, args.out, sampling=sampling,
-                            method_options=method_options, max_tokens=args.max_tokens,
+                            method_options=method_options(args), max_tokens=args.max_tokens,
                             run_info={k: v for k, v in run_info.items() if v is not None},
                             progress=not args.no_progress)
     except SpecwoodError as e:

@@ -124,22 +124,15 @@ def _local_plan(args: argparse.Namespace) -> Any:
 
 
 def _compare_trees(engine: Any, plan: Any, quick: bool) -> None:
-    from specwood.bench.workload import load_workload
-    from specwood.planner.prior_tree import compare_tree_methods
+    from specwood.planner.prior_tree import HELD_OUT_CATEGORIES, compare_tree_methods, held_out_prompts
 
     if plan.prior is None:
         print("[plan] --compare-trees needs --method prior", file=sys.stderr)
         return
     xs = [x for x in (4, 8, 12, 16, 24, 32) if x <= len(plan.prior.layout) + 1]
-    # held out: the scores came from the calibration prompts, the comparison runs on the
-    # built-in workload's short prompts (one per category)
-    short = ["code", "chat", "math", "translation", "json-extraction", "summarisation"]
-    prompts = load_workload("builtin", categories=short[: 3 if quick else None]).prompts
-    picked = list({p.category: p for p in reversed(prompts)}.values())
-    ids = [engine.encode(p.content, raw=p.raw) for p in picked]
-    ar = engine.generate(ids[0], max_tokens=8, method="ar")  # warm-up
-    print(f"[plan] comparing trees on {len(ids)} built-in prompts ({', '.join(p.id for p in picked)}), "
-          f"{ar.stats['method']} warm-up done", file=sys.stderr)
+    names, ids = held_out_prompts(engine, HELD_OUT_CATEGORIES[: 3 if quick else None])
+    engine.generate(ids[0], max_tokens=8, method="ar")  # warm-up
+    print(f"[plan] comparing trees on {len(ids)} built-in prompts ({', '.join(names)})", file=sys.stderr)
     rows = compare_tree_methods(engine, plan.prior, xs, ids, 32 if quick else 64)
     print(f"{'x':>4} {'prior':>7} {'width':>7} {'depth':>7}   AAT per target forward  |  decode tok/s: "
           f"{'prior':>7} {'width':>7} {'depth':>7}")

@@ -296,18 +296,21 @@ class Plan:
     def choose(self, context_len: int) -> tuple[str, int]:
         """(method, x) for a request whose context holds `context_len` tokens: the choice of the
         nearest bucket (log scale). x is the verification length; use budget = x - 1."""
+        c = self.choice_for(context_len)
+        return c.method, c.x
+
+    def choice_for(self, context_len: int) -> BucketChoice:
+        """The stored choice of the bucket nearest `context_len` (log scale)."""
         if not self.choices:
             raise SpecwoodError("this plan has no per-context choices (call refresh())")
         by_ctx = {c.context: c for c in self.choices}
-        c = by_ctx[nearest_context(list(by_ctx), context_len)]
-        return c.method, c.x
+        return by_ctx[nearest_context(list(by_ctx), context_len)]
 
     def speculation_pays(self, prompt_len: int, max_tokens: int) -> bool:
         """End to end, not just per decoded token: speculating first costs the draft's own
         prefill of the prompt, which only the decode steps can earn back. True if the time the
         chosen tree saves over `max_tokens` tokens exceeds that prefill (unknown cost: True)."""
-        by_ctx = {c.context: c for c in self.choices}
-        d = by_ctx[nearest_context(list(by_ctx), prompt_len)]
+        d = self.choice_for(prompt_len)
         if d.method == "ar" or d.p_eff <= 0:
             return False
         if not self.draft_prefill_s:

@@ -261,6 +261,18 @@ def collect_prior_scores(engine: Any, prompts_ids: Sequence[Sequence[int]], max_
     return PriorScores(layout, scores, steps=stats.steps, aat=float(aat), levels=levels)
 
 
+HELD_OUT_CATEGORIES = ("code", "chat", "math", "translation", "json-extraction", "summarisation")
+
+
+def held_out_prompts(engine: Any, categories: Sequence[str] = HELD_OUT_CATEGORIES) -> tuple[list[str], list[list[int]]]:
+    """(ids, token ids) of one built-in workload prompt per category: text the prior scores were
+    not collected on (they come from the planner's calibration set)."""
+    from specwood.bench.workload import load_workload
+
+    prompts = load_workload("builtin", categories=list(categories), limit=len(categories)).prompts
+    return [p.id for p in prompts], [engine.encode(p.content, raw=p.raw) for p in prompts]
+
+
 def compare_tree_methods(engine: Any, prior: PriorScores, xs: Sequence[int], prompts_ids: Sequence[Sequence[int]],
                          max_tokens: int = 48) -> list[dict[str, Any]]:
     """The paper's Fig. 6 / Table III comparison: AAT, and decode tokens/s (draft + verify time),
