@@ -424,6 +424,22 @@ def test_calibration_set_has_windows_of_the_bucket_length(tiny_engine):
     keep = max(8, tiny_engine.max_context // 2)  # long chat prompts keep their last half-context tokens
     assert len(ids) == 3 and ids[0] == tiny_engine.encode(CALIBRATION_PROMPTS[0])[-keep:]
     assert [len(w) for w in ids[1:]] == [48, 48] and ids[1] != ids[2]
+    chat_only = calibration_set(tiny_engine, 48, 0, n_chat=2)
+    assert len(chat_only) == 2 and chat_only[0] == ids[0]  # no windows asked, none given
+
+
+def test_calibration_prompts_mix_kinds_and_avoid_the_workload():
+    from specwood.bench.workload import load_workload
+    from specwood.planner.plan import CALIBRATION_PROMPTS
+
+    def text(content):  # a raw string or a list of chat messages
+        return content if isinstance(content, str) else " ".join(m["content"] for m in content)
+
+    workload = " ".join(text(p.content) for p in load_workload("builtin").prompts).lower()
+    for prompt in CALIBRATION_PROMPTS:
+        assert prompt[:60].lower() not in workload
+    first = " ".join(CALIBRATION_PROMPTS[:6]).lower()
+    assert all(word in first for word in ("python", "explain", "translate", "json", "summarise"))
 
 
 def test_prior_scores_on_tiny_engine(tiny_engine):
@@ -439,11 +455,23 @@ def test_prior_scores_on_tiny_engine(tiny_engine):
     names, held_out = held_out_prompts(tiny_engine)
     assert len(names) == len(held_out) == len(HELD_OUT_CATEGORIES)
     assert {n.split("-")[0] for n in names} == {"code", "chat", "math", "translate", "json", "summary"}
+    names3, _ = held_out_prompts(tiny_engine, per_category=3)
+    assert len(names3) == 3 * len(HELD_OUT_CATEGORIES) == len(set(names3)) and set(names) <= set(names3)
     rows = compare_tree_methods(tiny_engine, prior, [3, 6], prompts, max_tokens=8)
     assert [r["x"] for r in rows] == [3, 6]
     for r in rows:
         for name in ("prior", "width", "depth"):
             assert 1.0 <= r[name] <= r["x"] and r[f"{name}_tok_s"] > 0
+            per_prompt = r[f"{name}_per_prompt"]
+            assert len(per_prompt) == len(prompts) and min(per_prompt) <= r[name] <= max(per_prompt)
+
+
+def test_paired_difference():
+    from specwood.planner.prior_tree import paired_difference
+
+    mean, se = paired_difference([3.0, 4.0, 5.0], [2.0, 4.0, 3.0])
+    assert mean == pytest.approx(1.0) and se == pytest.approx(1.0 / 3 ** 0.5)
+    assert paired_difference([2.0], [1.5]) == (0.5, 0.0) and paired_difference([], []) == (0.0, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

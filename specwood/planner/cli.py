@@ -124,7 +124,7 @@ def _local_plan(args: argparse.Namespace) -> Any:
 
 
 def _compare_trees(engine: Any, plan: Any, quick: bool) -> None:
-    from specwood.planner.prior_tree import HELD_OUT_CATEGORIES, compare_tree_methods, held_out_prompts
+    from specwood.planner.prior_tree import HELD_OUT_CATEGORIES, compare_tree_methods, held_out_prompts, paired_difference
 
     if plan.prior is None:
         print("[plan] --compare-trees needs --method prior", file=sys.stderr)
@@ -134,11 +134,12 @@ def _compare_trees(engine: Any, plan: Any, quick: bool) -> None:
     engine.generate(ids[0], max_tokens=8, method="ar")  # warm-up
     print(f"[plan] comparing trees on {len(ids)} built-in prompts ({', '.join(names)})", file=sys.stderr)
     rows = compare_tree_methods(engine, plan.prior, xs, ids, 32 if quick else 64)
-    print(f"{'x':>4} {'prior':>7} {'width':>7} {'depth':>7}   AAT per target forward  |  decode tok/s: "
-          f"{'prior':>7} {'width':>7} {'depth':>7}")
+    print(f"{'x':>4} {'prior':>7} {'width':>7} {'depth':>7} {'prior-depth (±se)':>18}   AAT per target forward  |  "
+          f"decode tok/s: {'prior':>7} {'width':>7} {'depth':>7}")
     for r in rows:
-        print(f"{r['x']:>4} {r['prior']:>7.3f} {r['width']:>7.3f} {r['depth']:>7.3f}   {'':22}|  {'':14}"
-              f"{r['prior_tok_s']:>7.2f} {r['width_tok_s']:>7.2f} {r['depth_tok_s']:>7.2f}")
+        diff, se = paired_difference(r["prior_per_prompt"], r["depth_per_prompt"])
+        print(f"{r['x']:>4} {r['prior']:>7.3f} {r['width']:>7.3f} {r['depth']:>7.3f} {f'{diff:+.2f} ± {se:.2f}':>18}   "
+              f"{'':22}|  {'':14}{r['prior_tok_s']:>7.2f} {r['width_tok_s']:>7.2f} {r['depth_tok_s']:>7.2f}")
 
 
 def run_plan_cli(args: argparse.Namespace) -> int:

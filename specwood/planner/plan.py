@@ -41,18 +41,42 @@ MAX_X = 1025  # the engine's largest tree (MAX_BUDGET drafted nodes + root)
 # Calibration prompts for AAT(x) and the prior-score search. Deliberately *not* the benchmark
 # workload (specwood/bench/data/builtin.jsonl), so plans are not tuned on what we report.
 CALIBRATION_PROMPTS: tuple[str, ...] = (
+    # Interleaved by kind (code, chat, translation, math, extraction, summary, ...) so that the first
+    # n prompts any caller takes stay a mix: acceptance differs a lot between kinds of text.
     "Write a Python function `chunked(seq, n)` that yields consecutive lists of length n from any "
     "iterable, the last one possibly shorter. Include a docstring and two doctests.",
     "Explain in four sentences why a hash map has average O(1) lookups but O(n) in the worst case.",
+    "Translate into Italian:\n\n\"The library will be closed on Monday for maintenance. Books due that "
+    "day can be returned on Tuesday without a fine, and the online catalogue stays available.\"",
+    "A recipe for four people uses 300 g of flour, 2 eggs and 250 ml of milk. How much of each is "
+    "needed for ten people? Show the calculation.",
+    "Extract the contact details as JSON with the keys `name`, `email`, `phone` and `city`. Output "
+    "only the JSON.\n\n\"For questions about the workshop, write to Olivia Brandt "
+    "(olivia.brandt@example.org) or call +49 30 1234567; she works from our Berlin office.\"",
+    "Summarise in two sentences:\n\nThe town library reopened last week after an eight-month "
+    "renovation. The building now has a children's wing, twenty study rooms that can be booked "
+    "online and a café on the ground floor. Opening hours were extended to 9 pm on weekdays, and "
+    "the book collection grew by 12,000 titles, many of them in languages spoken by recent arrivals.",
     "Convert this loop to a list comprehension and explain the change:\n\nsquares = []\n"
     "for i in range(20):\n    if i % 3 == 0:\n        squares.append(i * i)",
-    "Write a bash one-liner that counts the lines of every .py file under the current folder and "
-    "prints the ten largest, then explain each part of the pipeline.",
-    "Summarise the difference between a process and a thread for a new programmer, with one "
-    "example of when to prefer each.",
+    "I want to start running but I have never done sport. Suggest a simple plan for the first four "
+    "weeks, with rest days, and tell me how to avoid getting injured.",
+    "Translate into Spanish:\n\n\"Your order has shipped and should arrive within three to five "
+    "working days. You can follow the parcel with the tracking link below.\"",
+    "A savings account pays 3% interest per year, compounded yearly. What is a deposit of 1,000 "
+    "euros worth after four years? Show the balance after each year.",
+    "List every date in this text with what happens on it, as a JSON array of objects with `date` "
+    "(YYYY-MM-DD) and `event`:\n\n\"The conference opens on 2 June 2025 with registration; "
+    "workshops run on 3 June, and the closing keynote is on the morning of 4 June.\"",
+    "Summarise this product update for a customer newsletter in three bullet points:\n\nVersion 5 "
+    "of the app adds offline mode, so notes can be edited without a connection and sync later. "
+    "Search is now about twice as fast, and shared folders finally show who changed what. Support "
+    "for Android 8 ends in March.",
+    "List five practical tips for writing clear git commit messages, one line each.",
     "Write a C function `int is_palindrome(const char *s)` that ignores case and non-letters. "
     "Add a short main() that tests three strings.",
-    "List five practical tips for writing clear git commit messages, one line each.",
+    "Write a bash one-liner that counts the lines of every .py file under the current folder and "
+    "prints the ten largest, then explain each part of the pipeline.",
     "Implement binary search over a sorted Python list that returns the leftmost index of the "
     "target or -1, and state its loop invariant.",
 )
@@ -92,8 +116,8 @@ def calibration_set(engine: Any, ctx: int, n_windows: int, n_chat: int = 0, raw:
     chat template, as users send them) plus `n_windows` raw windows of exactly `ctx` tokens of
     code and prose (a long document being continued)."""
     out = encode_prompts(engine, CALIBRATION_PROMPTS[:n_chat], raw) if n_chat else []
-    windows = []
-    for text in calibration_texts():
+    windows: list[list[int]] = []
+    for text in calibration_texts() if n_windows > 0 else ():
         ids = list(engine.tokenizer.encode(text, add_special_tokens=False))
         if len(ids) >= ctx + 1:
             windows.append(ids[:ctx])

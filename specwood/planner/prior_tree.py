@@ -264,12 +264,14 @@ def collect_prior_scores(engine: Any, prompts_ids: Sequence[Sequence[int]], max_
 HELD_OUT_CATEGORIES = ("code", "chat", "math", "translation", "json-extraction", "summarisation")
 
 
-def held_out_prompts(engine: Any, categories: Sequence[str] = HELD_OUT_CATEGORIES) -> tuple[list[str], list[list[int]]]:
-    """(ids, token ids) of one built-in workload prompt per category: text the prior scores were
-    not collected on (they come from the planner's calibration set)."""
+def held_out_prompts(engine: Any, categories: Sequence[str] = HELD_OUT_CATEGORIES,
+                     per_category: int = 1) -> tuple[list[str], list[list[int]]]:
+    """(ids, token ids) of `per_category` built-in workload prompts per category: text the prior
+    scores were not collected on (they come from the planner's calibration set)."""
     from specwood.bench.workload import load_workload
 
-    prompts = load_workload("builtin", categories=list(categories), limit=len(categories)).prompts
+    limit = len(categories) * max(1, per_category)
+    prompts = load_workload("builtin", categories=list(categories), limit=limit).prompts
     return [p.id for p in prompts], [engine.encode(p.content, raw=p.raw) for p in prompts]
 
 
@@ -277,8 +279,10 @@ def compare_tree_methods(engine: Any, prior: PriorScores, xs: Sequence[int], pro
                          max_tokens: int = 48) -> list[dict[str, Any]]:
     """The paper's Fig. 6 / Table III comparison: AAT, and decode tokens/s (draft + verify time),
     of the prior-score, width-based and depth-based trees at equal verification length x (x - 1
-    drafted nodes). Give prompts the scores were not collected on."""
+    drafted nodes), pooled over the prompts; `<name>_per_prompt` holds each prompt's AAT for
+    paired comparisons. Give prompts the scores were not collected on."""
     from specwood.drafting.model_source import ModelDraftSource
+    from specwood.engine.speculative import SpecStats
     from specwood.planner.profiler import run_speculative
 
     rows = []
@@ -287,11 +291,28 @@ def compare_tree_methods(engine: Any, prior: PriorScores, xs: Sequence[int], pro
     for x in xs:
         row: dict[str, Any] = {"x": int(x)}
         for name, make in builders.items():
-            layout = make(int(x) - 1)
-            stats = run_speculative(engine, ModelDraftSource(engine.draft_model), prior_shape(layout, name),
-                                    prompts_ids, max_tokens)
-            row[name] = stats.as_dict()["mean_accepted_tokens"]
-            seconds = stats.draft_s + stats.verify_s
-            row[f"{name}_tok_s"] = (stats.accepted + stats.steps) / seconds if seconds > 0 else 0.0
+            shape = prior_shape(make(int(x) - 1), name)
+            total, per_prompt = SpecStats(), []
+            for ids in prompts_ids:  # one prompt at a time, into one pooled total
+                before = (total.steps, total.accepted)
+                run_speculative(engine, ModelDraftSource(engine.draft_model), shape, [ids], max_tokens, total)
+                steps, accepted = total.steps - before[0], total.accepted - before[1]
+                per_prompt.append((steps + accepted) / steps if steps else 0.0)
+            row[name] = total.as_dict()["mean_accepted_tokens"]
+            row[f"{name}_per_prompt"] = per_prompt
+            seconds = total.draft_s + total.verify_s
+            row[f"{name}_tok_s"] = (total.accepted + total.steps) / seconds if seconds > 0 else 0.0
         rows.append(row)
     return rows
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """Mean of a - b over paired samples and its standard error (0 with fewer than two pairs)."""
+    diffs = [float(x) - float(y) for x, y in zip(a, b)]
+    if not diffs:
+        return 0.0, 0.0
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) < 2:
+        return mean, 0.0
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, (var / len(diffs)) ** 0.5
