@@ -69,5 +69,6 @@ def main() -> None:
         best = max(rows, key=lambda r: r[f"{k}_tok_s"])
         print(f"best {k}: x = {best['x']}, {best[f'{k}_tok_s']:.2f} tok/s (AAT {best[k]:.2f})")
 
+
 if __name__ == "__main__":
     main()

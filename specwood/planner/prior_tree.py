@@ -16,6 +16,7 @@ wrapper around the source sees them all.
 from __future__ import annotations
 
 import heapq
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -309,10 +310,6 @@ def compare_tree_methods(engine: Any, prior: PriorScores, xs: Sequence[int], pro
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
     """Mean of a - b over paired samples and its standard error (0 with fewer than two pairs)."""
     diffs = [float(x) - float(y) for x, y in zip(a, b)]
-    if not diffs:
-        return 0.0, 0.0
-    mean = sum(diffs) / len(diffs)
     if len(diffs) < 2:
-        return mean, 0.0
-    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return mean, (var / len(diffs)) ** 0.5
+        return (diffs[0] if diffs else 0.0), 0.0
+    return statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
