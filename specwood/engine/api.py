@@ -148,26 +148,29 @@ class Engine:
 
     def _steps(self, method: str, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
                generator: torch.Generator | None, options: dict[str, Any]):
-        components = None
         if method == "auto":  # the planner's choice for this hardware and context; may be plain decoding
             from specwood.planner import auto_components
 
             components = auto_components(self, options, prompt_len=len(prompt_ids), max_tokens=max_tokens)
-            if components is None:  # stats say what auto decided
-                return self._steps("ar", prompt_ids, max_tokens, params, generator, {})[0], lambda: {"auto": "ar"}
+            decided = "ar" if components is None else "sd"
+            steps, stats = (self._steps("ar", prompt_ids, max_tokens, params, generator, {}) if components is None
+                            else self._speculative_steps(components, prompt_ids, max_tokens, params, generator))
+            return steps, lambda: {**stats(), "auto": decided}  # stats say what auto decided
         if method == "ar":
             if options:
                 raise SpecwoodError(f"method 'ar' takes no options (got {', '.join(sorted(options))})")
             cache = self.target.new_cache(len(prompt_ids) + max_tokens + 1)
             return autoregressive_steps(self.target, cache, prompt_ids, params, generator), dict
-        from specwood.engine.speculative import build_method, speculative_run  # imported late: heavier
+        from specwood.engine.speculative import build_method  # imported late: heavier
 
-        source, shape = components or build_method(self, method, options)
-        steps, stats = speculative_run(self.target, source, shape, prompt_ids, max_tokens, params, generator)
-        if components is not None:
-            return steps, lambda: {**stats(), "auto": "sd"}
-        return steps, stats
+        return self._speculative_steps(build_method(self, method, options), prompt_ids, max_tokens, params, generator)
 
+    def _speculative_steps(self, components: tuple[Any, Any], prompt_ids: list[int], max_tokens: int,
+                           params: SamplingParams, generator: torch.Generator | None):
+        from specwood.engine.speculative import speculative_run
+
+        source, shape = components
+        return speculative_run(self.target, source, shape, prompt_ids, max_tokens, params, generator)
 
 def load(
     target: str | os.PathLike[str] | None = None,
