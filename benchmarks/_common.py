@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import specwood
-from specwood.planner.plan import get_plan
+from specwood.planner.build import get_plan
 
 
 def engine_and_plan(method: str) -> tuple[Any, Any]:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import specwood
-from specwood.planner.plan import calibration_set
+from specwood.planner.calibration import calibration_set
 from specwood.planner.prior_tree import (PriorScores, collect_prior_scores, compare_tree_methods, held_out_prompts,
                                          paired_difference)
 

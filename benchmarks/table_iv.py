@@ -16,7 +16,7 @@ import argparse
 
 from specwood.planner.cli import _aat
 from specwood.planner.devices import DeviceModel
-from specwood.planner.plan import build_analytic_plan
+from specwood.planner.analytic import build_analytic_plan
 
 BOARDS = ("u280", "vhk158", "v80", "u250")
 CONTEXTS = (256, 1024, 4096, 16384)

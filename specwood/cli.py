@@ -11,12 +11,17 @@ from specwood.errors import SpecwoodError
 METHOD_OPTIONS = ("budget", "depth", "topk", "threshold")
 
 
-# methods that never draft with a model (the bench's Hugging Face baselines included)
-NO_DRAFT_METHODS = ("ar", "pld", "early-exit", "hf", "hf-pld")
+# the bench's Hugging Face baselines (not engine methods) and whether they draft with a model
+HF_DRAFTS = {"hf": False, "hf-pld": False, "hf-assisted": True}
 
 
 def needs_draft(method: str) -> bool:
-    return method not in NO_DRAFT_METHODS
+    """Whether to load the draft model for `method` (from the method registry)."""
+    from specwood.methods import get_method
+
+    if method in HF_DRAFTS:
+        return HF_DRAFTS[method]
+    return get_method(method).loads_draft
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -3,17 +3,22 @@ and 64 greedy tokens identical, for tiny random Llama/Qwen2/Mistral models and t
 import pytest
 import torch
 
-from specwood.engine.autoregressive import autoregressive_steps
 from specwood.models.hf_export import to_hf_model
+from specwood.models.prefill import prefill
 from specwood.models.testing import random_state_dict, random_tiny_config
 from specwood.models.transformer import build_model
-from specwood.sampling import SamplingParams
 
 
 def our_greedy(model, prompt, n):
-    steps = autoregressive_steps(model, model.new_cache(len(prompt) + n + 1), prompt, SamplingParams(), None)
-    out = [next(steps)[0] for _ in range(n)]
-    steps.close()
+    """Plain greedy decoding straight on the model runtime: prefill, then one-token forwards."""
+    cache = model.new_cache(len(prompt) + n + 1)
+    logits, out = prefill(model, cache, prompt), []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        pos = torch.tensor([cache.length])
+        mask = torch.ones(1, cache.length + 1, dtype=torch.bool)
+        logits = model(torch.tensor([[out[-1]]]), pos, mask, cache, pos)[0, -1]
+        cache.length += 1
     return out
 
 

@@ -13,18 +13,16 @@ import torch
 
 from specwood.planner import devices as dev
 from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat, fit_roofline
-from specwood.planner.plan import (
+from specwood.planner.analytic import build_analytic_plan
+from specwood.planner.auto import AcceptanceTracker, PlannedShape
+from specwood.planner.build import build_plan, get_plan
+from specwood.planner.decision import decide
+from specwood.planner.store import (
     SCHEMA_VERSION,
     BucketChoice,
     Plan,
     PlanKey,
-    AcceptanceTracker,
-    PlannedShape,
     PlanWarning,
-    build_analytic_plan,
-    build_plan,
-    decide,
-    get_plan,
     load_plan,
     plan_key_for,
     plan_path,
@@ -205,8 +203,8 @@ def test_acceptance_tracker_scales_the_plan_curve():
 
 def test_planned_shape_follows_observed_acceptance():
     plan = cost_plan(AATFit(1.0, 1.0, 0.0))
-    static = PlannedShape(plan, lambda b: (None, f"shape{b}"), adapt=False)
-    adaptive = PlannedShape(plan, lambda b: (None, f"shape{b}"))
+    static = PlannedShape(plan, lambda b: f"shape{b}", adapt=False)
+    adaptive = PlannedShape(plan, lambda b: f"shape{b}")
     planned = plan.choose(128)[1]
     assert static.choose_x(128) == adaptive.choose_x(128) == planned
     for _ in range(12):  # deep acceptance: the request asks for bigger trees
@@ -215,10 +213,22 @@ def test_planned_shape_follows_observed_acceptance():
     assert deep > planned and static.choose_x(128) == planned
     for _ in range(12):  # the draft is never right: plain decoding
         adaptive.tracker.record(plan.aat(deep), 1)
-    assert adaptive.choose_x(128) == 1 and adaptive.shape_for(128) is None
+    assert adaptive.choose_x(128) == 1 and adaptive.for_batch(1, 128) is None
     for _ in range(12):  # after some plain steps it tries speculation again
         adaptive.tracker.relax()
     assert adaptive.choose_x(128) == planned
+
+
+def test_batch_aware_decision_shrinks_trees_under_load():
+    """Requests sharing a step share the target forward: T_v of the whole batch's tokens decides."""
+    plan = cost_plan(AATFit(1.0, 1.0, 0.0))
+    alone = plan.decide(128)
+    assert alone.method == "sd"
+    xs = [plan.decide(128, batch=b).x for b in (1, 2, 4, 8, 16, 64)]
+    assert xs == sorted(xs, reverse=True) and xs[0] == alone.x
+    assert plan.decide(128, batch=64).method == "ar"  # a full machine: speculation cannot pay
+    shape = PlannedShape(plan, lambda b: f"shape{b}")
+    assert shape.for_batch(1, 128) == f"shape{alone.x - 1}" and shape.for_batch(64, 128) is None
 
 
 def test_speculation_must_earn_back_the_draft_prefill():
@@ -284,12 +294,12 @@ def test_plan_for_another_key_is_stale():
 
 
 def test_corrupt_plan_is_replanned_not_a_crash(tiny_engine, monkeypatch):
-    import specwood.planner.plan as plan_mod
+    import specwood.planner.build as build_mod
 
     key = plan_key_for(tiny_engine, "dyspec")
     plan_path(key).parent.mkdir(parents=True)
     plan_path(key).write_text('{"schema": 1, "key": ')  # truncated
-    monkeypatch.setattr(plan_mod, "build_plan", lambda engine, method, **kw: synthetic_plan(key))
+    monkeypatch.setattr(build_mod, "build_plan", lambda engine, method, **kw: synthetic_plan(key))
     with pytest.warns(PlanWarning):
         plan = get_plan(tiny_engine, "dyspec", build_if_missing=True, progress=False)
     assert plan is not None and plan.key == key
@@ -416,7 +426,7 @@ def test_positions_of_maps_tree_nodes_to_layout_positions():
 
 
 def test_calibration_set_has_windows_of_the_bucket_length(tiny_engine):
-    from specwood.planner.plan import CALIBRATION_PROMPTS, calibration_set, calibration_texts
+    from specwood.planner.calibration import CALIBRATION_PROMPTS, calibration_set, calibration_texts
 
     texts = calibration_texts()
     assert len(texts) >= 2 and not any("def _wrap_chunks" in t for t in texts)  # not the eval prompts
@@ -430,7 +440,7 @@ def test_calibration_set_has_windows_of_the_bucket_length(tiny_engine):
 
 def test_calibration_prompts_mix_kinds_and_avoid_the_workload():
     from specwood.bench.workload import load_workload
-    from specwood.planner.plan import CALIBRATION_PROMPTS
+    from specwood.planner.calibration import CALIBRATION_PROMPTS
 
     def text(content):  # a raw string or a list of chat messages
         return content if isinstance(content, str) else " ".join(m["content"] for m in content)
@@ -499,9 +509,7 @@ def test_profilers_on_tiny_models(tiny_engine):
 
 
 def test_build_plan_end_to_end_on_tiny_engine(tiny_engine, tmp_path):
-    from specwood.engine.speculative import speculative_steps
     from specwood.planner.cli import format_plan
-    from specwood.planner.plan import auto_components
     from specwood.planner.plots import plot_plan
 
     t0 = time.perf_counter()
@@ -521,23 +529,12 @@ def test_build_plan_end_to_end_on_tiny_engine(tiny_engine, tmp_path):
     # --method auto: the plan drives the tree size; output is exactly the AR output
     plan.choices = [BucketChoice(32, "dyspec", 6, 2.0, 1.0, 0.5, 6), BucketChoice(96, "ar", 1, 0.5, 1.0, 2.0, 4)]
     save_plan(plan)
-    _, fixed = auto_components(tiny_engine, {"adapt": False}, build_if_missing=False, progress=False)
-    assert isinstance(fixed, PlannedShape)
-    assert fixed.shape_for(30).budget == 5 and fixed.shape_for(200) is None
-    source, shape = auto_components(tiny_engine, {}, build_if_missing=False, progress=False)
     ids = tiny_engine.encode(RAW_PROMPTS[0], raw=True)
+    sources = tiny_engine.scheduler.draft_source
+    fixed = tiny_engine.prepare("auto", {"adapt": False, "progress": False})(sources, len(ids), 24).shape
+    assert isinstance(fixed, PlannedShape)
+    assert fixed.for_batch(1, 30).budget == 5 and fixed.for_batch(1, 200) is None
     ar = tiny_engine.generate(ids, max_tokens=24, method="ar").token_ids
-    from specwood.engine.speculative import SpecStats
-    from specwood.sampling import SamplingParams
-
-    out: list[int] = []
-    steps = speculative_steps(tiny_engine.target, source, shape, ids, 24, SamplingParams(), None, SpecStats())
-    for tokens in steps:
-        out += tokens
-        if len(out) >= 24:
-            break
-    steps.close()
-    assert out[: len(ar)] == ar[: len(out)]
     # through the API: lossless, and a prompt whose draft prefill outweighs the saving runs as AR
     assert plan.draft_prefill_s is not None and plan.draft_prefill_s > 0
     plan.draft_prefill_s = 0.0
@@ -551,14 +548,16 @@ def test_build_plan_end_to_end_on_tiny_engine(tiny_engine, tmp_path):
     # an all-AR plan means: just decode autoregressively
     plan.choices = [BucketChoice(c.context, "ar", 1, 0.5, 1.0, 2.0, 4) for c in plan.choices]
     save_plan(plan)
-    assert auto_components(tiny_engine, {}, build_if_missing=False) is None
+    res = tiny_engine.generate(ids, max_tokens=24, method="auto", progress=False)
+    assert res.token_ids == ar and res.stats["auto"] == "ar" and "mean_accepted_tokens" not in res.stats
 
 
 def test_prior_plan_and_components(tiny_engine):
-    from specwood.planner.plan import prior_components
+    def prior_shape_for(options):
+        return tiny_engine.prepare("prior", options)(tiny_engine.scheduler.draft_source, 8, 8).shape
 
     with pytest.warns(PlanWarning, match="analytic prior"):
-        _, shape = prior_components(tiny_engine, {"budget": 6})
+        shape = prior_shape_for({"budget": 6})
     assert len(shape.layout) == 6
     plan = build_plan(tiny_engine, "prior", quick=True, calibration_prompts=RAW_PROMPTS, raw_prompts=True,
                       contexts=(32,), xs=(1, 2, 4, 8), aat_xs=(2, 4, 8), max_tokens=12, repeats=1,
@@ -567,7 +566,7 @@ def test_prior_plan_and_components(tiny_engine):
     save_plan(plan)
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanWarning)
-        _, shape = prior_components(tiny_engine, {"budget": 4})
+        shape = prior_shape_for({"budget": 4})
     assert shape.layout == plan.prior.best_layout(4)
 
 
@@ -606,7 +605,7 @@ def test_cli_local_plans_once_then_reuses(tiny_engine, monkeypatch, tmp_path, ca
     assert args.func(args) == 0
     assert "using the stored quick plan" in capsys.readouterr().err
     args = parser.parse_args(["plan", "--contexts", "32", "--method", "prior", "--no-plots"])  # full mode now
-    monkeypatch.setattr("specwood.planner.plan.build_plan", lambda engine, method, **kw: synthetic_plan(
+    monkeypatch.setattr("specwood.planner.build.build_plan", lambda engine, method, **kw: synthetic_plan(
         plan_key_for(engine, method)))
     assert args.func(args) == 0
     assert "re-measuring" in capsys.readouterr().err

@@ -101,4 +101,9 @@ def test_full_cache_raises_clear_error(tiny_pair):
 def test_position_beyond_context_raises(tiny_pair):
     model = tiny_pair.target
     with pytest.raises(ContextLengthError, match="context"):
-        model(torch.tensor([[1]]), torch.tensor([model.max_positions]))
+        model.check_positions(model.max_positions)
+    model.check_positions(model.max_positions - 1)
+    from specwood.models.prefill import prefill
+
+    with pytest.raises(ContextLengthError):
+        prefill(model, model.new_cache(model.max_positions + 8), list(range(model.max_positions + 1)))

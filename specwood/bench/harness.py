@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from specwood.methods import options_for
 from specwood.bench import report as _report
 from specwood.bench.hf_baseline import HF_METHODS, HFBaseline
 from specwood.bench.workload import Prompt, Workload, load_workload
@@ -234,8 +235,8 @@ class _Runner:
         if method in HF_METHODS:
             assert self.hf is not None
             return self.hf.generate(method, content, raw, max_tokens, self.sampling)
-        # ar takes no method options; every other engine method gets the pass-through ones
-        opts = {} if method == AR else self.method_options
+        # each engine method gets the pass-through options it takes
+        opts = options_for(method, self.method_options)
         t0 = time.perf_counter()
         res = self.engine.generate(content, max_tokens=max_tokens, method=method, raw=raw,
                                    temperature=self.sampling["temperature"], top_p=self.sampling["top_p"],

@@ -1,85 +1,142 @@
 """Model-backed draft sources: a separate draft model, or the target's own first layers."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from specwood.drafting.shapes import MAX_BUDGET
-from specwood.engine.autoregressive import prefill
 from specwood.errors import SpecwoodError
+from specwood.models.cache import KVCache
+from specwood.models.prefill import prefill_chunk
 from specwood.models.transformer import Transformer
 from specwood.tree.token_tree import TokenTree
 
 
-class ModelDraftSource:
-    """Runs a draft model over tree nodes with its own static KV cache.
+@dataclass
+class _DraftRows:
+    """One source's part of a (batched) draft forward."""
 
-    The cache holds the committed context; nodes of the current tree get slots after it as they
+    todo: list[int]  # tree nodes processed in this forward
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    mask: torch.Tensor  # [T, S] bool over this source's cache row
+
+
+class ModelDraftSource:
+    """Runs a draft model over tree nodes; one request's drafting state in one KV cache row.
+
+    The row holds the committed context; nodes of the current tree get slots after it as they
     are first needed (a node is processed together with any unprocessed ancestors, so a
     layer-wise shape costs one forward per layer and a heap shape one per expansion). Accepted
     tokens the draft never processed (leaves) are kept as `pending` and go into the next forward.
+
+    `pool` is a KVCache shared by the sources of many requests (a row each, borrowed in `attach`
+    and given back in `close`), so `forward_draft_calls` can serve all their calls in one
+    forward; without a pool the source keeps a one-row cache of its own.
     """
 
-    def __init__(self, model: Transformer, extra_slots: int = MAX_BUDGET + 1):
+    def __init__(self, model: Transformer, extra_slots: int = MAX_BUDGET + 1, pool: KVCache | None = None):
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.extra_slots = extra_slots
-        self.cache = None
+        self.pool = pool
+        self.cache: KVCache | None = pool
+        self.row: int | None = None
         self.pending: list[int] = []
         self.slot_of: dict[int, int] = {}  # tree node -> cache slot, for the current tree
         self.node_logits: dict[int, torch.Tensor] = {}  # tree node -> draft logits after it
         self.seen: TokenTree | None = None  # the tree the current slots belong to
         self.forwards = 0
 
-    def start(self, prompt_tokens: list[int], max_new_tokens: int = 0) -> None:
-        need = len(prompt_tokens) + max_new_tokens + self.extra_slots
-        if self.cache is None or self.cache.max_len < need:
-            self.cache = self.model.new_cache(need)
-        self.cache.reset()
+    # --- request life cycle ---------------------------------------------------------------------
+
+    def attach(self, prompt_len: int, max_new_tokens: int = 0) -> None:
+        """Take a cache row with room for the request; the prompt goes in with `prefill_part`."""
+        need = prompt_len + max_new_tokens + self.extra_slots
+        if self.pool is None:
+            if self.cache is None or self.cache.max_len < need:
+                self.cache = self.model.new_cache(need)
+            self.row = 0
+        else:
+            self.cache.check_room(need)
+            if self.row is None:
+                self.row = self.cache.allocate()
+        self.cache.lengths[self.row] = 0
         self.pending, self.slot_of, self.node_logits, self.seen = [], {}, {}, None
-        prefill(self.model, self.cache, prompt_tokens)
+
+    def prefill_part(self, prompt_tokens: list[int], start: int, end: int) -> None:
+        prefill_chunk(self.model, self.cache, prompt_tokens, start, end, self.row)
+
+    def start(self, prompt_tokens: list[int], max_new_tokens: int = 0, chunk: int = 512) -> None:
+        self.attach(len(prompt_tokens), max_new_tokens)
+        for s in range(0, len(prompt_tokens), chunk):
+            self.prefill_part(prompt_tokens, s, min(s + chunk, len(prompt_tokens)))
+
+    def close(self) -> None:
+        """Give the pool row back (a source of its own keeps its cache for the next request)."""
+        if self.pool is not None and self.row is not None:
+            self.pool.release(self.row)
+            self.row = None
+
+    # --- drafting -------------------------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        return self.cache.lengths[self.row]
 
     def logits(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+        return forward_draft_calls([(self, tree, nodes)])[0]
+
+    def plan_forward(self, tree: TokenTree, nodes: list[int]) -> _DraftRows | None:
+        """What this call needs the draft to process (None: everything is cached already)."""
         self.seen = tree
         todo = sorted({a for n in nodes for a in tree.path_to(n) if a not in self.slot_of})
-        if todo or self.pending:
-            self._forward(tree, todo)
-        if not nodes:
-            return torch.empty(0, self.vocab_size)
-        return torch.stack([self.node_logits[n] for n in nodes]).float()
-
-    def _forward(self, tree: TokenTree, todo: list[int]) -> None:
-        dev = self.model.device
-        base = self.cache.length  # committed context
+        if not todo and not self.pending:
+            return None
+        base = self.length  # committed context
         n_pending = len(self.pending)
         tree_base = base + n_pending
         first_new = tree_base + len(self.slot_of)
         for k, node in enumerate(todo):
             self.slot_of[node] = first_new + k
-        S = first_new + len(todo)
-        T = n_pending + len(todo)
-        tokens = self.pending + [tree.tokens[n] for n in todo]
-        positions = list(range(base, tree_base)) + [tree_base + tree.depths[n] for n in todo]
-        slots = list(range(base, tree_base)) + [self.slot_of[n] for n in todo]
-        mask = torch.zeros(T, S, dtype=torch.bool)
-        for r in range(n_pending):
-            mask[r, : base + r + 1] = True
-        for r, node in enumerate(todo, start=n_pending):
-            mask[r, :tree_base] = True
-            for a in tree.path_to(node):
-                mask[r, self.slot_of[a]] = True
-        slots_t = torch.tensor(slots, device=dev)
+        S, T = first_new + len(todo), n_pending + len(todo)
         self.cache.check_room(S)
-        out = self.model(torch.tensor([tokens], device=dev), torch.tensor(positions, device=dev),
-                         mask.to(dev), self.cache, slots_t)[0]
-        self.forwards += 1
+        self.model.check_positions(tree_base + max((tree.depths[n] for n in todo), default=0))
+        mask = torch.zeros(T, S, dtype=torch.bool)
         if n_pending:
-            self.cache.length = tree_base
+            mask[:n_pending, :tree_base] = torch.ones(n_pending, tree_base, dtype=torch.bool).tril(diagonal=base)
+        mask[n_pending:, :tree_base] = True
+        rows, cols = [], []
+        for r, node in enumerate(todo, start=n_pending):
+            for a in tree.path_to(node):
+                rows.append(r)
+                cols.append(self.slot_of[a])
+        mask[rows, cols] = True
+        return _DraftRows(
+            todo=todo,
+            tokens=self.pending + [tree.tokens[n] for n in todo],
+            positions=list(range(base, tree_base)) + [tree_base + tree.depths[n] for n in todo],
+            slots=list(range(base, tree_base)) + [self.slot_of[n] for n in todo],
+            mask=mask,
+        )
+
+    def absorb(self, rows: _DraftRows, out: torch.Tensor) -> None:
+        """Take the logits [len(todo), V] of this source's tree nodes in a draft forward."""
+        self.forwards += 1
+        n_pending = len(self.pending)
+        if n_pending:
+            self.cache.lengths[self.row] = self.length + n_pending
             self.pending = []
-        for k, node in enumerate(todo):
-            self.node_logits[node] = out[n_pending + k]
+        for k, node in enumerate(rows.todo):
+            self.node_logits[node] = out[k]
+
+    def answer(self, nodes: list[int]) -> torch.Tensor:
+        if not nodes:
+            return torch.empty(0, self.vocab_size)
+        return torch.stack([self.node_logits[n] for n in nodes]).float()
 
     def commit(self, tree: TokenTree, accepted: list[int], next_token: int) -> None:
         """Keep the processed part of the accepted path in the cache; queue the rest as pending.
@@ -100,9 +157,53 @@ class ModelDraftSource:
         if self.pending:  # nothing of this tree was processed: the old pending tokens still wait
             self.pending += tokens
         else:
-            self.cache.compact(kept, self.cache.length)
+            self.cache.compact(kept, self.length, self.row)
             self.pending = tokens[len(kept):]
         self.slot_of, self.node_logits, self.seen = {}, {}, None
+
+
+def forward_draft_calls(calls: list[tuple[ModelDraftSource, TokenTree, list[int]]]) -> list[torch.Tensor]:
+    """Answer the draft calls of many requests: ONE padded forward per draft model and cache pool
+    (per-row positions, slots and masks over each row's own prefix). Returns each call's logits."""
+    plans = [src.plan_forward(tree, nodes) for src, tree, nodes in calls]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, ((src, _, _), plan) in enumerate(zip(calls, plans)):
+        if plan is not None:
+            groups.setdefault((id(src.model), id(src.cache)), []).append(i)
+    for members in groups.values():
+        srcs = [calls[i][0] for i in members]
+        out = _padded_forward(srcs[0].model, srcs[0].cache, [srcs_i.row for srcs_i in srcs], [plans[i] for i in members])
+        for k, i in enumerate(members):
+            srcs[k].absorb(plans[i], out[k])
+    return [src.answer(nodes) for src, _, nodes in calls]
+
+
+def _padded_forward(model: Transformer, cache: KVCache, rows: list[int], plans: list[_DraftRows]) -> list[torch.Tensor]:
+    dev = model.device
+    B = len(plans)
+    T = max(len(p.tokens) for p in plans)
+    S = max(p.mask.shape[1] for p in plans)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    positions = torch.zeros(B, T, dtype=torch.long)
+    slots = torch.full((B, T), cache.scratch_slot, dtype=torch.long)
+    mask = torch.zeros(B, T, S, dtype=torch.bool)
+    mask[:, :, 0] = True  # padding rows attend to slot 0 (anything valid); their output is dropped
+    for b, p in enumerate(plans):
+        n, s = len(p.tokens), p.mask.shape[1]
+        tokens[b, :n] = torch.tensor(p.tokens)
+        positions[b, :n] = torch.tensor(p.positions)
+        slots[b, :n] = torch.tensor(p.slots)
+        mask[b, :n, :] = False
+        mask[b, :n, :s] = p.mask
+    # logits only for the tree nodes (pending tokens and padding need none): the head is the
+    # largest matmul of a small draft
+    sel = [(b, t) for b, p in enumerate(plans) for t in range(len(p.tokens) - len(p.todo), len(p.tokens))]
+    sel_b = torch.tensor([b for b, _ in sel], dtype=torch.long, device=dev)
+    sel_t = torch.tensor([t for _, t in sel], dtype=torch.long, device=dev)
+    row_index = slice(rows[0], rows[0] + 1) if B == 1 else torch.tensor(rows, device=dev)
+    out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev),
+                output_rows=(sel_b, sel_t), rows=row_index)
+    return list(out.split([len(p.todo) for p in plans]))
 
 
 def early_exit_model(target: Transformer, n_layers: int) -> Transformer:

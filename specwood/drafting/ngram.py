@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from specwood.drafting.base import Drafting, ShapeBase
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
@@ -32,7 +33,7 @@ def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngr
 
 
 @dataclass
-class PromptLookupShape:
+class PromptLookupShape(ShapeBase):
     """A chain of up to `k` tokens copied from the context (the root included). Rule "selected";
     needs no source (makes no draft calls); an empty tree (root only) when nothing matches."""
 
@@ -45,14 +46,14 @@ class PromptLookupShape:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise SpecwoodError(f"pld n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
 
-    def build(
+    def draft(
         self,
         context: list[int],
         root: int,
-        source: object | None,
         params: SamplingParams,
         generator: torch.Generator | None,
-    ) -> TokenTree:
+    ) -> Drafting:
+        yield from ()  # a coroutine that makes no draft calls
         tree = TokenTree.with_root(root, "selected")
         node = 0
         for token in find_continuation([*context, root], self.k, self.max_ngram, self.min_ngram):

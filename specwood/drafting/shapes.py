@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from specwood.drafting.base import DraftSource, TreeShape, draft_probs
+from specwood.drafting.base import Drafting, ShapeBase, TreeShape, draft_probs
 from specwood.drafting.ngram import PromptLookupShape
 from specwood.drafting.sequoia import DEFAULT_ACCEPTANCE, Layout, sequoia_tree
 from specwood.errors import SpecwoodError
@@ -46,19 +46,13 @@ SHAPES: list[str] = ["chain", "static", "sequoia", "eagle", "dyspec", "dyspec-th
 # shared helpers
 
 
-def _require(name: str, source: DraftSource | None) -> DraftSource:
-    if source is None:
-        raise SpecwoodError(f"tree shape '{name}' needs a draft model (source); only 'pld' works without one")
-    return source
-
-
 def _rule(params: SamplingParams) -> ChildRule:
     return "selected" if params.greedy else "sampled"
 
 
-def _dists(source: DraftSource, tree: TokenTree, nodes: list[int], params: SamplingParams) -> torch.Tensor:
-    """One draft call: the proposal q after each of `nodes`, [len(nodes), V]."""
-    return draft_probs(source.logits(tree, nodes), params)
+def _dists(tree: TokenTree, nodes: list[int], params: SamplingParams) -> Drafting:
+    """One draft call (`yield from` it): the proposal q after each of `nodes`, [len(nodes), V]."""
+    return draft_probs((yield tree, nodes), params)
 
 
 def _sample_index(weights: torch.Tensor, generator: torch.Generator | None) -> tuple[int, float]:
@@ -120,7 +114,7 @@ def static_layout(branching: Sequence[int], limit: int = MAX_BUDGET) -> Layout:
 
 
 @dataclass
-class LayoutShape:
+class LayoutShape(ShapeBase):
     """Drafts a fixed positional tree layer by layer: one draft call per layer for all of its
     parents. Greedy: children are the parent's top tokens ("selected"); sampling: children are drawn
     without replacement from q ("sampled"). A position that cannot be filled (q ran out of tokens)
@@ -137,15 +131,13 @@ class LayoutShape:
                 raise ValueError(f"layout entry {pos} = {(parent, rank)} is not BFS with contiguous ranks")
             self._kids.setdefault(parent, []).append(pos)
 
-    def build(
+    def draft(
         self,
         context: list[int],
         root: int,
-        source: DraftSource | None,
         params: SamplingParams,
         generator: torch.Generator | None,
-    ) -> TokenTree:
-        source = _require(self.name, source)
+    ) -> Drafting:
         sample = not params.greedy
         tree = TokenTree.with_root(root, _rule(params))
         node_of = {0: 0}  # layout position -> tree node (absent: could not be drafted)
@@ -154,7 +146,7 @@ class LayoutShape:
             parents = [p for p in layer if p in self._kids]
             if not parents:
                 break
-            qs = _dists(source, tree, [node_of[p] for p in parents], params)
+            qs = yield from _dists(tree, [node_of[p] for p in parents], params)
             layer = []
             for p, q in zip(parents, qs):
                 tokens = _pick(q, len(self._kids[p]), sample, generator)
@@ -185,7 +177,7 @@ def sequoia_shape(
 
 
 @dataclass
-class EagleShape:
+class EagleShape(ShapeBase):
     """For `depth` layers, the `topk` newest nodes with the highest cumulative draft probability
     (product of q along the path) each propose their top-`topk` tokens; then all drafted nodes are
     reranked by cumulative probability and the best `budget` kept. Rule "selected" always.
@@ -197,15 +189,13 @@ class EagleShape:
     topk: int = 8
     name: str = "eagle"
 
-    def build(
+    def draft(
         self,
         context: list[int],
         root: int,
-        source: DraftSource | None,
         params: SamplingParams,
         generator: torch.Generator | None,
-    ) -> TokenTree:
-        source = _require(self.name, source)
+    ) -> Drafting:
         tree = TokenTree.with_root(root, "selected")
         cum = [1.0]
         layer = [0]
@@ -213,7 +203,7 @@ class EagleShape:
             frontier = sorted(layer, key=lambda i: (-cum[i], i))[: self.topk]
             if not frontier:
                 break
-            qs = _dists(source, tree, frontier, params)
+            qs = yield from _dists(tree, frontier, params)
             values, tokens = torch.topk(qs, min(self.topk, qs.shape[-1]), dim=-1)
             layer = []
             for parent, vals, toks in zip(frontier, values.tolist(), tokens.tolist()):
@@ -253,7 +243,7 @@ def prune(tree: TokenTree, keep: set[int]) -> TokenTree:
 
 
 @dataclass
-class DySpecShape:
+class DySpecShape(ShapeBase):
     """DySpec Algorithm 1: greedy heap expansion under a node budget.
 
     The heap holds one *slot* per node: "draw the next child of this node", valued by the
@@ -272,15 +262,13 @@ class DySpecShape:
     prefetch: int = 0
     name: str = "dyspec"
 
-    def build(
+    def draft(
         self,
         context: list[int],
         root: int,
-        source: DraftSource | None,
         params: SamplingParams,
         generator: torch.Generator | None,
-    ) -> TokenTree:
-        source = _require(self.name, source)
+    ) -> Drafting:
         sample = not params.greedy
         tree = TokenTree.with_root(root, _rule(params))
         dists: dict[int, torch.Tensor] = {}  # node -> original q
@@ -290,7 +278,7 @@ class DySpecShape:
         while heap and tree.size < self.budget:
             neg_v, _, node = heapq.heappop(heap)
             if node not in dists:
-                self._fetch(source, tree, node, heap, dists, residual, params)
+                yield from self._fetch(tree, node, heap, dists, residual, params)
             r = residual[node]
             if not bool((r > 0).any()):
                 continue  # q's support is used up below this node
@@ -308,25 +296,24 @@ class DySpecShape:
 
     def _fetch(
         self,
-        source: DraftSource,
         tree: TokenTree,
         node: int,
         heap: list[tuple[float, int, int]],
         dists: dict[int, torch.Tensor],
         residual: dict[int, torch.Tensor],
         params: SamplingParams,
-    ) -> None:
+    ) -> Drafting:
         nodes = [node]
         if self.prefetch > 0:
             pending = (e for e in heap if e[2] not in dists and e[2] != node)
             nodes += [e[2] for e in heapq.nsmallest(self.prefetch, pending)]
-        for n, q in zip(nodes, _dists(source, tree, nodes, params)):
+        for n, q in zip(nodes, (yield from _dists(tree, nodes, params))):
             dists[n] = q
             residual[n] = q.clone()
 
 
 @dataclass
-class DySpecThresholdShape:
+class DySpecThresholdShape(ShapeBase):
     """DySpec Algorithm 2: layer by layer, one draft call per layer for every frontier node whose
     value exceeds the threshold; each such node keeps drawing children while its value
     v > threshold (child value v * R[y]; v *= 1 - R[y]; y removed from R, renormalised).
@@ -339,15 +326,13 @@ class DySpecThresholdShape:
     max_depth: int | None = None
     name: str = "dyspec-threshold"
 
-    def build(
+    def draft(
         self,
         context: list[int],
         root: int,
-        source: DraftSource | None,
         params: SamplingParams,
         generator: torch.Generator | None,
-    ) -> TokenTree:
-        source = _require(self.name, source)
+    ) -> Drafting:
         sample = not params.greedy
         tree = TokenTree.with_root(root, _rule(params))
         frontier: list[tuple[int, float]] = [(0, 1.0)]  # (node, value of drawing its first child)
@@ -358,7 +343,7 @@ class DySpecThresholdShape:
             ]
             if not frontier:
                 break
-            qs = _dists(source, tree, [n for n, _ in frontier], params)
+            qs = yield from _dists(tree, [n for n, _ in frontier], params)
             frontier = self._expand_layer(tree, frontier, qs, sample, generator)
         return tree
 

@@ -4,16 +4,20 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from specwood.engine.autoregressive import autoregressive_steps
 from specwood.engine.output import GenerationResult, OutputStream
+from specwood.engine.request import Request
+from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.config import ModelConfig
 from specwood.models.transformer import Transformer, build_model, int4_available
 from specwood.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specwood.methods import DrafterFactory
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}
@@ -68,6 +72,7 @@ class Engine:
                 f"({target.config.vocab_size} tokens, {target_name}); pick a draft from the same model family"
             )
         self.eos_token_ids = self._eos_ids()
+        self._scheduler: Scheduler | None = None
 
     @property
     def target_config(self) -> ModelConfig:
@@ -107,9 +112,67 @@ class Engine:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(tok.encode(text, add_special_tokens=False))
 
+    # --- requests -------------------------------------------------------------------------------
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The engine's own scheduler for `generate`: one cache row, grown while idle as needed."""
+        if self._scheduler is None:
+            self._scheduler = Scheduler(self.target, max_batch=1, row_len=256, growable=True)
+        return self._scheduler
+
+    def prepare(self, method: str, options: dict[str, Any] | None = None) -> "DrafterFactory":
+        """Validate a method and its options once (`auto` loads its plan here)."""
+        from specwood.methods import prepare_method
+
+        return prepare_method(self, method, options)
+
+    def new_request(
+        self,
+        prompt: str | list[dict[str, str]] | list[int],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+        method: str = "ar",
+        raw: bool = False,
+        on_text: Callable[[str], None] | None = None,
+        scheduler: Scheduler | None = None,
+        prepared: "DrafterFactory | None" = None,
+        on_finish: Callable[[Request], None] | None = None,
+        request_id: str | None = None,
+        **method_options: Any,
+    ) -> Request:
+        """A request ready to `submit` to `scheduler` (default: the engine's own). Raises a
+        SpecwoodError for bad input (sampling parameters, lengths, methods and their options)."""
+        scheduler = scheduler or self.scheduler
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
+        prompt_ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.encode(prompt, raw)
+        if not prompt_ids:
+            raise SpecwoodError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ContextLengthError(
+                f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_context}; shorten the prompt"
+            )
+        max_tokens = min(max_tokens, self.max_context - len(prompt_ids))
+        scheduler.ensure_room(scheduler.room_for(len(prompt_ids), max_tokens))
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and not all(isinstance(s, str) for s in stop):
+            raise SpecwoodError("stop must be a string or a list of strings")
+        factory = prepared if prepared is not None else self.prepare(method, method_options)
+        drafter = factory(scheduler.draft_source, len(prompt_ids), max_tokens)
+        out = OutputStream(self.tokenizer, len(prompt_ids), max_tokens, self.eos_token_ids, stop, on_text)
+        return Request(prompt_ids, max_tokens, params, drafter, out, method=method, device=self.device,
+                       extra_stats=drafter.extra_stats, on_finish=on_finish, request_id=request_id)
+
     def generate(
         self,
-        prompt: str | list[dict[str, str]],
+        prompt: str | list[dict[str, str]] | list[int],
         *,
         max_tokens: int = 128,
         temperature: float = 0.0,
@@ -122,55 +185,22 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
         **method_options: Any,
     ) -> GenerationResult:
-        """Generate a completion with `method` ("ar" or a speculative method). Lossless: every method
-        emits exactly what "ar" emits under greedy decoding, and samples the same distribution."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
-        prompt_ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.encode(prompt, raw)
-        if not prompt_ids:
-            raise SpecwoodError("the prompt is empty")
-        if len(prompt_ids) >= self.max_context:
-            raise ContextLengthError(
-                f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_context}; shorten the prompt"
-            )
-        max_tokens = min(max_tokens, self.max_context - len(prompt_ids))
-        stop = [stop] if isinstance(stop, str) else stop
-        out = OutputStream(self.tokenizer, len(prompt_ids), max_tokens, self.eos_token_ids, stop, on_text)
-        generator = params.generator(self.device) if not params.greedy else None
-        steps, extra_stats = self._steps(method, prompt_ids, max_tokens, params, generator, method_options)
-        with torch.inference_mode():
-            for tokens in steps:
-                if out.push_step(tokens):
-                    break
-        steps.close()
-        return out.finish(method, extra_stats())
+        """Generate a completion with `method` ("ar" or a speculative method): a batch of one on
+        the same step the server batches. Lossless: every method emits exactly what "ar" emits
+        under greedy decoding, and samples the same distribution."""
+        request = self.new_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                   top_k=top_k, seed=seed, stop=stop, method=method, raw=raw, on_text=on_text,
+                                   **method_options)
+        return self.run(request)
 
-    def _steps(self, method: str, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
-               generator: torch.Generator | None, options: dict[str, Any]):
-        if method == "auto":  # the planner's choice for this hardware and context; may be plain decoding
-            from specwood.planner import auto_components
+    def run(self, request: Request) -> GenerationResult:
+        """Submit a request to the engine's own scheduler and step until it is done."""
+        self.scheduler.submit(request)
+        self.scheduler.run_until_done([request])
+        if request.error is not None:
+            raise request.exception
+        return request.result
 
-            components = auto_components(self, options, prompt_len=len(prompt_ids), max_tokens=max_tokens)
-            decided = "ar" if components is None else "sd"
-            steps, stats = (self._steps("ar", prompt_ids, max_tokens, params, generator, {}) if components is None
-                            else self._speculative_steps(components, prompt_ids, max_tokens, params, generator))
-            return steps, lambda: {**stats(), "auto": decided}  # stats say what auto decided
-        if method == "ar":
-            if options:
-                raise SpecwoodError(f"method 'ar' takes no options (got {', '.join(sorted(options))})")
-            cache = self.target.new_cache(len(prompt_ids) + max_tokens + 1)
-            return autoregressive_steps(self.target, cache, prompt_ids, params, generator), dict
-        from specwood.engine.speculative import build_method  # imported late: heavier
-
-        return self._speculative_steps(build_method(self, method, options), prompt_ids, max_tokens, params, generator)
-
-    def _speculative_steps(self, components: tuple[Any, Any], prompt_ids: list[int], max_tokens: int,
-                           params: SamplingParams, generator: torch.Generator | None):
-        from specwood.engine.speculative import speculative_run
-
-        source, shape = components
-        return speculative_run(self.target, source, shape, prompt_ids, max_tokens, params, generator)
 
 def load(
     target: str | os.PathLike[str] | None = None,

@@ -1,52 +1,111 @@
-"""Static, preallocated KV cache written at explicit slots."""
+"""Static, preallocated KV cache written at explicit slots: a pool of rows, one per request."""
 from __future__ import annotations
 
 import torch
 
 from specwood.errors import ContextLengthError
 
+# Which cache rows a forward touches: None = all rows (the batch is the whole cache), a slice of
+# consecutive rows (a view, no copy), or a tensor of row indices (gathered per layer).
+Rows = slice | torch.Tensor | None
+
 
 class KVCache:
-    """K and V for every layer of one model (or one pipeline stage): [layers, B, H_kv, max_len, D].
+    """K and V for every layer of one model (or one pipeline stage): [layers, rows, H_kv, max_len + 1, D].
 
-    Slots are plain indices; the engine decides where tokens go (tree nodes are written after the
-    committed prefix, and `compact` moves an accepted path next to it). Rejected slots are simply
-    overwritten later.
+    Allocated once; requests borrow a row (`allocate`/`release`) and keep their own committed
+    length (`lengths[row]`). Slots are plain indices inside a row; the engine decides where tokens
+    go (tree nodes are written after the committed prefix, and `compact` moves an accepted path
+    next to it). Rejected slots are simply overwritten later. Each row has one extra scratch slot
+    (index `max_len`) where padding tokens of a batched forward write their K/V.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
                  batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        shape = (n_layers, batch, n_kv_heads, max_len + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0  # committed contiguous prefix (slots [0, length))
+        self.max_len = max_len  # usable slots per row
+        self.scratch_slot = max_len
+        self.rows = batch
+        self.lengths = [0] * batch  # committed contiguous prefix of each row (slots [0, length))
+        self._free = list(range(batch - 1, -1, -1))
+
+    # --- one-row use (a model run on its own) -------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        return self.lengths[0]
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.lengths[0] = value
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.rows
+
+    # --- the pool ------------------------------------------------------------------------------
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """Borrow a free row (its length set to 0)."""
+        if not self._free:
+            raise RuntimeError("no free cache row (the scheduler admits at most one request per row)")
+        row = self._free.pop()
+        self.lengths[row] = 0
+        return row
+
+    def release(self, row: int) -> None:
+        if row in self._free or not 0 <= row < self.rows:
+            raise RuntimeError(f"cache row {row} released twice or out of range")
+        self.lengths[row] = 0
+        self._free.append(row)
 
     def check_room(self, needed: int) -> None:
-        """Raise a clear error if `needed` slots exceed the cache."""
+        """Raise a clear error if `needed` slots exceed a row."""
         if needed > self.max_len:
             raise ContextLengthError(
                 f"KV cache full: {needed} tokens needed but the cache holds {self.max_len} "
                 "(shorten the prompt, lower --max-tokens, or raise --max-context)"
             )
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, H_kv, T, D] go to `slots` [T]."""
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
+    # --- what the forward calls ----------------------------------------------------------------
 
-    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows = None) -> None:
+        """k, v [B, H_kv, T, D] go to `slots`: [T] (the same slots in every row) or [B, T]."""
+        if rows is None or isinstance(rows, slice):
+            tk, tv = self.k[layer], self.v[layer]
+            if rows is not None:
+                tk, tv = tk[rows], tv[rows]  # views
+            if slots.dim() == 1 or tk.shape[0] == 1:
+                s = slots.reshape(-1)
+                tk.index_copy_(2, s, k)
+                tv.index_copy_(2, s, v)
+                return
+            r = torch.arange(tk.shape[0], device=k.device)[:, None]
+            tk[r, :, slots] = k.transpose(1, 2)  # advanced indices first: [B, T, H, D]
+            tv[r, :, slots] = v.transpose(1, 2)
+            return
+        if slots.dim() == 1:
+            slots = slots.expand(k.shape[0], -1)
+        r = rows[:, None]
+        self.k[layer][r, :, slots] = k.transpose(1, 2)
+        self.v[layer][r, :, slots] = v.transpose(1, 2)
 
-    def compact(self, kept: list[int] | torch.Tensor, start: int) -> None:
-        """Move the entries at slots `kept` (in order) to the contiguous slots start, start+1, …"""
+    def read(self, layer: int, length: int, rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots [0, length) of `rows`: views for None or a slice, a gather otherwise."""
+        idx = slice(None) if rows is None else rows
+        return self.k[layer, idx, :, :length], self.v[layer, idx, :, :length]
+
+    def compact(self, kept: list[int] | torch.Tensor, start: int, row: int = 0) -> None:
+        """Move row `row`'s entries at slots `kept` (in order) to the contiguous slots start, start+1, …"""
         kept = torch.as_tensor(kept, dtype=torch.long, device=self.k.device)
         n = kept.numel()
         self.check_room(start + n)
         if n and not torch.equal(kept, torch.arange(start, start + n, device=kept.device)):
-            self.k[:, :, :, start:start + n] = self.k[:, :, :, kept]
-            self.v[:, :, :, start:start + n] = self.v[:, :, :, kept]
-        self.length = start + n
-
-    def reset(self) -> None:
-        self.length = 0
+            self.k[:, row, :, start:start + n] = self.k[:, row, :, kept]
+            self.v[:, row, :, start:start + n] = self.v[:, row, :, kept]
+        self.lengths[row] = start + n

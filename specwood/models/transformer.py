@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specwood.errors import ContextLengthError, ModelFileError
-from specwood.models.cache import KVCache
+from specwood.models.cache import KVCache, Rows
 from specwood.models.config import ModelConfig
 from specwood.models.rope import apply_rope, rope_tables
 
@@ -119,7 +119,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None, layer: int, slots: torch.Tensor | None) -> torch.Tensor:
+                cache: KVCache | None, layer: int, slots: torch.Tensor | None, rows: Rows) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(B, T, self.n_heads, self.hd).transpose(1, 2)
@@ -127,8 +127,8 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            cache.write(layer, slots, k, v)
-            k, v = cache.read(layer, mask.shape[-1])
+            cache.write(layer, slots, k, v, rows)
+            k, v = cache.read(layer, mask.shape[-1], rows)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
@@ -153,8 +153,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = FeedForward(c)
 
-    def forward(self, x, cos, sin, mask, cache, layer, slots):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer, slots)
+    def forward(self, x, cos, sin, mask, cache, layer, slots, rows):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer, slots, rows)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -199,27 +199,26 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
-        output_rows: torch.Tensor | None = None,
+        output_rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        rows: Rows = None,
     ) -> torch.Tensor:
         """Run the stage.
 
         tokens: [B, T] ids on the first stage, else hidden states [B, T, dim] from the previous one.
-        positions: [T] or [B, T] sequence positions (for RoPE).
+        positions: [T] or [B, T] sequence positions (for RoPE); the caller keeps them inside the
+            context (`check_positions`): checking here would cost a host sync per forward.
         mask: bool [T, S] or [B, T, S]; True = may attend. Column j is cache slot j (or, without a
             cache, input token j). None means causal over the T inputs.
-        cache/slots: write this step's K/V to `slots` [T] and attend over cache slots [0, S).
-        output_rows: on the last stage, only compute logits for these input rows (saves the large
-            vocabulary matmul for the prompt's earlier tokens).
-        Returns logits [B, T', V] (fp32) on the last stage, hidden states otherwise.
+        cache/slots/rows: write this step's K/V to `slots` ([T], or [B, T] per batch row) of the
+            cache rows `rows` (None: cache row b is batch row b) and attend over their slots [0, S).
+        output_rows: on the last stage, only compute logits for these input rows [T'] (saves the
+            large vocabulary matmul for the prompt's earlier tokens), or for the (batch, token)
+            index pairs (b [N], t [N]) of a padded batch, giving logits [N, V].
+        Returns logits [B, T', V] or [N, V] (fp32) on the last stage, hidden states otherwise.
         """
         T = tokens.shape[1]
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        if int(positions.max()) >= self.max_positions:
-            raise ContextLengthError(
-                f"position {int(positions.max())} exceeds the model's context of {self.max_positions} tokens "
-                "(shorten the prompt or lower --max-tokens)"
-            )
         if mask is None:
             mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
         if mask.dim() == 2:
@@ -231,12 +230,22 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1)
         x = self.tok_embeddings(tokens) if self.is_first else tokens
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, cache, i, slots)
+            x = block(x, cos, sin, mask, cache, i, slots, rows)
         if not self.is_last:
             return x
-        if output_rows is not None:
+        if isinstance(output_rows, tuple):
+            x = x[output_rows[0], output_rows[1]]
+        elif output_rows is not None:
             x = x[:, output_rows]
         return self.output(self.norm(x)).float()
+
+    def check_positions(self, last_position: int) -> None:
+        """A clear error where a forward would run past the model's context."""
+        if last_position >= self.max_positions:
+            raise ContextLengthError(
+                f"position {last_position} exceeds the model's context of {self.max_positions} tokens "
+                "(shorten the prompt or lower --max-tokens)"
+            )
 
     def pack_for_cpu(self) -> bool:
         """Swap every bf16 Linear for a PackedLinear; True if anything was packed."""

@@ -1,28 +1,22 @@
 """The roofline planner (seed paper 000): measure or model the hardware, fit P(x) and AAT(x),
 and choose autoregressive decoding or the tree size x per context length.
 
-Engine entry points:
-    auto_components(engine, options)  -> (source, PlannedShape) or None (= use "ar")
-    prior_components(engine, options) -> (source, LayoutShape of the best prior-score tree)
+Importing it registers the methods `auto` and `prior` in the method registry (specwood.methods).
 """
 from specwood.planner.fits import DEFAULT_AAT, AATFit, RooflineFit, fit_aat, fit_roofline
-from specwood.planner.plan import (
-    CALIBRATION_PROMPTS,
+from specwood.planner.analytic import build_analytic_plan
+from specwood.planner.auto import PlannedShape, starter_plan
+from specwood.planner.build import build_plan, get_plan
+from specwood.planner.calibration import CALIBRATION_PROMPTS
+from specwood.planner.decision import Decision, decide
+from specwood.planner.store import (
     SCHEMA_VERSION,
     BucketChoice,
-    Decision,
     Plan,
     PlanKey,
-    PlannedShape,
     PlanWarning,
-    auto_components,
-    build_analytic_plan,
-    build_plan,
-    decide,
-    get_plan,
     load_plan,
     plan_key_for,
-    prior_components,
     save_plan,
 )
 
@@ -38,7 +32,6 @@ __all__ = [
     "PlannedShape",
     "RooflineFit",
     "SCHEMA_VERSION",
-    "auto_components",
     "build_analytic_plan",
     "build_plan",
     "decide",
@@ -47,6 +40,6 @@ __all__ = [
     "get_plan",
     "load_plan",
     "plan_key_for",
-    "prior_components",
+    "starter_plan",
     "save_plan",
 ]

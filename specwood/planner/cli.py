@@ -99,7 +99,8 @@ def format_plan(plan: Any) -> str:
 def _local_plan(args: argparse.Namespace) -> Any:
     import specwood
     from specwood.cli import needs_draft
-    from specwood.planner.plan import build_plan, load_plan, plan_key_for, save_plan
+    from specwood.planner.build import build_plan
+    from specwood.planner.store import load_plan, plan_key_for, save_plan
 
     draft = None if (args.draft in (None, "none") or not needs_draft(args.method)) else args.draft
     engine = specwood.load(args.target, draft, dtype=args.dtype, device=args.torch_device,
@@ -143,7 +144,8 @@ def _compare_trees(engine: Any, plan: Any, quick: bool) -> None:
 
 
 def run_plan_cli(args: argparse.Namespace) -> int:
-    from specwood.planner.plan import build_analytic_plan, plan_path, save_plan
+    from specwood.planner.analytic import build_analytic_plan
+    from specwood.planner.store import plan_path, save_plan
 
     if args.device.strip().lower() == "local":
         plan = _local_plan(args)

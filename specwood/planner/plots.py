@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specwood.planner.plan import Plan
+from specwood.planner.store import Plan
 
 
 def _pyplot():

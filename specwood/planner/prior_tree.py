@@ -9,9 +9,7 @@ means "the r-th best draft token after the parent". Since a node can only be acc
 parent is, scores never increase down a path; we additionally keep ranks contiguous (rank r only
 with rank r - 1) so the result is again a valid layout.
 
-We read which nodes were accepted without touching the engine: `speculative_steps` reports every
-verdict to the draft source through `source.commit(tree, accepted, next_token)`, so a thin
-wrapper around the source sees them all.
+We read which nodes were accepted through the engine's per-step hook `on_step(tree, verdict)`.
 """
 from __future__ import annotations
 
@@ -183,25 +181,6 @@ def positions_of(tree: TokenTree, layout: Layout) -> list[int | None]:
     return pos
 
 
-class AcceptanceRecorder:
-    """A draft source wrapper that reports every verdict (tree, accepted node indices)."""
-
-    def __init__(self, source: Any, on_commit: Callable[[TokenTree, list[int]], None]):
-        self.source = source
-        self.on_commit = on_commit
-        self.vocab_size = source.vocab_size
-
-    def start(self, *args: Any, **kwargs: Any) -> None:
-        self.source.start(*args, **kwargs)
-
-    def logits(self, tree: TokenTree, nodes: list[int]):
-        return self.source.logits(tree, nodes)
-
-    def commit(self, tree: TokenTree, accepted: list[int], next_token: int) -> None:
-        self.on_commit(tree, accepted)
-        self.source.commit(tree, accepted, next_token)
-
-
 @dataclass
 class PriorScores:
     """Scores of the maximal tree's positions (scores[i] for position i + 1) and how they were
@@ -248,16 +227,16 @@ def collect_prior_scores(engine: Any, prompts_ids: Sequence[Sequence[int]], max_
     layout = maximal_layout(n_nodes, levels)
     scores = [0.0] * len(layout)
 
-    def record(tree: TokenTree, accepted: list[int]) -> None:
+    def record(tree: TokenTree, verdict: Any) -> None:
         if len(tree) < 2:
             return
         where = positions_of(tree, layout)
-        for node in accepted:
+        for node in verdict.accepted:
             if where[node] is not None:
                 scores[where[node] - 1] += 1.0
 
-    source = AcceptanceRecorder(ModelDraftSource(engine.draft_model), record)
-    stats = run_speculative(engine, source, prior_shape(layout, "prior-maximal"), prompts_ids, max_tokens)
+    stats = run_speculative(engine, ModelDraftSource(engine.draft_model), prior_shape(layout, "prior-maximal"),
+                            prompts_ids, max_tokens, hooks=[record])
     aat = stats.as_dict()["mean_accepted_tokens"]
     return PriorScores(layout, scores, steps=stats.steps, aat=float(aat), levels=levels)
 
@@ -283,7 +262,7 @@ def compare_tree_methods(engine: Any, prior: PriorScores, xs: Sequence[int], pro
     drafted nodes), pooled over the prompts; `<name>_per_prompt` holds each prompt's AAT for
     paired comparisons. Give prompts the scores were not collected on."""
     from specwood.drafting.model_source import ModelDraftSource
-    from specwood.engine.speculative import SpecStats
+    from specwood.engine.request import SpecStats
     from specwood.planner.profiler import run_speculative
 
     rows = []

@@ -193,14 +193,16 @@ def context_tokens(seed_ids: Sequence[int], ctx: int, vocab: int) -> list[int]:
 
 
 def method_components(engine: Any, shape: str | ShapeFactory, budget: int) -> tuple[Any, Any]:
-    """(source, shape) for a method name (through the engine's own composition) or a factory."""
+    """(source, shape) for a method name (through the method registry) or a shape factory, with a
+    draft source that keeps a cache of its own (reused across builds and requests)."""
+    from specwood.drafting.model_source import ModelDraftSource
+
     if callable(shape):
-        from specwood.drafting.model_source import ModelDraftSource
-
         return ModelDraftSource(engine.draft_model) if engine.draft_model is not None else None, shape(budget)
-    from specwood.engine.speculative import build_method
+    from specwood.methods import prepare_method
 
-    return build_method(engine, shape, {"budget": budget})
+    drafter = prepare_method(engine, shape, {"budget": budget})(ModelDraftSource, 0, 0)
+    return drafter.source, drafter.shape
 
 
 def measure_draft_times(
@@ -267,7 +269,7 @@ def measure_draft_times(
 
 
 def _default_seed_ids(engine: Any) -> list[int]:
-    from specwood.planner.plan import CALIBRATION_PROMPTS
+    from specwood.planner.calibration import CALIBRATION_PROMPTS
 
     text = "\n\n".join(CALIBRATION_PROMPTS)
     return list(engine.tokenizer.encode(text, add_special_tokens=False))
@@ -278,24 +280,20 @@ def _default_seed_ids(engine: Any) -> list[int]:
 
 
 def run_speculative(engine: Any, source: Any, shape: Any, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
-                    stats: Any | None = None) -> Any:
-    """Greedy SD over every prompt with the engine's own decoding loop; returns the SpecStats
-    accumulated over all of them (its mean_accepted_tokens is the AAT, bonus token included)."""
-    from specwood.engine.speculative import SpecStats, speculative_steps
+                    stats: Any | None = None, hooks: Sequence[Callable[[Any, Any], None]] = ()) -> Any:
+    """Greedy SD over every prompt with the engine's own decoding step (a batch of one each);
+    returns the SpecStats accumulated over all of them (its mean_accepted_tokens is the AAT,
+    bonus token included). `hooks(tree, verdict)` see every step."""
+    from specwood.engine.request import Drafter, SpecStats
 
     stats = stats if stats is not None else SpecStats()
-    params = SamplingParams()
-    with torch.inference_mode():
-        for ids in prompts_ids:
-            room = engine.max_context - len(ids) - 1
-            if room < 2:
-                continue
-            limit = min(max_tokens, room)
-            steps = speculative_steps(engine.target, source, shape, list(ids), limit, params, None, stats)
-            produced = 0
-            for tokens in steps:
-                produced += len(tokens)
-                if produced >= limit or any(t in engine.eos_token_ids for t in tokens):
-                    break
-            steps.close()
+    for ids in prompts_ids:
+        room = engine.max_context - len(ids) - 1
+        if room < 2:
+            continue
+        limit = min(max_tokens, room)
+        drafter = Drafter(source, shape, list(hooks))
+        request = engine.new_request(list(ids), max_tokens=limit, prepared=lambda *_: drafter)
+        request.stats = stats
+        engine.run(request)
     return stats

@@ -1,0 +1,162 @@
+"""A request: everything one generation needs, owned in one object (nothing lives in loop locals).
+
+The scheduler moves a request through WAITING -> PREFILL -> DECODE -> FINISHED; every decode step
+advances it by one target forward shared with the other running requests.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from specwood.drafting.base import DraftSource, TreeShape
+from specwood.engine.output import GenerationResult, OutputStream
+from specwood.sampling import SamplingParams
+from specwood.tree.token_tree import TokenTree
+from specwood.verify import Verdict
+
+StepHook = Callable[[TokenTree, Verdict], None]
+_ids = itertools.count()
+
+
+@dataclass
+class Drafter:
+    """One request's drafting: its draft source (state: cache row, pending tokens) and its tree
+    shape (policy). `shape` None decodes plainly. A shape may also choose per step, knowing how
+    many requests share the step (`for_batch(batch_size, context_len)` -> shape or None), and
+    observe each verdict (`on_step(tree, verdict)`), as `auto` does."""
+
+    source: DraftSource | None = None
+    shape: Any = None
+    hooks: list[StepHook] = field(default_factory=list)
+    extra_stats: Callable[[], dict[str, Any]] | None = None  # what the method adds to the stats
+
+    def shape_for_step(self, batch_size: int, context_len: int) -> TreeShape | None:
+        choose = getattr(self.shape, "for_batch", None)
+        return choose(batch_size, context_len) if choose is not None else self.shape
+
+    def on_step(self, tree: TokenTree, verdict: Verdict) -> None:
+        observe = getattr(self.shape, "on_step", None)
+        if observe is not None:
+            observe(tree, verdict)
+        for hook in self.hooks:
+            hook(tree, verdict)
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculative statistics."""
+
+    steps: int = 0
+    accepted: int = 0  # drafted tokens accepted (the bonus/correction token not counted)
+    drafted_depth: int = 0  # sum of tree depths: what a perfect draft would have had accepted
+    tree_nodes: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    by_depth_reached: list[int] = field(default_factory=list)  # steps whose path reached depth d+1
+    by_depth_offered: list[int] = field(default_factory=list)  # steps whose tree had depth >= d+1
+
+    def record(self, tree: TokenTree, n_accepted: int, draft_s: float, verify_s: float) -> None:
+        self.steps += 1
+        self.accepted += n_accepted
+        depth = tree.max_depth
+        self.drafted_depth += depth
+        self.tree_nodes += tree.size
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        while len(self.by_depth_offered) < depth:
+            self.by_depth_offered.append(0)
+            self.by_depth_reached.append(0)
+        for d in range(depth):
+            self.by_depth_offered[d] += 1
+            self.by_depth_reached[d] += d < n_accepted
+
+    def as_dict(self) -> dict[str, Any]:
+        s = max(self.steps, 1)
+        return {
+            "spec_steps": self.steps,
+            # AAT: tokens emitted per target forward, the bonus/correction token included
+            "mean_accepted_tokens": round((self.accepted + self.steps) / s, 4),
+            "acceptance_rate": round(self.accepted / self.drafted_depth, 4) if self.drafted_depth else 0.0,
+            "acceptance_by_depth": [round(r / o, 4) for r, o in zip(self.by_depth_reached, self.by_depth_offered)],
+            "mean_tree_nodes": round(self.tree_nodes / s, 2),
+            "mean_tree_depth": round(self.drafted_depth / s, 3),
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+        }
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+def draft_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator:
+    """The draft's own random stream: seeded from the request's seed but distinct from the
+    target's, so drafting never shifts the target sampler's draws."""
+    g = torch.Generator(device=device)
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed((params.seed * 0x9E3779B97F4A7C15 + 0x5851F42D) % (1 << 63))
+    return g
+
+
+class Request:
+    """One generation: prompt, sampling params and random streams, output stream, stats, drafter."""
+
+    def __init__(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, drafter: Drafter,
+                 out: OutputStream, *, method: str, device: torch.device | str = "cpu",
+                 extra_stats: Callable[[], dict[str, Any]] | None = None,
+                 on_finish: Callable[["Request"], None] | None = None, request_id: str | None = None):
+        self.id = request_id or f"req-{next(_ids)}"
+        self.prompt_ids = list(prompt_ids)
+        self.max_tokens = max_tokens
+        self.params = params
+        self.drafter = drafter
+        self.out = out
+        self.method = method
+        self.target_generator = None if params.greedy else params.generator(device)
+        self.draft_generator = None if params.greedy else draft_generator(params, device)
+        self.stats = SpecStats()
+        self.extra_stats = extra_stats
+        self.on_finish = on_finish
+        self.state = State.WAITING
+        self.row: int | None = None  # target cache row
+        self.prefilled = 0  # prompt tokens in the target cache
+        self.draft_prefilled = 0
+        self.root: int | None = None  # newest token: emitted, not yet in the target cache
+        self.context: list[int] = list(prompt_ids)  # every token before the root
+        self.result: GenerationResult | None = None
+        self.error: str | None = None
+        self._cancel = threading.Event()
+        self.done = threading.Event()
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return hasattr(self.drafter.source, "attach")
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request at its next step (thread-safe)."""
+        self._cancel.set()
+
+    def stats_dict(self) -> dict[str, Any]:
+        extra = self.stats.as_dict() if self.stats.steps else {}
+        if self.extra_stats is not None:
+            extra.update(self.extra_stats())
+        return extra

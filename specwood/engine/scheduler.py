@@ -1,0 +1,330 @@
+"""Continuous batching: admit and retire requests between steps; every step advances all
+running requests with one target forward.
+
+The scheduler owns the KV cache pools (one for the target, one per draft model), allocated once
+with `max_batch` rows. A request joins at the next step: its prompt is prefilled in chunks,
+interleaved with the running requests' decode steps, so a long newcomer stalls them for one
+chunk at a time, not for its whole prompt. `step()` can be driven by the caller (Engine.generate,
+tests) or by a background thread (`start()`, the server).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from specwood.drafting.model_source import ModelDraftSource
+from specwood.engine.request import Request, State
+from specwood.engine.step import StepRecord, commit, draft_trees, plain_tree, target_forward, verify_tree
+from specwood.errors import ContextLengthError, SpecwoodError
+from specwood.models.cache import KVCache
+from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
+from specwood.models.transformer import Transformer
+from specwood.sampling import next_token
+
+TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
+
+
+class QueueFullError(SpecwoodError):
+    """The scheduler's queue is full: try again later."""
+
+
+class Scheduler:
+    def __init__(self, target: Transformer, *, max_batch: int = 8, row_len: int | None = None,
+                 max_queue: int = 64, prefill_chunk_tokens: int = 64, growable: bool = False,
+                 tree_room: int = TREE_ROOM):
+        if max_batch < 1:
+            raise SpecwoodError(f"max_batch must be >= 1, got {max_batch}")
+        self.target = target
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.growable = growable  # a private scheduler may re-allocate its pools while idle
+        self.tree_room = tree_room  # slots a row keeps beyond prompt + new tokens for a tree
+        self.row_len = row_len or min(target.max_positions + tree_room, 4096)
+        self.cache = target.new_cache(self.row_len, max_batch)
+        self._draft_pools: dict[int, tuple[Transformer, KVCache]] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.observers: list[Callable[[StepRecord], None]] = []
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+
+    # --- pools --------------------------------------------------------------------------------
+
+    def draft_source(self, model: Transformer) -> ModelDraftSource:
+        """A draft source for one request, on a row of this scheduler's pool for `model`."""
+        if id(model) not in self._draft_pools:
+            self._draft_pools[id(model)] = (model, model.new_cache(self.row_len, self.max_batch))
+        return ModelDraftSource(model, pool=self._draft_pools[id(model)][1])
+
+    def room_for(self, prompt_len: int, max_tokens: int) -> int:
+        """Cache slots a request needs (prompt, new tokens, the largest tree)."""
+        return prompt_len + max_tokens + self.tree_room
+
+    def ensure_room(self, needed: int) -> None:
+        """Grow the pools of an idle private scheduler; a clear error otherwise."""
+        if needed <= self.row_len:
+            return
+        if not self.growable or self.running or self.waiting:
+            raise ContextLengthError(
+                f"the request needs {needed - self.tree_room} context tokens but this server's cache rows hold "
+                f"{self.row_len - self.tree_room}; shorten the prompt or lower max_tokens (or raise --max-context)")
+        self.row_len = -(-needed // 256) * 256
+        self.cache = self.target.new_cache(self.row_len, self.max_batch)
+        self._draft_pools = {k: (m, m.new_cache(self.row_len, self.max_batch)) for k, (m, _) in self._draft_pools.items()}
+
+    # --- admission ----------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request (thread-safe); it joins the running batch at a coming step."""
+        with self._lock:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} waiting requests); retry later")
+            self.waiting.append(request)
+            self._lock.notify()
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self.waiting and self.cache.free_rows:
+                req = self.waiting.popleft()
+                if req.cancelled:
+                    self._finish(req, cancelled=True)
+                    continue
+                try:
+                    req.row = self.cache.allocate()
+                    self.cache.lengths[req.row] = 0
+                    if req.uses_draft_model:
+                        req.drafter.source.attach(len(req.prompt_ids), req.max_tokens)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(req, e)
+                    continue
+                req.state = State.PREFILL
+                self.running.append(req)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Admit, drop cancelled requests, prefill a chunk, decode one step. False when idle."""
+        self._admit()
+        for req in [r for r in self.running if r.cancelled]:
+            self._finish(req, cancelled=True)
+        if not self.running:
+            return False
+        decoding = [r for r in self.running if r.state is State.DECODE]
+        prefilling = [r for r in self.running if r.state is State.PREFILL]
+        if prefilling:
+            self._prefill(prefilling, self.prefill_chunk_tokens if decoding else None)
+        if decoding:
+            self._decode(decoding)
+        self.steps += 1
+        return True
+
+    def _prefill(self, requests: list[Request], budget: int | None) -> None:
+        """Advance the newcomers' prompts: target chunks of all of them in one forward, then
+        draft chunks likewise (the draft's prefill is part of the time to first token). With
+        `budget`, at most that many prompt tokens in all this step (running requests wait on
+        it); without, up to PREFILL_CHUNK per request."""
+        left = budget
+        target_chunks, draft_chunks = [], []
+        for req in requests:
+            n = len(req.prompt_ids)
+            done = req.prefilled if req.prefilled < n else req.draft_prefilled if req.uses_draft_model else n
+            if done >= n:
+                continue
+            take = min(n - done, PREFILL_CHUNK if left is None else left)
+            if take <= 0:
+                break
+            (target_chunks if req.prefilled < n else draft_chunks).append((req, done, done + take))
+            if left is not None:
+                left -= take
+        with torch.inference_mode():
+            if target_chunks:
+                self._prefill_forward(self.target, self.cache, target_chunks, draft=False)
+            groups: dict[int, list] = {}
+            for chunk in draft_chunks:
+                groups.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
+            for chunks in groups.values():
+                src = chunks[0][0].drafter.source
+                self._prefill_forward(src.model, src.cache, chunks, draft=True)
+            for req in requests:
+                n = len(req.prompt_ids)
+                if req.state is State.PREFILL and req.prefilled >= n and (req.draft_prefilled >= n or not req.uses_draft_model):
+                    self._first_token(req)
+
+    def _prefill_forward(self, model: Transformer, cache: KVCache, chunks: list, draft: bool) -> None:
+        def row_of(req: Request) -> int:
+            return req.drafter.source.row if draft else req.row
+
+        try:
+            logits = prefill_rows(model, cache, [(row_of(r), r.prompt_ids, a, b) for r, a, b in chunks])
+        except Exception:  # noqa: BLE001 - one at a time, to fail only the request at fault
+            if len(chunks) == 1:
+                self._fail(chunks[0][0], _current_error())
+                return
+            for chunk in chunks:
+                self._prefill_forward(model, cache, [chunk], draft)
+            return
+        for (req, _, end), row_logits in zip(chunks, logits):
+            if draft:
+                req.draft_prefilled = end
+            else:
+                req.prefilled = end
+                if end == len(req.prompt_ids):
+                    req.prefill_logits = row_logits
+
+    def _first_token(self, req: Request) -> None:
+        try:
+            req.root = int(next_token(req.prefill_logits, req.params, req.target_generator))
+            del req.prefill_logits
+            req.state = State.DECODE
+            if req.out.push_step([req.root]):
+                self._finish(req)
+        except Exception as e:  # noqa: BLE001
+            self._fail(req, e)
+
+    def _decode(self, batch: list[Request]) -> None:
+        failed: dict[Request, BaseException] = {}
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            trees = draft_trees(batch, len(batch), failed)
+            for req, tree in trees.items():  # no room to speculate: a plain step
+                L = self.cache.lengths[req.row]
+                if L + tree.max_depth >= self.target.max_positions or L + len(tree) > self.cache.max_len:
+                    trees[req] = plain_tree(req)
+            live = [r for r in batch if r in trees]
+            t1 = time.perf_counter()
+            outs = self._forward(live, trees, failed)
+            t2 = time.perf_counter()
+            drafts = []
+            for req, logits in zip(live, outs):
+                if logits is None:
+                    continue
+                tree = trees[req]
+                try:
+                    verdict = verify_tree(req, tree, logits)
+                    tokens = commit(self.cache, req, tree, verdict, t1 - t0, time.perf_counter() - t1)
+                    drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
+                    if req.out.push_step(tokens):
+                        self._finish(req)
+                except Exception as e:  # noqa: BLE001
+                    failed[req] = e
+        for req, e in failed.items():
+            self._fail(req, e)
+        record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1, drafts)
+        for observe in self.observers:
+            observe(record)
+
+    def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
+        if not live:
+            return []
+        try:
+            return target_forward(self.target, self.cache, live, trees)
+        except Exception:  # noqa: BLE001 - find the request at fault; the others go on
+            if len(live) == 1:
+                failed[live[0]] = _current_error()
+                return [None]
+        outs: list[torch.Tensor | None] = []
+        for req in live:
+            try:
+                outs.append(target_forward(self.target, self.cache, [req], trees)[0])
+            except Exception as e:  # noqa: BLE001
+                failed[req] = e
+                outs.append(None)
+        return outs
+
+    # --- retiring -----------------------------------------------------------------------------
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req.row is not None:
+            self.cache.release(req.row)
+            req.row = None
+        req.drafter.close()
+
+    def _finish(self, req: Request, cancelled: bool = False) -> None:
+        self._release(req)
+        if cancelled and not req.out.finished:
+            req.out.finish_reason = "cancelled"
+        req.state = State.FINISHED
+        req.result = req.out.finish(req.method, req.stats_dict())
+        self._notify(req)
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        try:
+            self._release(req)
+        except Exception:  # noqa: BLE001
+            pass
+        req.state = State.FINISHED
+        req.error = str(error) if isinstance(error, SpecwoodError) else f"internal error: {type(error).__name__}: {error}"
+        req.exception = error
+        self._notify(req)
+
+    def _notify(self, req: Request) -> None:
+        req.done.set()
+        if req.on_finish is not None:
+            try:
+                req.on_finish(req)
+            except Exception:  # noqa: BLE001 - a consumer's callback must not stop the loop
+                pass
+
+    # --- driving ------------------------------------------------------------------------------
+
+    def run_until_done(self, requests: list[Request]) -> None:
+        """Step in the caller's thread until every one of `requests` has finished."""
+        while not all(r.done.is_set() for r in requests):
+            if not self.step() and not self.waiting:
+                break
+
+    def start(self) -> None:
+        """Step in a background thread whenever there is work (the server)."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="specwood-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and self.idle:
+                    self._lock.wait()
+                if self._stopping:
+                    break
+            self.step()
+        for req in list(self.running) + list(self.waiting):
+            self._fail(req, SpecwoodError("the server is shutting down"))
+        self.waiting.clear()
+
+
+def _current_error() -> BaseException:
+    import sys
+
+    return sys.exc_info()[1] or RuntimeError("unknown error")

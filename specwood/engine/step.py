@@ -1,0 +1,139 @@
+"""One decode step for a batch of requests: draft every tree (draft calls batched), ONE target
+forward over all of them (padded, per-row positions, slots and masks), verify each, commit."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specwood.drafting.base import Drafting
+from specwood.drafting.model_source import ModelDraftSource, forward_draft_calls
+from specwood.engine.request import Request
+from specwood.errors import SpecwoodError
+from specwood.models.cache import KVCache
+from specwood.models.transformer import Transformer
+from specwood.sampling import next_token
+from specwood.tree.token_tree import TokenTree
+from specwood.verify import Verdict, verify
+
+
+@dataclass
+class StepRecord:
+    """What one step did, for metrics: per request (tree nodes drafted, accepted, max depth)."""
+
+    batch_size: int
+    tokens: int  # target forward rows (tree nodes, roots included)
+    draft_s: float
+    verify_s: float
+    drafts: list[tuple[int, int, int]]
+
+
+def plain_tree(request: Request) -> TokenTree:
+    return TokenTree.with_root(request.root, "selected" if request.params.greedy else "sampled")
+
+
+def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, BaseException]) -> dict[Request, TokenTree]:
+    """Each request's tree for this step. Drafting coroutines advance together; every round, the
+    calls of all requests whose sources are draft-model rows go through one forward per model.
+    A request whose drafting raises is put in `failed` and gets no tree."""
+    trees: dict[Request, TokenTree] = {}
+    active: dict[Request, tuple[Drafting, object]] = {}
+    for req in requests:
+        try:
+            shape = req.drafter.shape_for_step(batch_size, len(req.context) + 1)
+            if shape is None:
+                trees[req] = plain_tree(req)
+                continue
+            drafting = shape.draft(req.context, req.root, req.params, req.draft_generator)
+            active[req] = (drafting, drafting.send(None))
+        except StopIteration as done:
+            trees[req] = done.value
+        except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
+            failed[req] = e
+    while active:
+        batched = [r for r, (_, call) in active.items() if isinstance(r.drafter.source, ModelDraftSource)]
+        answers: dict[Request, torch.Tensor] = {}
+        try:
+            if batched:
+                outs = forward_draft_calls([(r.drafter.source, *active[r][1]) for r in batched])
+                answers.update(zip(batched, outs))
+        except Exception:  # noqa: BLE001 - retry one by one to find the request at fault
+            pass
+        for req in list(active):
+            drafting, call = active[req]
+            try:
+                if req not in answers:
+                    if req.drafter.source is None:
+                        raise SpecwoodError(f"method '{req.method}' drafts with a model but has no draft source")
+                    answers[req] = req.drafter.source.logits(*call)
+                active[req] = (drafting, drafting.send(answers[req]))
+            except StopIteration as done:
+                trees[req] = done.value
+                del active[req]
+            except Exception as e:  # noqa: BLE001
+                failed[req] = e
+                del active[req]
+    return trees
+
+
+def target_forward(model: Transformer, cache: KVCache, requests: list[Request],
+                   trees: dict[Request, TokenTree]) -> list[torch.Tensor]:
+    """One forward over every request's tree: logits [len(tree), V] per request."""
+    dev = model.device
+    B = len(requests)
+    lens = [len(trees[r]) for r in requests]
+    prefix = [cache.lengths[r.row] for r in requests]
+    T = max(lens)
+    S = max(L + n for L, n in zip(prefix, lens))
+    for L, r in zip(prefix, requests):
+        model.check_positions(L + trees[r].max_depth)
+        cache.check_room(L + len(trees[r]))
+    if B == 1:  # the common single-request case: no padding, a view of the row
+        r, tree, L = requests[0], trees[requests[0]], prefix[0]
+        slots = torch.arange(L, L + lens[0], device=dev)
+        out = model(torch.tensor([tree.tokens], device=dev), tree.positions(L).to(dev),
+                    tree.attention_mask(L).to(dev), cache, slots, rows=slice(r.row, r.row + 1))
+        return [out[0]]
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    positions = torch.zeros(B, T, dtype=torch.long)
+    slots = torch.full((B, T), cache.scratch_slot, dtype=torch.long)
+    mask = torch.zeros(B, T, S, dtype=torch.bool)
+    mask[:, :, 0] = True  # padding rows attend to slot 0; their K/V go to the scratch slot
+    for b, (r, L, n) in enumerate(zip(requests, prefix, lens)):
+        tree = trees[r]
+        tokens[b, :n] = torch.tensor(tree.tokens)
+        positions[b, :n] = tree.positions(L)
+        slots[b, :n] = torch.arange(L, L + n)
+        mask[b, :n] = False
+        mask[b, :n, :L] = True
+        mask[b, :n, L:L + n] = tree.ancestor_mask()
+    sel_b = torch.tensor([b for b, n in enumerate(lens) for _ in range(n)], device=dev)
+    sel_t = torch.tensor([t for n in lens for t in range(n)], device=dev)
+    rows = torch.tensor([r.row for r in requests], device=dev)
+    out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev),
+                output_rows=(sel_b, sel_t), rows=rows)
+    return list(out.split(lens))
+
+
+def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verdict:
+    """Greedy or lossless sampling verification; a lone root is exactly the autoregressive sampler."""
+    if len(tree) == 1:
+        return Verdict([], int(next_token(logits[0], request.params, request.target_generator)))
+    return verify(tree, logits, request.params, request.target_generator)
+
+
+def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, draft_s: float,
+           verify_s: float) -> list[int]:
+    """Keep the accepted path in the request's cache row and draft source; the emitted tokens."""
+    L = cache.lengths[request.row]
+    path = [0] + verdict.accepted
+    cache.compact([L + i for i in path], L, request.row)
+    if request.drafter.source is not None:
+        request.drafter.source.commit(tree, verdict.accepted, verdict.next_token)
+    if len(tree) > 1 or request.drafter.shape is not None:
+        request.stats.record(tree, len(verdict.accepted), draft_s, verify_s)
+    request.drafter.on_step(tree, verdict)
+    request.context.extend(tree.tokens[i] for i in path)
+    request.root = verdict.next_token
+    return [tree.tokens[i] for i in verdict.accepted] + [verdict.next_token]

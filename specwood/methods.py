@@ -1,0 +1,141 @@
+"""The one registry of decoding methods: name -> needs a draft model?, the options it takes
+(validated), and how to build each request's drafter (draft source + tree shape).
+
+The engine, the CLI, the bench harness and the server all go through `prepare_method`; the
+planner registers `auto` and `prior` itself (specwood.planner.auto), so the engine never imports
+the planner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from specwood.engine.request import Drafter
+from specwood.errors import SpecwoodError
+
+# sources(model) -> a draft source for one request on that model (the scheduler's pooled rows)
+SourceFactory = Callable[[Any], Any]
+# new_drafter(sources, prompt_len, max_tokens) -> Drafter, once per request
+DrafterFactory = Callable[[SourceFactory, int, int], Drafter]
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    needs_draft: bool  # needs the engine's draft model
+    options: tuple[str, ...]  # option names it takes
+    # prepare(engine, options) -> DrafterFactory; validates option values, builds shared parts once
+    prepare: Callable[[Any, dict[str, Any]], DrafterFactory]
+    wants_draft: bool | None = None  # load a draft model for it when one is configured (default: needs_draft)
+
+    @property
+    def loads_draft(self) -> bool:
+        return self.needs_draft if self.wants_draft is None else self.wants_draft
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    _REGISTRY[method.name] = method
+    return method
+
+
+def method_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_method(name: str) -> Method:
+    key = str(name).strip().lower().replace("_", "-")
+    if key not in _REGISTRY:
+        raise SpecwoodError(f"unknown method '{name}' (choose from {', '.join(_REGISTRY)})")
+    return _REGISTRY[key]
+
+
+def options_for(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The subset of shared options (e.g. the bench's pass-through ones) that `name` takes (all
+    of them for a name outside the registry: whoever runs it says what is wrong)."""
+    if name not in _REGISTRY:
+        return dict(options)
+    taken = _REGISTRY[name].options
+    return {k: v for k, v in options.items() if k in taken}
+
+
+def prepare_method(engine: Any, name: str, options: dict[str, Any] | None = None) -> DrafterFactory:
+    """Check a method's options and draft needs once; the factory of its per-request drafters."""
+    method = get_method(name)
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    unknown = sorted(set(options) - set(method.options))
+    if unknown:
+        takes = f"it takes {', '.join(method.options)}" if method.options else "it takes none"
+        raise SpecwoodError(f"method '{method.name}' does not use option(s) {', '.join(unknown)} ({takes})")
+    if method.needs_draft and engine.draft_model is None:
+        raise SpecwoodError(f"method '{method.name}' needs a draft model; pass --draft NAME|PATH (draft=... in the API)")
+    return method.prepare(engine, options)
+
+
+# ---------------------------------------------------------------------------------------------
+# built-in methods: plain decoding, every tree shape over the draft model, early-exit
+
+
+def _prepare_ar(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+    return lambda sources, prompt_len, max_tokens: Drafter()
+
+
+def _shape_method(name: str, needs_draft: bool, options: tuple[str, ...]) -> Method:
+    def prepare(engine: Any, opts: dict[str, Any]) -> DrafterFactory:
+        from specwood.drafting.shapes import make_shape
+
+        shape = make_shape(name, **opts)
+        if not needs_draft:
+            return lambda sources, prompt_len, max_tokens: Drafter(None, shape)
+        return lambda sources, prompt_len, max_tokens: Drafter(sources(engine.draft_model), shape)
+
+    return Method(name, SHAPE_SUMMARIES[name], needs_draft, options, prepare)
+
+
+SHAPE_SUMMARIES = {
+    "chain": "a chain of draft-model tokens",
+    "static": "a fixed branching list per depth (SpecInfer)",
+    "sequoia": "the Sequoia dynamic-program tree",
+    "eagle": "EAGLE-2: expand the top-k frontier, rerank by cumulative probability",
+    "dyspec": "DySpec greedy heap expansion under a node budget",
+    "dyspec-threshold": "DySpec layer-wise expansion above a threshold",
+    "pld": "prompt lookup: a chain copied from the context (no model)",
+}
+SHAPE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "chain": ("budget", "depth"),
+    "static": ("budget", "depth", "branching"),
+    "sequoia": ("budget", "depth", "acceptance"),
+    "eagle": ("budget", "depth", "topk"),
+    "dyspec": ("budget", "depth"),
+    "dyspec-threshold": ("budget", "depth", "threshold"),
+    "pld": ("budget", "depth"),
+}
+
+
+def _prepare_early_exit(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+    from specwood.drafting.model_source import early_exit_model
+    from specwood.drafting.shapes import make_shape
+
+    options = dict(options)
+    layer = options.pop("exit_layer", None) or max(1, engine.target_config.n_layers // 4)
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise SpecwoodError(f"exit_layer must be an integer, got {layer!r}")
+    shape_name = options.pop("shape", "chain")
+    allowed = SHAPE_OPTIONS.get(str(shape_name), ())
+    extra = sorted(set(options) - set(allowed))
+    if extra:
+        raise SpecwoodError(f"early-exit with shape '{shape_name}' does not use option(s) {', '.join(extra)}")
+    model = early_exit_model(engine.target, layer)
+    shape = make_shape(shape_name, **options)
+    return lambda sources, prompt_len, max_tokens: Drafter(sources(model), shape)
+
+
+register(Method("ar", "plain autoregressive decoding (the baseline)", False, (), _prepare_ar))
+for _name, _opts in SHAPE_OPTIONS.items():
+    register(_shape_method(_name, _name != "pld", _opts))
+register(Method("early-exit", "the target's first layers + its head draft a chain", False,
+                ("exit_layer", "shape", "budget", "depth", "topk", "threshold", "branching", "acceptance"),
+                _prepare_early_exit))

@@ -1,0 +1,214 @@
+"""The planner's methods, registered in the method registry: `--method auto` (AcceptanceTracker,
+PlannedShape, a starter plan when none is measured) and `--method prior`.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Callable
+
+from specwood.engine.request import Drafter
+from specwood.errors import SpecwoodError
+from specwood.methods import Method, prepare_method, register
+from specwood.planner.build import get_plan, measure_draft_prefill
+from specwood.planner.store import _DTYPE_NAMES, DEFAULT_METHOD, Plan, PlanWarning, load_plan, plan_key_for, save_plan
+from specwood.tree.token_tree import TokenTree
+from specwood.verify import Verdict
+
+class AcceptanceTracker:
+    """How much better (or worse) than the plan's AAT(x) the draft does in this request.
+
+    AAT depends on the text as much as on the hardware: a code continuation accepts far deeper
+    than an open-ended chat answer, and P_eff(x) is flat enough near its maximum that the
+    calibration curve alone can pick a tree half the best size. We keep exponentially decayed
+    sums of accepted drafted tokens (observed) and of what the plan's curve predicted for the
+    trees used, and scale the curve's drafted part by their ratio r:
+        AAT_req(x) = 1 + min(x - 1, r * (AAT(x) - 1)).
+    Both sums start from `prior_steps` steps of agreement, so a request starts on the plan. On
+    plain (AR) steps nothing is observed and r relaxes towards 1, so a request that fell back
+    to AR tries speculation again after a few tokens instead of staying stuck.
+    """
+
+    def __init__(self, decay: float = 0.75, prior_steps: float = 2.0, unit: float = 2.0):
+        self.decay = decay
+        self.unit = unit  # one step's worth of evidence, in accepted drafted tokens
+        self.observed = self.predicted = prior_steps * unit
+
+    @property
+    def ratio(self) -> float:
+        return min(4.0, max(0.05, self.observed / self.predicted))
+
+    def record(self, predicted_aat: float, emitted: int) -> None:
+        """A speculative step the plan expected to emit `predicted_aat` tokens emitted `emitted`
+        (accepted + bonus)."""
+        self.observed = self.decay * self.observed + max(0, emitted - 1)
+        self.predicted = self.decay * self.predicted + max(predicted_aat - 1.0, 1e-3)
+
+    def relax(self) -> None:
+        """A plain step: no evidence, drift back towards the plan."""
+        self.observed = self.decay * self.observed + (1 - self.decay) * self.unit
+        self.predicted = self.decay * self.predicted + (1 - self.decay) * self.unit
+
+    def scale(self, aat: Callable[[float], float]) -> Callable[[float], float]:
+        """The curve corrected for this request."""
+        r = self.ratio
+        return lambda x: 1.0 if x <= 1 else 1.0 + min(x - 1.0, r * (float(aat(x)) - 1.0))
+
+
+class PlannedShape:
+    """A per-request tree-shape policy that follows a plan as the context grows, as acceptance is
+    observed and as the load changes.
+
+    Before each step (`for_batch`) it takes the plan's measured T_v and T_d at the current
+    context length, the plan's AAT(x) for that context corrected for this request
+    (AcceptanceTracker), and the number of requests sharing the step, and picks the argmax x of
+    P_eff (budget x - 1) -- or None (a plain step) where AR wins. After each step (`on_step`) it
+    credits the tracker with what the tree it chose really got accepted. With `adapt=False` it
+    uses the plan's per-bucket choices as stored (batch of one).
+    """
+
+    def __init__(self, plan: Plan, make_shape: Callable[[int], Any], adapt: bool = True):
+        self.plan = plan
+        self.name = f"auto:{plan.key.method}"
+        self.adapt = adapt
+        self._make_shape = make_shape
+        self._shapes: dict[int, Any] = {}
+        self.tracker = AcceptanceTracker()
+        self._context_len = 0
+        self.x_used: dict[int, int] = {}  # x -> steps, for the stats
+
+    def choose_x(self, context_len: int, batch_size: int = 1) -> int:
+        if not self.adapt:
+            method, x = self.plan.choose(context_len)
+            return 1 if method == "ar" else x
+        d = self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)), batch=batch_size)
+        return 1 if d.method == "ar" else d.x
+
+    def for_batch(self, batch_size: int, context_len: int) -> Any | None:
+        self._context_len = context_len
+        x = self.choose_x(context_len, batch_size)
+        self.x_used[x] = self.x_used.get(x, 0) + 1
+        if x <= 1:
+            return None
+        if x not in self._shapes:
+            self._shapes[x] = self._make_shape(x - 1)
+        return self._shapes[x]
+
+    def on_step(self, tree: TokenTree, verdict: Verdict) -> None:
+        if len(tree) <= 1:
+            self.tracker.relax()
+        else:
+            self.tracker.record(float(self.plan.aat_for(self._context_len)(len(tree))), len(verdict.accepted) + 1)
+
+
+def starter_plan(engine: Any, method: str) -> Plan:
+    """A plan that needs no profiling, for a device without a measured one: the analytic model of
+    this CPU (seconds to measure) with the stored or default AAT curve, trees capped at 8 tokens
+    (where the analytic T_v is least wrong). Each request still adapts AAT to what it sees."""
+    from specwood.planner.analytic import build_analytic_plan
+
+    device = "local-cpu" if engine.device.type == "cpu" else "h100"
+    plan = build_analytic_plan(device, str(engine.target_name), str(engine.draft_name or "none"), method=method,
+                               dtype=_DTYPE_NAMES.get(str(engine.dtype), "bf16"), contexts=(128, 512, 2048),
+                               x_max=8)
+    plan.x_cap = 8
+    plan.notes.append("starter plan: used until `specwood plan` stores a measured one")
+    return plan.refresh()
+
+
+def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter]:
+    """`--method auto`: the planner's choice per request, per step and per batch size."""
+    from specwood.methods import get_method
+
+    base = str(options.get("shape") or DEFAULT_METHOD)
+    adapt = bool(options.get("adapt", True))
+    progress = bool(options.get("progress", True))
+    base_method = get_method(base)
+    if base_method.name in ("auto", "ar"):
+        raise SpecwoodError(f"auto's base shape must be a tree method, not '{base}'")
+    if base_method.needs_draft and engine.draft_model is None:
+        if progress:
+            print(f"[plan] method auto: no draft model loaded, so '{base}' cannot draft; decoding "
+                  "autoregressively (load a draft, or use --method pld)", file=sys.stderr)
+        return lambda sources, prompt_len, max_tokens: Drafter(extra_stats=lambda: {"auto": "ar"})
+    plan = get_plan(engine, base, build_if_missing=False, progress=progress)
+    if plan is None:
+        if progress:
+            print(f"[plan] no measured plan for '{base}' on this device yet: starting from an analytic estimate "
+                  f"(run `specwood plan --method {base}` once, ~6 min, to measure one)", file=sys.stderr)
+        plan = starter_plan(engine, base)
+    if all(c.method == "ar" for c in plan.choices) and plan.source == "measured":
+        return lambda sources, prompt_len, max_tokens: Drafter(extra_stats=lambda: {"auto": "ar"})
+    if plan.draft_prefill_s is None and plan.source == "measured" and engine.draft_model is not None:
+        plan.draft_prefill_s = measure_draft_prefill(engine)  # a plan from before this field
+        save_plan(plan)
+    if base == "prior":
+        if plan.prior is None:
+            raise SpecwoodError("method 'prior' needs prior scores (run `specwood plan --method prior`)")
+        from specwood.planner.prior_tree import prior_shape
+
+        make_shape = lambda budget: prior_shape(plan.prior.best_layout(budget))  # noqa: E731
+        draft_model = engine.draft_model
+    else:
+        base_factory = lambda budget: prepare_method(engine, base, {"budget": budget})  # noqa: E731
+        make_shape = lambda budget: base_factory(budget)(_no_source, 0, 0).shape  # noqa: E731
+        draft_model = _draft_model_of(engine, base)
+
+    def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int) -> Drafter:
+        if not plan.speculation_pays(prompt_len, max_tokens):
+            if progress:
+                print(f"[plan] method auto: decoding autoregressively -- for a {prompt_len}-token prompt and "
+                      f"{max_tokens} new tokens the draft's prefill would cost more than speculation saves",
+                      file=sys.stderr)
+            return Drafter(extra_stats=lambda: {"auto": "ar"})
+        shape = PlannedShape(plan, make_shape, adapt=adapt)
+        source = sources(draft_model) if draft_model is not None else None
+        return Drafter(source, shape, extra_stats=lambda: {"auto": "sd", "auto_x_steps": dict(sorted(shape.x_used.items()))})
+
+    return new_drafter
+
+
+def _no_source(model: Any) -> None:
+    return None
+
+
+def _draft_model_of(engine: Any, base: str) -> Any:
+    """The model a base method drafts with (None for pld; the early-exit slice of the target)."""
+    from specwood.methods import get_method
+
+    if base == "early-exit":
+        from specwood.drafting.model_source import early_exit_model
+
+        return early_exit_model(engine.target, max(1, engine.target_config.n_layers // 4))
+    return engine.draft_model if get_method(base).needs_draft else None
+
+
+def _prepare_prior(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter]:
+    """`--method prior`: the best `budget`-node tree from the stored prior scores (plan key method
+    "prior"). Without stored scores a warning is given and an analytic prior (rank-only
+    acceptance model) is used. Without a budget the plan's choice at the shortest context is used
+    (16 nodes when there is no plan)."""
+    from specwood.drafting.shapes import make_shape
+    from specwood.planner.prior_tree import PriorScores, analytic_scores, maximal_layout, prior_shape
+
+    plan = load_plan(plan_key_for(engine, "prior"))
+    if plan is not None and plan.prior is not None:
+        prior = plan.prior
+    else:
+        warnings.warn("no prior-score plan for this engine; using an analytic prior "
+                      "(run `specwood plan --method prior` to measure one)", PlanWarning, stacklevel=3)
+        layout = maximal_layout(64, 8)
+        prior = PriorScores(layout, analytic_scores(layout), measured=False)
+    budget = options.get("budget")
+    if budget is None:
+        sd = [c for c in plan.choices if c.method != "ar"] if plan is not None else []
+        budget = sd[0].budget if sd else 16
+    make_shape("chain", budget=budget)  # the same validation as every budget
+    shape = prior_shape(prior.best_layout(int(budget)))
+    return lambda sources, prompt_len, max_tokens: Drafter(sources(engine.draft_model), shape)
+
+
+register(Method("auto", "the planner's choice: SD or AR and the tree size per step, per request and per load",
+                False, ("shape", "adapt", "progress"), _prepare_auto, wants_draft=True))
+register(Method("prior", "seed-000 prior-score tree (top-x node positions by measured acceptance)", True,
+                ("budget",), _prepare_prior))

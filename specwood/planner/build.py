@@ -1,0 +1,220 @@
+"""Building a plan on the engine's own device: measure T_v, T_d and AAT(x), fit, decide per
+context bucket (build_plan), and the stored-or-built plan for an engine (get_plan).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from specwood.errors import SpecwoodError
+from specwood.planner.calibration import CALIBRATION_PROMPTS, calibration_set, encode_prompts
+from specwood.planner.decision import MAX_X
+from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat
+from specwood.planner.prior_tree import PriorScores
+from specwood.planner.store import (
+    _DTYPE_NAMES,
+    DEFAULT_METHOD,
+    Plan,
+    PlanKey,
+    load_plan,
+    local_device_id,
+    plan_key_for,
+    save_plan,
+)
+
+def method_factory(engine: Any, method: str, prior: PriorScores | None = None) -> Callable[[int], tuple[Any, Any]]:
+    """budget -> (source, shape) for a method name, or for "prior" from the prior scores. The
+    source is created once and shared (its cache is reused across builds)."""
+    from specwood.planner.profiler import method_components
+    from specwood.planner.prior_tree import prior_shape
+
+    state: dict[str, Any] = {}
+
+    def make(budget: int) -> tuple[Any, Any]:
+        if method == "prior":
+            if prior is None:
+                raise SpecwoodError("method 'prior' needs prior scores (run `specwood plan --method prior`)")
+            src, shape = method_components(engine, lambda b: prior_shape(prior.best_layout(b)), budget)
+        else:
+            src, shape = method_components(engine, method, budget)
+        state.setdefault("source", src)
+        return state["source"], shape
+
+    return make
+
+
+def measure_aat(engine: Any, make: Callable[[int], tuple[Any, Any]], xs: Sequence[int],
+                prompts_ids: Sequence[Sequence[int]], max_tokens: int,
+                progress: bool = True, label: str = "") -> dict[int, dict[str, float]]:
+    """AAT(x) on the calibration prompts for each verification length x (budget x - 1), plus the
+    per-step draft and verify seconds seen while decoding."""
+    from specwood.planner.profiler import _progress, run_speculative
+
+    out: dict[int, dict[str, float]] = {}
+    with _progress(len(xs), f"calibrating AAT(x) {label}".strip(), progress) as bar:
+        for x in xs:
+            source, shape = make(int(x) - 1)
+            stats = run_speculative(engine, source, shape, prompts_ids, max_tokens)
+            s = stats.as_dict()
+            steps = max(stats.steps, 1)
+            out[int(x)] = {"aat": float(s["mean_accepted_tokens"]), "steps": float(stats.steps),
+                           "draft_s": stats.draft_s / steps, "verify_s": stats.verify_s / steps,
+                           "mean_tree_nodes": float(s["mean_tree_nodes"])}
+            bar.set_postfix(x=x, aat=f"{out[int(x)]['aat']:.2f}")
+            bar.update(1)
+    return out
+
+
+def measure_draft_prefill(engine: Any, n_tokens: int = 512, repeats: int = 2) -> float | None:
+    """Seconds per prompt token of the draft model's prefill (None without a draft model)."""
+    from specwood.drafting.model_source import ModelDraftSource
+
+    if engine.draft_model is None:
+        return None
+    n = max(8, min(n_tokens, engine.max_context // 2))
+    ids = calibration_set(engine, n, 1) or encode_prompts(engine, CALIBRATION_PROMPTS[:1])
+    source = ModelDraftSource(engine.draft_model)
+    with torch.inference_mode():
+        source.start(ids[0][:16])  # allocate the cache, warm the kernels
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            source.start(ids[0])
+            best = min(best, time.perf_counter() - t0)
+    return best / len(ids[0])
+
+
+def build_plan(
+    engine: Any,
+    method: str = DEFAULT_METHOD,
+    quick: bool = True,
+    calibration_prompts: Sequence[str] | None = None,
+    *,
+    contexts: Sequence[int] | None = None,
+    xs: Sequence[int] | None = None,
+    aat_xs: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    repeats: int | None = None,
+    device_id: str | None = None,
+    prior_nodes: int | None = None,
+    prior_levels: int | None = None,
+    raw_prompts: bool = False,
+    progress: bool = True,
+) -> Plan:
+    """Profile T_v and T_d, calibrate AAT(x), fit, and decide per context bucket.
+
+    x is the verification length everywhere (tree tokens including the root); AAT(x) is measured
+    by decoding with budget = x - 1 drafted nodes. With method "prior" the prior-score search
+    runs first (maximal tree of `prior_nodes` over `prior_levels` levels) and AAT(x) is measured
+    with its top-(x - 1) trees. quick: fewer x points, contexts, prompts and tokens.
+    raw_prompts: feed the calibration prompts as plain text instead of through the chat template.
+    """
+    from specwood.planner import profiler as prof
+    from specwood.planner.prior_tree import collect_prior_scores
+
+    if method in ("ar", "auto"):
+        raise SpecwoodError(f"cannot plan method '{method}': give the speculative method to tune (e.g. dyspec)")
+    xs = sorted(set(xs or (prof.QUICK_XS if quick else prof.DEFAULT_XS)) | {1})
+    wanted = list(contexts or (prof.QUICK_CONTEXTS if quick else prof.DEFAULT_CONTEXTS))
+    fit_ctx = [c for c in wanted if c + max(xs) + 1 < engine.max_context]
+    if not fit_ctx:  # a small model: one bucket that fits
+        fit_ctx = [max(1, engine.max_context - max(xs) - 2)]
+    max_tokens = max_tokens or (32 if quick else 64)
+    repeats = repeats or (5 if quick else 7)
+    if calibration_prompts is not None:  # explicit prompts: one set for every bucket
+        given = encode_prompts(engine, calibration_prompts, raw_prompts)
+        sets = {c: given for c in fit_ctx}
+        what = f"{len(given)} given prompts"
+    else:  # the first bucket also gets short chat prompts: what most requests look like
+        n = 2 if quick else 4
+        sets = {c: calibration_set(engine, c, n, n if i == 0 else 0) for i, c in enumerate(fit_ctx)}
+        sets = {c: ids for c, ids in sets.items() if ids} or {fit_ctx[0]: encode_prompts(engine, CALIBRATION_PROMPTS)}
+        what = f"{n} chat prompts + {n} raw code/prose windows of the bucket's length (first bucket), {n} windows (others)"
+    prompts_ids = sets[min(sets)]
+    notes = [f"x = verification length (tree tokens incl. root); budget = x - 1 drafted nodes",
+             f"AAT(x) measured per context bucket on {what}, {max_tokens} tokens each (greedy)"]
+
+    prior = None
+    x_cap = MAX_X
+    if method == "prior":
+        n_nodes = prior_nodes or (32 if quick else 64)
+        levels = prior_levels or (6 if quick else 8)
+        if progress:
+            print(f"[plan] prior-score search: maximal tree of {n_nodes} nodes over {levels} levels", file=sys.stderr)
+        prior = collect_prior_scores(engine, prompts_ids, max_tokens, n_nodes, levels)
+        x_cap = n_nodes + 1
+    make = method_factory(engine, method, prior)
+    xs = [x for x in xs if x <= x_cap] or [1, 2]
+
+    t_v = prof.measure_verify_times(engine.target, xs, fit_ctx, repeats, quick, progress=progress)
+    t_v = {c: r for c, r in t_v.items() if r} or t_v
+    default_aat = (2, 4, 8, 16, 32) if quick else (2, 3, 4, 6, 8, 12, 16, 24, 32)
+    aat_xs = sorted({int(x) for x in (aat_xs or default_aat) if 2 <= int(x) <= min(max(xs), x_cap)})
+    by_ctx: dict[int, AATFit] = {}
+    t_d: dict[int, dict[int, float]] = {}
+    points_by_ctx: dict[int, dict[int, float]] = {}
+    observed: dict[int, dict[str, float]] = {}  # pooled over buckets, weighted by steps
+    for c, ids in sorted(sets.items()):
+        seen = measure_aat(engine, make, aat_xs, ids, max_tokens, progress, label=f"ctx {c}") if aat_xs else {}
+        points_by_ctx[c] = {x: o["aat"] for x, o in seen.items()}
+        few = [x for x, o in seen.items() if o["steps"] < 8]
+        if few:
+            notes.append(f"ctx {c}: AAT at x = {few} rests on fewer than 8 decoding steps (the model stopped early)")
+        if len(points_by_ctx[c]) >= 2:
+            by_ctx[c] = fit_aat(list(points_by_ctx[c]), list(points_by_ctx[c].values()))
+        for x, o in seen.items():
+            acc = observed.setdefault(x, {k: 0.0 for k in o})
+            for k, v in o.items():
+                acc[k] += v * o["steps"] if k != "steps" else v
+        if len(seen) >= 2:  # T_d(x) as drafted while decoding real text (see below)
+            t_d[c] = {1: 0.0, **{x: o["draft_s"] for x, o in seen.items()}}
+    for o in observed.values():
+        for k in o:
+            if k != "steps":
+                o[k] /= max(o["steps"], 1.0)
+    # T_d(x) comes from the calibration runs: how many draft forwards a heap or threshold shape
+    # spends depends on how sure the draft is, i.e. on the text, so a synthetic context misleads.
+    # Buckets without calibration fall back to profiling the shape on the calibration tokens.
+    if t_d:
+        notes.append("T_d(x) = mean drafting seconds per step while calibrating AAT(x) (per bucket)")
+    else:
+        shape_spec = {method: (lambda b: make(b)[1])} if method == "prior" else [method]
+        t_d = prof.measure_draft_times(engine, shape_spec, xs, fit_ctx[:1], max(2, repeats // 2),
+                                       seed_ids=[t for ids in prompts_ids for t in ids], progress=progress)[method]
+        notes.append(f"T_d(x) profiled at context {fit_ctx[0]} on the calibration tokens and reused for every bucket")
+    points = {x: o["aat"] for x, o in observed.items()}
+    if len(points) >= 2:
+        aat = fit_aat(list(points), list(points.values()))
+    else:
+        aat = DEFAULT_AAT
+        notes.append("too few AAT points: using the default AAT curve")
+
+    draft_prefill = measure_draft_prefill(engine, max(fit_ctx))
+    plan = Plan(key=PlanKey(device_id or local_device_id(engine), str(engine.target_name or "target"),
+                            str(engine.draft_name or "none"),
+                            _DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype)), method),
+                contexts=sorted(t_v), verify_times=t_v, draft_times=t_d, aat=aat, aat_points=points,
+                aat_by_context=by_ctx, aat_points_by_context=points_by_ctx, x_cap=x_cap,
+                draft_prefill_s=draft_prefill, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
+                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    return plan.refresh()
+
+
+def get_plan(engine: Any, method: str = DEFAULT_METHOD, *, build_if_missing: bool = False, quick: bool = True,
+             progress: bool = True) -> Plan | None:
+    """The stored plan for this engine and method; with build_if_missing, plan now (and save)
+    when there is none or it is stale."""
+    key = plan_key_for(engine, method)
+    plan = load_plan(key)
+    if plan is None and build_if_missing:
+        if progress:
+            print(f"[plan] no usable plan for {key}; profiling now ({'quick' if quick else 'full'} mode)",
+                  file=sys.stderr)
+        plan = build_plan(engine, method, quick=quick, progress=progress)
+        save_plan(plan)
+    return plan

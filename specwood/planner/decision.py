@@ -1,0 +1,99 @@
+"""The SD-vs-AR decision rule (seed paper 000, Eq. 7-8): pure functions, no model code.
+
+    P_eff(x) = AAT(x) / (T_v(x) + T_d(x)),    P_AR = P(1) = 1 / T_v(1)
+
+Per context bucket: if max_x P_eff(x) < P_AR, decode autoregressively; otherwise verify trees of
+x* = argmax_x P_eff(x) tokens (x* - 1 drafted nodes, the shape's `budget`). Also the helpers that
+evaluate measured timing rows: interpolation, a monotone fit, the nearest context bucket.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+MAX_X = 1025  # the engine's largest tree (MAX_BUDGET drafted nodes + root)
+
+
+@dataclass
+class Decision:
+    method: str  # "ar" or "sd"
+    x: int  # verification length to use (1 for AR)
+    speedup: float  # max P_eff / P_AR (below 1 when AR wins)
+    p_eff: float  # best SD effective performance, tokens/s
+    p_ar: float  # 1 / T_v(1), tokens/s
+    x_best_sd: int  # argmax of P_eff even when AR wins
+
+
+def p_eff(x: int, t_v: Callable[[int], float], t_d: Callable[[int], float], aat: Callable[[int], float]) -> float:
+    """Eq. 7: effective tokens per second when verifying x tokens per target forward."""
+    return float(aat(x)) / (float(t_v(x)) + float(t_d(x)))
+
+
+def decide(t_v: Callable[[int], float], t_d: Callable[[int], float], aat: Callable[[int], float],
+           xs: Sequence[int]) -> Decision:
+    """Eq. 8: SD only if some x >= 2 beats autoregressive decoding; then its argmax (the smallest
+    x among equal maxima, which costs the least drafting)."""
+    p_ar = 1.0 / float(t_v(1))
+    cands = sorted({int(x) for x in xs if int(x) >= 2})
+    if not cands:
+        return Decision("ar", 1, 0.0, 0.0, p_ar, 1)
+    values = np.array([p_eff(x, t_v, t_d, aat) for x in cands])
+    i = int(np.argmax(values))
+    best = float(values[i])
+    if best < p_ar:
+        return Decision("ar", 1, best / p_ar, best, p_ar, cands[i])
+    return Decision("sd", cands[i], best / p_ar, best, p_ar, cands[i])
+
+
+def batch_share(t_v: Callable[[float], float], t_d: Callable[[float], float],
+                batch: int) -> tuple[Callable[[float], float], Callable[[float], float]]:
+    """Per-request costs when `batch` requests share each step, each verifying x tokens: the
+    target forward runs B*x tokens, T_v,B(x) = T_v(B x) / B, and the drafts of all requests are
+    batched too, growing as the target's forward does with rows, T_d,B(x) = T_d(x) T_v(B) / (B T_v(1)).
+    With these, `decide` maximises the batch's throughput; AR's own share is T_v(B) / B. Wide
+    trees stop paying as the batch alone fills the hardware (past the roofline's ridge)."""
+    if batch <= 1:
+        return t_v, t_d
+    growth = float(t_v(batch)) / (batch * float(t_v(1)))
+    return (lambda x: float(t_v(batch * x)) / batch), (lambda x: float(t_d(x)) * growth)
+
+
+def interpolate(row: dict[int, float], x: float) -> float:
+    """Piecewise-linear T(x) through measured points; linear extrapolation past either end."""
+    xs = sorted(row)
+    if len(xs) == 1:
+        return float(row[xs[0]])
+    if x <= xs[0]:
+        lo, hi = xs[0], xs[1]
+    elif x >= xs[-1]:
+        lo, hi = xs[-2], xs[-1]
+    else:
+        hi = next(v for v in xs if v >= x)
+        lo = xs[xs.index(hi) - 1]
+        if hi == x:
+            return float(row[hi])
+    slope = (row[hi] - row[lo]) / (hi - lo)
+    return max(0.0, float(row[lo] + slope * (x - lo)))
+
+
+def monotone(row: dict[int, float]) -> dict[int, float]:
+    """The non-decreasing least-squares fit to T(x) (pool adjacent violators): a forward over
+    more tokens never takes less time, so a dip is timing noise and must not attract argmax."""
+    xs = sorted(row)
+    blocks: list[list[float]] = []  # [sum, count]
+    for x in xs:
+        blocks.append([row[x], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    values = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return dict(zip(xs, values))
+
+
+def nearest_context(contexts: Sequence[int], ctx: float) -> int:
+    """The bucket closest to ctx on a log scale (contexts grow geometrically)."""
+    return min(contexts, key=lambda c: (abs(math.log(max(c, 1)) - math.log(max(ctx, 1))), c))

@@ -1,0 +1,328 @@
+"""The persisted plan: its key, per-bucket choices and measurements (PlanKey, BucketChoice, Plan),
+and its storage as JSON under `<cache>/plans/`, keyed by (device, target, draft, dtype, method).
+The plan keeps the measurements and fits behind each choice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from specwood.errors import SpecwoodError
+from specwood.planner.decision import MAX_X, Decision, batch_share, decide, interpolate, monotone, nearest_context, p_eff
+from specwood.planner.fits import AATFit, RooflineFit, fit_roofline
+from specwood.planner.prior_tree import PriorScores
+from specwood.planner.profiler import TimeTable
+
+SCHEMA_VERSION = 2  # 2: AAT(x) per context bucket, dense small-x timings
+DEFAULT_METHOD = "dyspec"
+
+
+class PlanWarning(UserWarning):
+    """A stored plan could not be used (missing fields, older schema, other key, corrupt JSON)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    device: str
+    target: str
+    draft: str
+    dtype: str
+    method: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PlanKey":
+        return cls(**{k: str(d[k]) for k in ("device", "target", "draft", "dtype", "method")})
+
+    def filename(self) -> str:
+        digest = hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+        readable = f"{self.method}-{Path(self.target).name}-{Path(self.draft).name}-{self.dtype}"
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", readable)[:120] + f"-{digest}.json"
+
+
+@dataclass
+class BucketChoice:
+    context: int
+    method: str  # "ar" or the plan's method
+    x: int  # verification length (tree tokens incl. root); 1 for AR
+    speedup: float
+    p_eff: float
+    p_ar: float
+    x_best_sd: int
+
+    @property
+    def budget(self) -> int:
+        """Drafted nodes per tree: what `budget=` means for the shapes."""
+        return max(0, self.x - 1)
+
+
+@dataclass
+class Plan:
+    key: PlanKey
+    contexts: list[int]
+    verify_times: TimeTable  # ctx -> x -> T_v seconds
+    draft_times: TimeTable  # ctx -> x -> T_d seconds (may hold fewer contexts than verify_times)
+    aat: AATFit  # over every bucket's calibration (display, analytic reuse, buckets without their own)
+    aat_points: dict[int, float] = field(default_factory=dict)  # measured AAT at x (all buckets)
+    aat_by_context: dict[int, AATFit] = field(default_factory=dict)  # AAT(x) per context bucket
+    aat_points_by_context: dict[int, dict[int, float]] = field(default_factory=dict)
+    rooflines: dict[int, RooflineFit] = field(default_factory=dict)
+    choices: list[BucketChoice] = field(default_factory=list)
+    x_cap: int = MAX_X  # largest x the method can build (e.g. the prior's maximal tree + 1)
+    draft_prefill_s: float | None = None  # the draft's prefill, seconds per prompt token
+    source: str = "measured"  # or "analytic" (a device model, no hardware)
+    mode: str = "quick"  # "quick" or "full" measurement, "analytic"
+    prior: PriorScores | None = None
+    observed: dict[int, dict[str, float]] = field(default_factory=dict)  # calibration step stats per x
+    notes: list[str] = field(default_factory=list)
+    created: str = ""
+    schema: int = SCHEMA_VERSION
+    _smooth: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict, init=False, repr=False,
+                                                             compare=False)
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    def _row(self, which: str, table: TimeTable, ctx: int) -> dict[int, float]:
+        """The measured row of the nearest bucket, made monotone in x (cached)."""
+        c = nearest_context(list(table), ctx)
+        if (which, c) not in self._smooth:
+            self._smooth[(which, c)] = monotone(table[c])
+        return self._smooth[(which, c)]
+
+    def t_v(self, ctx: int, x: float) -> float:
+        return interpolate(self._row("v", self.verify_times, ctx), x)
+
+    def t_d(self, ctx: int, x: float) -> float:
+        if x <= 1 or not self.draft_times:
+            return 0.0
+        return interpolate(self._row("d", self.draft_times, ctx), x)
+
+    def aat_for(self, ctx: int) -> AATFit:
+        """AAT(x) of the nearest calibrated bucket (the pooled curve if none has its own)."""
+        if not self.aat_by_context:
+            return self.aat
+        return self.aat_by_context[nearest_context(list(self.aat_by_context), ctx)]
+
+    def candidate_xs(self, ctx: int) -> list[int]:
+        row = self.verify_times[nearest_context(list(self.verify_times), ctx)]
+        return list(range(1, min(max(row), self.x_cap, MAX_X) + 1))
+
+    def p_eff_curve(self, ctx: int) -> tuple[list[int], list[float]]:
+        xs = [x for x in self.candidate_xs(ctx) if x >= 2]
+        aat = self.aat_for(ctx)
+        return xs, [p_eff(x, lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), aat) for x in xs]
+
+    def decide(self, ctx: int, aat: Callable[[float], float] | None = None, batch: int = 1) -> Decision:
+        """The decision at context ctx, with the plan's AAT(x) for it or the given curve, for a
+        step shared by `batch` requests."""
+        t_v, t_d = batch_share(lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), batch)
+        return decide(t_v, t_d, aat or self.aat_for(ctx), self.candidate_xs(ctx))
+
+    def refresh(self) -> "Plan":
+        """Recompute the fits and per-bucket choices from the stored measurements."""
+        self._smooth.clear()
+        self.rooflines = {c: fit_roofline(list(row), list(row.values())) for c, row in self.verify_times.items()
+                          if len(row) >= 2}
+        self.choices = []
+        for c in self.contexts:
+            d = self.decide(c)
+            method = "ar" if d.method == "ar" else self.key.method
+            self.choices.append(BucketChoice(c, method, d.x, d.speedup, d.p_eff, d.p_ar, d.x_best_sd))
+        return self
+
+    def choose(self, context_len: int) -> tuple[str, int]:
+        """(method, x) for a request whose context holds `context_len` tokens: the choice of the
+        nearest bucket (log scale). x is the verification length; use budget = x - 1."""
+        c = self.choice_for(context_len)
+        return c.method, c.x
+
+    def choice_for(self, context_len: int) -> BucketChoice:
+        """The stored choice of the bucket nearest `context_len` (log scale)."""
+        if not self.choices:
+            raise SpecwoodError("this plan has no per-context choices (call refresh())")
+        by_ctx = {c.context: c for c in self.choices}
+        return by_ctx[nearest_context(list(by_ctx), context_len)]
+
+    def speculation_pays(self, prompt_len: int, max_tokens: int) -> bool:
+        """End to end, not just per decoded token: speculating first costs the draft's own
+        prefill of the prompt, which only the decode steps can earn back. True if the time the
+        chosen tree saves over `max_tokens` tokens exceeds that prefill (unknown cost: True)."""
+        d = self.choice_for(prompt_len)
+        if d.method == "ar" or d.p_eff <= 0:
+            return False
+        if not self.draft_prefill_s:
+            return True
+        saving = max_tokens * (1.0 / d.p_ar - 1.0 / d.p_eff)
+        return saving > prompt_len * self.draft_prefill_s
+
+    # --- JSON ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "key": self.key.to_dict(),
+            "created": self.created,
+            "source": self.source,
+            "mode": self.mode,
+            "contexts": list(self.contexts),
+            "x_cap": self.x_cap,
+            "draft_prefill_s": self.draft_prefill_s,
+            "verify_times": _table_out(self.verify_times),
+            "draft_times": _table_out(self.draft_times),
+            "aat": self.aat.to_dict(),
+            "aat_points": {str(k): v for k, v in self.aat_points.items()},
+            "aat_by_context": {str(c): f.to_dict() for c, f in self.aat_by_context.items()},
+            "aat_points_by_context": {str(c): {str(x): v for x, v in pts.items()}
+                                      for c, pts in self.aat_points_by_context.items()},
+            "rooflines": {str(c): f.to_dict() for c, f in self.rooflines.items()},
+            "choices": [asdict(c) for c in self.choices],
+            "prior": self.prior.to_dict() if self.prior is not None else None,
+            "observed": {str(k): v for k, v in self.observed.items()},
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        return cls(
+            key=PlanKey.from_dict(d["key"]),
+            contexts=[int(c) for c in d["contexts"]],
+            verify_times=_table_in(d["verify_times"]),
+            draft_times=_table_in(d.get("draft_times") or {}),
+            aat=AATFit.from_dict(d["aat"]),
+            aat_points={int(k): float(v) for k, v in (d.get("aat_points") or {}).items()},
+            aat_by_context={int(c): AATFit.from_dict(f) for c, f in (d.get("aat_by_context") or {}).items()},
+            aat_points_by_context={int(c): {int(x): float(v) for x, v in pts.items()}
+                                   for c, pts in (d.get("aat_points_by_context") or {}).items()},
+            rooflines={int(c): RooflineFit.from_dict(f) for c, f in (d.get("rooflines") or {}).items()},
+            choices=[BucketChoice(**c) for c in d.get("choices") or []],
+            x_cap=int(d.get("x_cap", MAX_X)),
+            draft_prefill_s=None if d.get("draft_prefill_s") is None else float(d["draft_prefill_s"]),
+            source=str(d.get("source", "measured")),
+            mode=str(d.get("mode", "quick")),
+            prior=PriorScores.from_dict(d["prior"]) if d.get("prior") else None,
+            observed={int(k): dict(v) for k, v in (d.get("observed") or {}).items()},
+            notes=list(d.get("notes") or []),
+            created=str(d.get("created", "")),
+            schema=int(d["schema"]),
+        )
+
+
+def _table_out(t: TimeTable) -> dict[str, dict[str, float]]:
+    return {str(c): {str(x): float(v) for x, v in row.items()} for c, row in t.items()}
+
+
+def _table_in(t: dict[str, Any]) -> TimeTable:
+    return {int(c): {int(x): float(v) for x, v in row.items()} for c, row in t.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# persistence
+
+
+def plans_dir() -> Path:
+    from specwood.models.registry import cache_dir
+
+    return cache_dir() / "plans"
+
+
+def plan_path(key: PlanKey) -> Path:
+    return plans_dir() / key.filename()
+
+
+def save_plan(plan: Plan, path: Path | None = None) -> Path:
+    """Write atomically (a crash never leaves half a plan under the final name)."""
+    path = Path(path) if path is not None else plan_path(plan.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(plan.to_dict(), indent=1, allow_nan=False))
+    os.replace(tmp, path)
+    return path
+
+
+def load_plan(key: PlanKey, path: Path | None = None) -> Plan | None:
+    """The stored plan for `key`, or None: missing (silently), or stale/corrupt (with a
+    PlanWarning saying why). Never raises for a bad file; the caller re-plans."""
+    path = Path(path) if path is not None else plan_path(key)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        warnings.warn(f"plan {path} is unreadable or corrupt ({e}); re-planning", PlanWarning, stacklevel=2)
+        return None
+    schema = data.get("schema")
+    if schema != SCHEMA_VERSION:
+        warnings.warn(f"plan {path} has schema {schema!r}, this specwood writes {SCHEMA_VERSION}; it is stale, "
+                      "re-planning", PlanWarning, stacklevel=2)
+        return None
+    try:
+        plan = Plan.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        warnings.warn(f"plan {path} is corrupt (bad field: {e!r}); re-planning", PlanWarning, stacklevel=2)
+        return None
+    if plan.key != key:
+        warnings.warn(f"plan {path} belongs to {plan.key}, not {key}; it is stale, re-planning",
+                      PlanWarning, stacklevel=2)
+        return None
+    if not plan.choices:
+        warnings.warn(f"plan {path} has no decisions; re-planning", PlanWarning, stacklevel=2)
+        return None
+    return plan
+
+
+def list_plans() -> list[Plan]:
+    """Every readable current-schema plan in the cache (stale files are skipped quietly)."""
+    out = []
+    for p in sorted(plans_dir().glob("*.json")):
+        try:
+            data = json.loads(p.read_text())
+            if data.get("schema") == SCHEMA_VERSION:
+                out.append(Plan.from_dict(data))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the key of this engine's plan
+
+
+def local_device_id(engine: Any) -> str:
+    """What the timings depend on: the accelerator or CPU model and the thread count."""
+    import torch
+
+    dev = engine.device
+    if dev.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(dev)}"
+    model = "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{model}/{torch.get_num_threads()}t"
+
+
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float16": "fp16"}
+
+
+def plan_key_for(engine: Any, method: str = DEFAULT_METHOD, device: str | None = None) -> PlanKey:
+    return PlanKey(device=device or local_device_id(engine), target=str(engine.target_name or "target"),
+                   draft=str(engine.draft_name or "none"), dtype=_DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype)),
+                   method=method)
