@@ -93,3 +93,28 @@ def test_generation_near_the_context_end_stops_at_length(tiny_engine):
     ids = tiny_engine.encode("y" * (tiny_engine.max_context - 3), raw=True)
     out = tiny_engine.generate(ids, max_tokens=50)
     assert out.finish_reason == "length" and len(out.token_ids) == tiny_engine.max_context - len(ids)
+
+
+def test_incremental_detokenisation_matches_full_decode(tiny_tokenizer):
+    """Text is built from a short window per token (no O(n^2) re-decoding), yet equals decoding
+    everything at once, multi-byte characters split over byte tokens included; the stream never
+    shows half a character."""
+    import random
+
+    from specwood.engine.output import OutputStream
+
+    ids = tiny_tokenizer.encode("héllo wörld — 你好, ünïcödé 🎉\n  x", add_special_tokens=False)
+    for trial in range(30):
+        rnd = random.Random(trial)
+        seq = ids + [rnd.randrange(0, 259) for _ in range(40)]
+        pieces: list[str] = []
+        out = OutputStream(tiny_tokenizer, 1, 1000, set(), None, pieces.append)
+        i = 0
+        while i < len(seq):
+            k = rnd.randint(1, 4)
+            out.push_step(seq[i:i + k])
+            i += k
+        result = out.finish("ar")
+        assert result.text == tiny_tokenizer.decode(seq, skip_special_tokens=True)
+        assert "".join(pieces) == result.text
+        assert all("\ufffd" not in p for p in pieces[:-1]) or "\ufffd" in tiny_tokenizer.decode(seq)

@@ -8,6 +8,7 @@ from torch import nn
 
 from specwood.drafting.shapes import MAX_BUDGET
 from specwood.errors import SpecwoodError
+from specwood.models.batch import RowInput, forward_rows
 from specwood.models.cache import KVCache
 from specwood.models.prefill import prefill_chunk
 from specwood.models.transformer import Transformer
@@ -172,38 +173,17 @@ def forward_draft_calls(calls: list[tuple[ModelDraftSource, TokenTree, list[int]
             groups.setdefault((id(src.model), id(src.cache)), []).append(i)
     for members in groups.values():
         srcs = [calls[i][0] for i in members]
-        out = _padded_forward(srcs[0].model, srcs[0].cache, [srcs_i.row for srcs_i in srcs], [plans[i] for i in members])
+        inputs = []
+        for src, i in zip(srcs, members):
+            p = plans[i]
+            # logits only for the tree nodes (pending tokens need none): the head is the largest
+            # matmul of a small draft
+            inputs.append(RowInput(src.row, torch.tensor(p.tokens), torch.tensor(p.positions), torch.tensor(p.slots),
+                                   p.mask, torch.arange(len(p.tokens) - len(p.todo), len(p.tokens))))
+        out = forward_rows(srcs[0].model, srcs[0].cache, inputs)
         for k, i in enumerate(members):
             srcs[k].absorb(plans[i], out[k])
     return [src.answer(nodes) for src, _, nodes in calls]
-
-
-def _padded_forward(model: Transformer, cache: KVCache, rows: list[int], plans: list[_DraftRows]) -> list[torch.Tensor]:
-    dev = model.device
-    B = len(plans)
-    T = max(len(p.tokens) for p in plans)
-    S = max(p.mask.shape[1] for p in plans)
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    positions = torch.zeros(B, T, dtype=torch.long)
-    slots = torch.full((B, T), cache.scratch_slot, dtype=torch.long)
-    mask = torch.zeros(B, T, S, dtype=torch.bool)
-    mask[:, :, 0] = True  # padding rows attend to slot 0 (anything valid); their output is dropped
-    for b, p in enumerate(plans):
-        n, s = len(p.tokens), p.mask.shape[1]
-        tokens[b, :n] = torch.tensor(p.tokens)
-        positions[b, :n] = torch.tensor(p.positions)
-        slots[b, :n] = torch.tensor(p.slots)
-        mask[b, :n, :] = False
-        mask[b, :n, :s] = p.mask
-    # logits only for the tree nodes (pending tokens and padding need none): the head is the
-    # largest matmul of a small draft
-    sel = [(b, t) for b, p in enumerate(plans) for t in range(len(p.tokens) - len(p.todo), len(p.tokens))]
-    sel_b = torch.tensor([b for b, _ in sel], dtype=torch.long, device=dev)
-    sel_t = torch.tensor([t for _, t in sel], dtype=torch.long, device=dev)
-    row_index = slice(rows[0], rows[0] + 1) if B == 1 else torch.tensor(rows, device=dev)
-    out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev),
-                output_rows=(sel_b, sel_t), rows=row_index)
-    return list(out.split([len(p.todo) for p in plans]))
 
 
 def early_exit_model(target: Transformer, n_layers: int) -> Transformer:

@@ -33,6 +33,11 @@ class OutputStream:
         self.on_text = on_text
         self.token_ids: list[int] = []
         self.text = ""
+        # incremental detokenisation: text holds decode(ids[:read]); ids[prefix:read] is a short
+        # window decoded again with each new token, so a token's text can depend on the previous
+        # ones (byte-level BPE, sentencepiece spaces) without decoding the whole output each time
+        self._prefix = self._read = 0
+        self._cut = False
         self.emitted = 0  # characters of self.text already streamed
         self.finish_reason: str | None = None
         self.t_start = time.perf_counter()
@@ -62,18 +67,29 @@ class OutputStream:
             self.finish_reason = "stop"
             return True
         self.token_ids.append(token)
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self._detokenize()
         for s in self.stop:
             # only search where a newly completed stop string can be
             i = self.text.find(s, max(0, self.emitted - len(s)))
             if i >= 0:
                 self.text = self.text[:i]
+                self._cut = True
                 self.finish_reason = "stop"
                 return True
         if len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
             return True
         return False
+
+    def _detokenize(self, final: bool = False) -> None:
+        """Append the text of the tokens since `_read`, unless it ends inside a UTF-8 sequence."""
+        decode = self.tokenizer.decode
+        window = self.token_ids[self._prefix:]
+        before = decode(self.token_ids[self._prefix:self._read], skip_special_tokens=True)
+        now = decode(window, skip_special_tokens=True)
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self.text += now[len(before):]
+            self._prefix, self._read = self._read, len(self.token_ids)
 
     def _stream(self) -> None:
         end = len(self.text)
@@ -85,7 +101,7 @@ class OutputStream:
                     if self.text[:end].endswith(s[:k]):
                         end -= k
                         break
-        if end > self.emitted:
+        if end > self.emitted:  # (text never ends inside a UTF-8 sequence before the end)
             if self.on_text is not None:
                 self.on_text(self.text[self.emitted:end])
             self.emitted = end
@@ -93,6 +109,8 @@ class OutputStream:
     def finish(self, method: str, extra: dict[str, Any] | None = None) -> GenerationResult:
         if self.finish_reason is None:
             self.finish_reason = "length"
+        if not self._cut:  # flush an unfinished UTF-8 tail (a stop string's cut is final)
+            self._detokenize(final=True)
         self._stream()
         t_end = time.perf_counter()
         n = len(self.token_ids)

@@ -11,6 +11,7 @@ from specwood.drafting.base import Drafting
 from specwood.drafting.model_source import ModelDraftSource, forward_draft_calls
 from specwood.engine.request import Request
 from specwood.errors import SpecwoodError
+from specwood.models.batch import RowInput, forward_rows
 from specwood.models.cache import KVCache
 from specwood.models.transformer import Transformer
 from specwood.sampling import next_token
@@ -80,40 +81,13 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
 def target_forward(model: Transformer, cache: KVCache, requests: list[Request],
                    trees: dict[Request, TokenTree]) -> list[torch.Tensor]:
     """One forward over every request's tree: logits [len(tree), V] per request."""
-    dev = model.device
-    B = len(requests)
-    lens = [len(trees[r]) for r in requests]
-    prefix = [cache.lengths[r.row] for r in requests]
-    T = max(lens)
-    S = max(L + n for L, n in zip(prefix, lens))
-    for L, r in zip(prefix, requests):
-        model.check_positions(L + trees[r].max_depth)
-        cache.check_room(L + len(trees[r]))
-    if B == 1:  # the common single-request case: no padding, a view of the row
-        r, tree, L = requests[0], trees[requests[0]], prefix[0]
-        slots = torch.arange(L, L + lens[0], device=dev)
-        out = model(torch.tensor([tree.tokens], device=dev), tree.positions(L).to(dev),
-                    tree.attention_mask(L).to(dev), cache, slots, rows=slice(r.row, r.row + 1))
-        return [out[0]]
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    positions = torch.zeros(B, T, dtype=torch.long)
-    slots = torch.full((B, T), cache.scratch_slot, dtype=torch.long)
-    mask = torch.zeros(B, T, S, dtype=torch.bool)
-    mask[:, :, 0] = True  # padding rows attend to slot 0; their K/V go to the scratch slot
-    for b, (r, L, n) in enumerate(zip(requests, prefix, lens)):
-        tree = trees[r]
-        tokens[b, :n] = torch.tensor(tree.tokens)
-        positions[b, :n] = tree.positions(L)
-        slots[b, :n] = torch.arange(L, L + n)
-        mask[b, :n] = False
-        mask[b, :n, :L] = True
-        mask[b, :n, L:L + n] = tree.ancestor_mask()
-    sel_b = torch.tensor([b for b, n in enumerate(lens) for _ in range(n)], device=dev)
-    sel_t = torch.tensor([t for n in lens for t in range(n)], device=dev)
-    rows = torch.tensor([r.row for r in requests], device=dev)
-    out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev),
-                output_rows=(sel_b, sel_t), rows=rows)
-    return list(out.split(lens))
+    inputs = []
+    for r in requests:
+        tree, L = trees[r], cache.lengths[r.row]
+        n = len(tree)
+        inputs.append(RowInput(r.row, torch.tensor(tree.tokens), tree.positions(L), torch.arange(L, L + n),
+                               tree.attention_mask(L), torch.arange(n)))
+    return forward_rows(model, cache, inputs)
 
 
 def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verdict:
