@@ -105,6 +105,28 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specwood.serve.app import DEFAULT_MAX_CONTEXT, bind_socket, serve
+
+    # cheap checks first, so a typo or a busy port fails before the model load
+    need_draft = needs_draft(args.method)
+    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
+        if value < 1:
+            raise SpecwoodError(f"{flag} must be >= 1, got {value}")
+    if args.max_context is None:
+        args.max_context = DEFAULT_MAX_CONTEXT
+    elif args.max_context < 2:
+        raise SpecwoodError(f"--max-context must be >= 2, got {args.max_context}")
+    sock = bind_socket(args.host, args.port)
+    try:
+        engine = load_engine(args, need_draft=need_draft)
+        serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
+              max_batch=args.max_batch, max_queue=args.max_queue, sock=sock)
+    finally:
+        sock.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from specwood import __version__
 
@@ -126,10 +148,25 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list the embedded models")
     m.set_defaults(func=cmd_models)
 
-    from specwood.bench.cli import add_bench_parser
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="OpenAI-compatible server: POST /v1/chat/completions, /v1/completions; GET "
+                                   "/v1/models, /health, /metrics. Requests are batched continuously; a request "
+                                   "may pick another method with the body field \"method\". --max-context "
+                                   "defaults to 4096 here (the KV cache holds --max-batch rows of it).")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    add_model_args(s)
+    add_method_args(s)
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a batch slot before new ones get 503 (default 64)")
+    s.set_defaults(func=cmd_serve)
+
+    from specwood.bench.cli import add_bench_parser, add_loadtest_parser
     from specwood.planner.cli import add_plan_parser
 
     add_bench_parser(sub)
+    add_loadtest_parser(sub)
     add_plan_parser(sub)
     return parser
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -133,6 +134,8 @@ class Request:
         self.extra_stats = extra_stats
         self.on_finish = on_finish
         self.state = State.WAITING
+        self.t_submitted = time.perf_counter()
+        self.t_admitted: float | None = None  # when it left the queue
         self.row: int | None = None  # target cache row
         self.prefilled = 0  # prompt tokens in the target cache
         self.draft_prefilled = 0

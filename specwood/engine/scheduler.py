@@ -118,6 +118,7 @@ class Scheduler:
                     self._fail(req, e)
                     continue
                 req.state = State.PREFILL
+                req.t_admitted = time.perf_counter()
                 self.running.append(req)
 
     # --- the step -----------------------------------------------------------------------------
@@ -231,7 +232,10 @@ class Scheduler:
             self._fail(req, e)
         record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1, drafts)
         for observe in self.observers:
-            observe(record)
+            try:
+                observe(record)
+            except Exception:  # noqa: BLE001 - a metrics observer must not stop decoding
+                pass
 
     def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
         if not live:
@@ -318,7 +322,11 @@ class Scheduler:
                     self._lock.wait()
                 if self._stopping:
                     break
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - never leave requests waiting on a dead loop
+                for req in list(self.running):
+                    self._fail(req, e)
         for req in list(self.running) + list(self.waiting):
             self._fail(req, SpecwoodError("the server is shutting down"))
         self.waiting.clear()

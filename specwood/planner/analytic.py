@@ -10,6 +10,7 @@ from specwood.planner.fits import DEFAULT_AAT, AATFit
 from specwood.planner.store import DEFAULT_METHOD, Plan, PlanKey, list_plans
 
 if TYPE_CHECKING:
+    from specwood.models.config import ModelConfig
     from specwood.planner.devices import DeviceModel
 
 WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "auto": 2.0, "fp32": 4.0, "int8": 1.0, "int4": 0.5}
@@ -27,19 +28,21 @@ def stored_aat(target: str, draft: str, method: str) -> tuple[AATFit, str] | Non
 
 def build_analytic_plan(device: "str | DeviceModel", target: str, draft: str | None = None, *, method: str = DEFAULT_METHOD,
                         dtype: str = "bf16", contexts: Sequence[int] = (128, 512, 2048), aat: AATFit | None = None,
-                        x_max: int = 128) -> Plan:
+                        x_max: int = 128, target_config: "ModelConfig | None" = None,
+                        draft_config: "ModelConfig | None" = None) -> Plan:
     """Predict a plan from a device model and model shapes only (no weights, no hardware).
 
     draft None: the default for the target (same-family small model, else a one-layer draft);
-    "none": no draft cost (e.g. pld). AAT: `aat`, else one measured with a stored local plan of
+    "none": no draft cost (e.g. pld). `target_config`/`draft_config` give the shapes directly (a
+    loaded engine's models), instead of resolving the names. AAT: `aat`, else one measured with a stored local plan of
     the same target/draft/method, else DEFAULT_AAT.
     """
     from specwood.planner.devices import DeviceModel, default_draft_name, get_device, resolve_config
 
     model = device if isinstance(device, DeviceModel) else get_device(device, dtype)
-    tcfg = resolve_config(target)
+    tcfg = target_config or resolve_config(target)
     draft_name = default_draft_name(target) if draft in (None, "auto") else draft
-    dcfg = None if draft_name == "none" else resolve_config(draft_name, tcfg)
+    dcfg = None if draft_name == "none" else draft_config or resolve_config(draft_name, tcfg)
     notes = [f"analytic: {model.name} ({model.note}); peak {model.peak_flops / 1e12:.2f} TFLOP/s, "
              f"{model.mem_bw / 1e9:.0f} GB/s; compute/bandwidth ridge ~{model.ridge_tokens:.0f} tokens",
              f"target {tcfg.name or target} ({tcfg.n_params / 1e9:.2f} B params), draft "

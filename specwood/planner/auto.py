@@ -110,7 +110,7 @@ def starter_plan(engine: Any, method: str) -> Plan:
     device = "local-cpu" if engine.device.type == "cpu" else "h100"
     plan = build_analytic_plan(device, str(engine.target_name), str(engine.draft_name or "none"), method=method,
                                dtype=_DTYPE_NAMES.get(str(engine.dtype), "bf16"), contexts=(128, 512, 2048),
-                               x_max=8)
+                               x_max=8, target_config=engine.target_config, draft_config=engine.draft_config)
     plan.x_cap = 8
     plan.notes.append("starter plan: used until `specwood plan` stores a measured one")
     return plan.refresh()
@@ -154,12 +154,16 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         make_shape = lambda budget: base_factory(budget)(_no_source, 0, 0).shape  # noqa: E731
         draft_model = _draft_model_of(engine, base)
 
+    told = []
+
     def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int) -> Drafter:
         if not plan.speculation_pays(prompt_len, max_tokens):
-            if progress:
-                print(f"[plan] method auto: decoding autoregressively -- for a {prompt_len}-token prompt and "
-                      f"{max_tokens} new tokens the draft's prefill would cost more than speculation saves",
-                      file=sys.stderr)
+            if progress and not told:  # once: a server would print it for every short request
+                told.append(True)
+                why = ("the plan decodes plainly at this context" if plan.choice_for(prompt_len).method == "ar" else
+                       "the draft's prefill would cost more than speculation saves")
+                print(f"[plan] method auto: decoding autoregressively a {prompt_len}-token prompt with {max_tokens} "
+                      f"new tokens -- {why}", file=sys.stderr)
             return Drafter(extra_stats=lambda: {"auto": "ar"})
         shape = PlannedShape(plan, make_shape, adapt=adapt)
         source = sources(draft_model) if draft_model is not None else None

@@ -1,0 +1,442 @@
+"""The OpenAI-compatible HTTP server: `create_app(engine, scheduler)` and `serve(...)`.
+
+Requests become engine Requests submitted to one continuous-batching Scheduler, which steps in
+its own thread; its callbacks (text deltas, the end of a request) are bridged into the event loop
+with `loop.call_soon_threadsafe`. A client that goes away cancels its request, which frees its
+cache rows at the scheduler's next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specwood.engine.request import Request
+from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
+from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
+from specwood.serve import protocol as P
+from specwood.serve.metrics import ServerMetrics
+from specwood.serve.protocol import GenerationRequest, ProtocolError
+
+RETRY_AFTER_S = 1
+QUEUE_SAMPLE_S = 0.005  # period of the queue-time sampler while requests wait for admission
+DEFAULT_MAX_CONTEXT = 4096  # `specwood serve` without --max-context: the cache holds max_batch rows of it
+
+
+def _log(msg: str) -> None:
+    print(f"specwood serve: {msg}", file=sys.stderr, flush=True)
+
+
+class _Methods:
+    """Prepared method factories, one per method name: the server's default prepared at start-up,
+    the others on first use (off the event loop) and cached."""
+
+    def __init__(self, engine: Any, default: str, options: dict[str, Any] | None):
+        from specwood.methods import get_method
+
+        self.engine = engine
+        self.options = {k: v for k, v in (options or {}).items() if v is not None}
+        self._lock = threading.Lock()
+        self._cache: dict[str, Any] = {}
+        name = get_method(default).name
+        try:
+            factory = engine.prepare(name, self.options)
+        except SpecwoodError as e:
+            if name != "auto":
+                raise
+            # auto is "the planner's choice of AR or speculation": without a usable plan, AR
+            _log(f"warning: method auto is unavailable ({e}); requests without a method decode with ar")
+            name, factory = "ar", engine.prepare("ar", {})
+        self.default = name
+        self._cache[name] = factory
+
+    def cached(self, name: str | None) -> tuple[str, Any] | None:
+        if name is None:
+            return self.default, self._cache[self.default]
+        key = self._key(name)
+        return (key, self._cache[key]) if key in self._cache else None
+
+    def _key(self, name: str) -> str:
+        from specwood.methods import get_method
+
+        try:
+            return get_method(name).name
+        except SpecwoodError as e:
+            raise ProtocolError(str(e), param="method", code="unknown_method") from None
+
+    def prepare(self, name: str) -> tuple[str, Any]:
+        """Blocking: prepare `name` once (options of the server that it takes) and cache it."""
+        from specwood.methods import options_for
+
+        key = self._key(name)
+        with self._lock:
+            if key not in self._cache:
+                try:
+                    self._cache[key] = self.engine.prepare(key, options_for(key, self.options))
+                except SpecwoodError as e:
+                    raise ProtocolError(str(e), param="method", code="unsupported_method") from None
+            return key, self._cache[key]
+
+
+class _Job:
+    """One request's bridge from the scheduler thread into the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.stream = stream
+        self.req: Request | None = None
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def on_text(self, delta: str) -> None:  # scheduler thread
+        req = self.req
+        self._put(("text", (delta, len(req.out.token_ids) if req is not None else None)))
+
+    def on_finish(self, req: Request) -> None:  # scheduler thread
+        self._put(("done", None))
+
+
+def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", options: dict[str, Any] | None = None,
+               model_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` through `scheduler` (started and stopped by the app's
+    lifespan; a scheduler already started is left running until the app stops). `method`
+    (with `options`) is the default method, prepared now; a request may name another with the
+    non-standard body field "method". Raises SpecwoodError for a bad default method."""
+    # the context a request may use: the engine's, or less where the scheduler's rows are shorter
+    tree_room = int(getattr(scheduler, "tree_room", TREE_ROOM))
+    max_context = min(int(engine.max_context), int(scheduler.row_len) - tree_room)
+    if max_context < 2:
+        raise SpecwoodError(f"the scheduler's cache rows ({scheduler.row_len} slots, {tree_room} kept for trees) "
+                            "leave no room for a request; build it with row_len = max_context + TREE_ROOM")
+    methods = _Methods(engine, method, options)
+    name = model_name or str(engine.target_name or "specwood")
+    metrics = ServerMetrics(scheduler, name)
+    scheduler.observers.append(metrics.observe_step)
+    vocab = int(engine.target_config.vocab_size)
+    created = P.now()
+
+    submitted = asyncio.Event()  # wakes the queue-time sampler (set on the event loop)
+
+    async def sample_queue_times() -> None:
+        while True:
+            if not metrics.has_pending:
+                submitted.clear()
+                await submitted.wait()
+            await asyncio.sleep(QUEUE_SAMPLE_S)
+            metrics.sample_admissions()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        sampler = asyncio.create_task(sample_queue_times())
+        try:
+            yield
+        finally:
+            sampler.cancel()
+            await asyncio.to_thread(scheduler.stop)
+
+    app = FastAPI(title="specwood", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine, app.state.scheduler, app.state.metrics, app.state.methods = engine, scheduler, metrics, methods
+
+    # --- errors: always the OpenAI shape, never a 422 ------------------------------------------
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol_error(request: HTTPRequest, exc: ProtocolError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(P.error_body(f"invalid request: {first.get('msg', exc)}", 400, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(P.error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
+
+    # --- plain endpoints ----------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        thread = getattr(scheduler, "_thread", None)
+        if thread is not None and not thread.is_alive():
+            return JSONResponse(P.error_body("the scheduler thread has stopped", 503), status_code=503)
+        return JSONResponse({"status": "ok", "model": name, "running": scheduler.num_running,
+                             "waiting": scheduler.num_waiting})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "specwood", "root": name,
+             "max_model_len": max_context, "draft": getattr(engine, "draft_name", None),
+             "default_method": methods.default}]})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    # --- generation ---------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest) -> Response:
+        return await _generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest) -> Response:
+        return await _generate(request, "completion")
+
+    async def _generate(http: HTTPRequest, kind: str) -> Response:
+        arrival = time.perf_counter()
+        body = P.parse_json(await http.body())
+        g = P.parse_chat_request(body) if kind == "chat" else P.parse_completion_request(body)
+        if g.model is not None and g.model != name:
+            raise ProtocolError(f"the model '{g.model}' does not exist; this server serves '{name}'", param="model",
+                                code="model_not_found")
+        found = methods.cached(g.method)
+        method_name, prepared = found if found is not None else await asyncio.to_thread(methods.prepare, g.method)
+        prompt_ids = _encode(g)
+        max_tokens = g.max_tokens
+        room = max_context - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = room if kind == "chat" else min(P.COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        elif max_tokens > room:
+            field = "max_completion_tokens" if "max_completion_tokens" in body and body["max_completion_tokens"] \
+                is not None else "max_tokens"
+            raise ProtocolError(f"this model's maximum context length is {max_context} tokens; you requested "
+                                f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} to "
+                                f"generate): lower {field} or shorten the prompt", param=field,
+                                code="context_length_exceeded")
+        job = _Job(asyncio.get_running_loop(), g.stream)
+        rid = P.new_id(kind)
+
+        def on_finish(req: Request) -> None:  # scheduler thread
+            metrics.request_finished(req, arrival)
+            job.on_finish(req)
+
+        try:
+            req = engine.new_request(prompt_ids, max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
+                                     top_k=g.top_k, seed=g.seed, stop=g.stop or None, method=method_name,
+                                     raw=g.raw, on_text=job.on_text if g.stream else None, scheduler=scheduler,
+                                     prepared=prepared, on_finish=on_finish, request_id=rid)
+        except SpecwoodError as e:
+            raise ProtocolError(str(e), param=_param_of(e), code=_code_of(e)) from None
+        job.req = req
+        metrics.request_submitted(req, arrival)
+        submitted.set()
+        try:
+            scheduler.submit(req)
+        except QueueFullError as e:
+            metrics.request_rejected(req)
+            req.drafter.close()
+            raise ProtocolError(str(e), code="queue_full", status=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        if g.stream:
+            return StreamingResponse(_stream(http, g, kind, rid, req, job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _complete(http, kind, rid, req, job)
+
+    def _encode(g: GenerationRequest) -> list[int]:
+        if isinstance(g.prompt, list) and (not g.prompt or isinstance(g.prompt[0], int)):
+            ids = list(g.prompt)  # token ids
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        else:
+            try:
+                ids = engine.encode(g.prompt, raw=g.raw)
+            except SpecwoodError as e:
+                raise ProtocolError(str(e), param="messages" if g.kind == "chat" else "prompt") from None
+            except Exception as e:  # noqa: BLE001 - e.g. a chat template that rejects the conversation
+                raise ProtocolError(f"could not encode the prompt: {type(e).__name__}: {e}",
+                                    param="messages" if g.kind == "chat" else "prompt") from None
+        param = "messages" if g.kind == "chat" else "prompt"
+        if not ids:
+            raise ProtocolError("the prompt is empty", param=param)
+        if len(ids) >= max_context:
+            raise ProtocolError(f"the prompt has {len(ids)} tokens but this model's maximum context length is "
+                                f"{max_context} tokens (the prompt and at least one new token); shorten the prompt",
+                                param=param, code="context_length_exceeded")
+        return ids
+
+    async def _complete(http: HTTPRequest, kind: str, rid: str, req: Request, job: _Job) -> Response:
+        finished = asyncio.ensure_future(job.queue.get())  # non-streamed: the only item is "done"
+        gone = asyncio.ensure_future(_until_disconnect(http))
+        try:
+            await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not finished.done():
+                finished.cancel()
+                req.cancel()  # the client went away (or the server is stopping)
+        if not req.done.is_set():
+            return Response(status_code=499)  # nobody is listening
+        if req.error is not None:
+            return JSONResponse(P.error_body(req.error, 500, code="generation_failed"), status_code=500)
+        res = req.result
+        assert res is not None
+        return JSONResponse(P.completion_response(kind, rid, P.now(), name, res.text, res.finish_reason,
+                                                  P.usage(len(req.prompt_ids), len(res.token_ids)), res.stats))
+
+    async def _stream(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, req: Request,
+                      job: _Job) -> AsyncIterator[str]:
+        t = P.now()
+        prompt_tokens = len(req.prompt_ids)
+        with_usage = g.include_usage or g.continuous_usage
+
+        def chunk(**kw: Any) -> str:
+            n = kw.pop("tokens", None)
+            u = P.usage(prompt_tokens, n) if g.continuous_usage and n is not None else None
+            return P.sse(P.stream_chunk(kind, rid, t, name, usage_=u, with_usage=with_usage, **kw))
+
+        # starlette also cancels this generator when the client goes (ASGI < 2.4 servers such as
+        # uvicorn); watching here too covers a request still queued on any server
+        gone = asyncio.ensure_future(_until_disconnect(http))
+        item: asyncio.Future | None = None
+        try:
+            if kind == "chat":
+                yield chunk(role=True, tokens=0)
+            while True:
+                item = asyncio.ensure_future(job.queue.get())
+                await asyncio.wait({item, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not item.done():
+                    item.cancel()
+                    return
+                what, value = item.result()
+                if what == "done":
+                    break
+                delta, n = value
+                yield chunk(text=delta, tokens=n)
+            if req.error is not None:
+                yield P.sse(P.error_body(req.error, 500, code="generation_failed"))
+                yield P.sse("[DONE]")
+                return
+            res = req.result
+            assert res is not None
+            yield chunk(text=None if kind == "chat" else "", finish_reason=res.finish_reason,
+                        tokens=len(res.token_ids))
+            if g.include_usage:
+                yield P.sse(P.usage_chunk(kind, rid, t, name, P.usage(prompt_tokens, len(res.token_ids)),
+                                          res.stats))
+            yield P.sse("[DONE]")
+        finally:
+            gone.cancel()
+            if item is not None and not item.done():
+                item.cancel()
+            if not req.done.is_set():
+                req.cancel()  # the client went away (or the server is stopping)
+
+    return app
+
+
+async def _until_disconnect(http: HTTPRequest) -> None:
+    """Returns when the client has gone away (the body was read already: nothing else arrives)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _param_of(e: SpecwoodError) -> str | None:
+    msg = str(e)
+    for p in ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "messages"):
+        if msg.startswith(p):
+            return p
+    if isinstance(e, ContextLengthError):
+        return "max_tokens"
+    return "method" if msg.startswith("method") else None
+
+
+def _code_of(e: SpecwoodError) -> str | None:
+    if isinstance(e, ContextLengthError):
+        return "context_length_exceeded"
+    if isinstance(e, SamplingParamsError):
+        return "invalid_value"
+    return None
+
+
+def _version() -> str:
+    try:
+        from specwood import __version__
+    except ImportError:  # pragma: no cover
+        return "0"
+    return __version__
+
+
+# ---------------------------------------------------------------------------------------------
+# running it
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket, so a busy port fails before any model is loaded."""
+    if not 0 <= port <= 65535:
+        raise SpecwoodError(f"--port must be in 0..65535, got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SpecwoodError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64) -> Scheduler:
+    """The server's scheduler: `max_batch` cache rows of the engine's whole context (plus tree room)."""
+    if max_batch < 1:
+        raise SpecwoodError(f"--max-batch must be >= 1, got {max_batch}")
+    if max_queue < 1:
+        raise SpecwoodError(f"--max-queue must be >= 1, got {max_queue}")
+    return Scheduler(engine.target, max_batch=max_batch, row_len=int(engine.max_context) + TREE_ROOM,
+                     max_queue=max_queue)
+
+
+def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
+          options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
+          sock: socket.socket | None = None, log_level: str = "warning") -> None:
+    """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line."""
+    import uvicorn
+
+    sock = sock or bind_socket(host, port)
+    scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+    app = create_app(engine, scheduler, method=method, options=options)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in str(bound_host) else bound_host
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"specwood: listening on http://{shown}:{bound_port} (model {engine.target_name}, "
+                  f"method {app.state.methods.default}, max batch {max_batch})", flush=True)
+        await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        scheduler.stop()
+        sock.close()

@@ -1,0 +1,562 @@
+"""The OpenAI-compatible server, for real: uvicorn on 127.0.0.1 (a free port) in a background
+thread, the tiny fp32 model pair behind one continuous-batching scheduler, and clients that are
+the official `openai` package and raw httpx. Nothing is mocked."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specwood.engine.api import Engine
+from specwood.serve.app import create_app, make_scheduler
+
+MAX_BATCH = 8
+RAW = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "Once upon a time", "hello"]
+CHATS = [[{"role": "user", "content": "hi"}],
+         [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Write code"}]]
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a thread; `stop()` waits for it to end."""
+
+    def __init__(self, app: Any):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="test-uvicorn", daemon=True)
+
+    def start(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        self.sock.close()
+        assert not self.thread.is_alive(), "the server thread did not stop"
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """One torch thread (tiny models run fastest so on a shared 2-core box) and a private cache
+    holding a plan for the tiny pair, so `auto` (the default method) has something to follow."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECWOOD_CACHE", str(tmp_path_factory.mktemp("cache")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def engine(env, tiny_pair, tiny_tokenizer):
+    from specwood.planner.analytic import build_analytic_plan
+    from specwood.planner.store import plan_key_for, save_plan
+
+    eng = Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft")
+    # a plan with the shapes of a real pair, keyed to this engine: auto speculates with dyspec
+    plan = build_analytic_plan("local-cpu", "qwen2.5-1.5b", "qwen2.5-0.5b", method="dyspec", dtype="fp32",
+                               contexts=(32, 128), x_max=8)
+    plan.key = plan_key_for(eng, "dyspec")
+    plan.x_cap = 8
+    save_plan(plan)
+    assert any(c.method == "dyspec" for c in plan.choices)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    sched = make_scheduler(engine, max_batch=MAX_BATCH, max_queue=64)
+    app = create_app(engine, sched)  # default method: auto
+    assert app.state.methods.default == "auto"
+    srv = ServerThread(app).start()
+    srv.sched, srv.app = sched, app
+    yield srv
+    srv.stop()
+    assert sched._thread is None  # the lifespan stopped the scheduler
+    assert not [t for t in threading.enumerate() if t.name in ("specwood-scheduler", "test-uvicorn")]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60, trust_env=False) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def refs(engine):
+    """Each prompt run alone, greedy, plain autoregressive (computed while the server is idle)."""
+    out = {}
+    for p in RAW:
+        out[p] = engine.generate(p, raw=True, max_tokens=48, method="ar")
+    for i, m in enumerate(CHATS):
+        out[i] = engine.generate(m, max_tokens=48, method="ar")
+    return out
+
+
+def extra(obj: Any, name: str) -> Any:
+    return (obj.model_extra or {}).get(name)
+
+
+def metric_values(http: httpx.Client) -> dict[tuple[str, tuple], float]:
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = "<any>") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if status == 400:
+        assert err["type"] == "invalid_request_error"
+    if param != "<any>":
+        assert err["param"] == param, err
+    return err
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+# ---------------------------------------------------------------------------------------------
+# endpoints
+
+
+def test_models_and_health(client, http):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert_openai_error(http.get("/v1/nope"), 404)
+
+
+def test_chat_completion_and_its_stream(client, http, engine, refs):
+    ref = refs[1]
+    resp = client.chat.completions.create(model="tiny", messages=CHATS[1], temperature=0, max_tokens=48,
+                                          user="someone")
+    assert resp.object == "chat.completion" and resp.model == "tiny"
+    assert resp.choices[0].message.content == ref.text and resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == ref.finish_reason
+    assert resp.usage.completion_tokens == len(ref.token_ids)
+    assert resp.usage.prompt_tokens == len(engine.encode(CHATS[1]))
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert extra(resp, "specwood_stats")["method"] == "auto"
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHATS[1], temperature=0, max_tokens=48,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == len(ref.token_ids)
+    assert last.usage.prompt_tokens == resp.usage.prompt_tokens
+    assert "ttft_s" in extra(last, "specwood_stats")
+    assert all(c.usage is None for c in chunks[:-1])
+
+    # max_completion_tokens (the newer name of max_tokens)
+    one = client.chat.completions.create(model="tiny", messages=CHATS[0], temperature=0, max_completion_tokens=1)
+    assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+
+
+def test_completion_and_its_stream(client, http, refs):
+    p = RAW[0]
+    ref = refs[p]
+    resp = client.completions.create(model="tiny", prompt=p, temperature=0, max_tokens=48)
+    assert resp.object == "text_completion" and resp.choices[0].text == ref.text
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == len(ref.token_ids) == 48
+    stream = client.completions.create(model="tiny", prompt=p, temperature=0, max_tokens=48, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 48
+    # raw SSE: `data: [DONE]` ends it; vLLM's continuous usage counts tokens in every chunk
+    r = http.post("/v1/completions", json={"prompt": p, "temperature": 0, "max_tokens": 12, "stream": True,
+                                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    counts = [json.loads(e)["usage"]["completion_tokens"] for e in events[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 12
+    # token ids as the prompt, and a batch of one prompt
+    ids = client.completions.create(model="tiny", prompt=[[1, 2, 3]], temperature=0, max_tokens=4)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 4
+    # the default max_tokens of the legacy endpoint is 16
+    assert client.completions.create(model="tiny", prompt=p, temperature=0).usage.completion_tokens == 16
+
+
+def test_stop_strings(client, refs):
+    p = RAW[0]
+    text = refs[p].text
+    stops = [c for c in dict.fromkeys(text[3:]) if c.isascii() and c.isprintable() and c.strip()]
+    assert len(stops) >= 2, text
+    for stop in (stops[0], ["never-there", stops[1]]):
+        first = min(text.find(s) for s in ([stop] if isinstance(stop, str) else stop) if s in text)
+        r = client.completions.create(model="tiny", prompt=p, temperature=0, max_tokens=48, stop=stop)
+        assert r.choices[0].text == text[:first] and r.choices[0].finish_reason == "stop"
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=p, temperature=0, max_tokens=48, stop=stop, stream=True))
+        assert streamed == text[:first]
+
+
+def test_seeded_sampling_is_reproducible(client, engine):
+    p = RAW[1]
+    kw = dict(model="tiny", prompt=p, temperature=1.0, top_p=0.9, max_tokens=24, seed=7)
+    a = client.completions.create(**kw, extra_body={"method": "ar"}).choices[0].text
+    b = client.completions.create(**kw, extra_body={"method": "dyspec"}).choices[0].text
+    ref = engine.generate(p, raw=True, max_tokens=24, temperature=1.0, top_p=0.9, seed=7, method="ar").text
+    assert a == ref
+    # a speculative method samples the same distribution but not the same stream: it is still seeded
+    assert b == client.completions.create(**kw, extra_body={"method": "dyspec"}).choices[0].text
+
+
+def test_metrics_after_a_speculative_request(client, http):
+    before = metric_values(http)
+    r = client.completions.create(model="tiny", prompt=RAW[2], temperature=0, max_tokens=32,
+                                  extra_body={"method": "dyspec"})
+    stats = extra(r, "specwood_stats")
+    assert stats["method"] == "dyspec" and stats["spec_steps"] > 0 and stats["mean_accepted_tokens"] >= 1
+    m = metric_values(http)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return m.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("specwood:spec_decode_num_drafts_total") >= stats["spec_steps"]
+    assert delta("specwood:spec_decode_num_draft_tokens_total") > 0
+    accepted = delta("specwood:spec_decode_num_accepted_tokens_total")
+    assert accepted > 0
+    per_pos = sum(delta("specwood:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(16))
+    assert per_pos == accepted and delta("specwood:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    assert delta("specwood:prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("specwood:generation_tokens_total") == r.usage.completion_tokens == 32
+    assert delta("specwood:request_success_total", finished_reason="length") == 1
+    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds"):
+        assert delta(f"specwood:{h}_count") == 1, h
+    assert delta("specwood:decode_tokens_total") >= 31
+    assert ("specwood:num_requests_running", ()) in m and ("specwood:num_requests_waiting", ()) in m
+    assert ("specwood:decode_tokens_per_second", ()) in m
+
+
+# ---------------------------------------------------------------------------------------------
+# batching, cancellation, overload
+
+
+def test_concurrent_requests_with_different_methods_match_plain_decoding(server, engine, refs):
+    jobs = [(RAW[0], "ar"), (RAW[1], "dyspec"), (RAW[2], "chain"), (RAW[3], "auto"),
+            (RAW[0], "dyspec"), (RAW[1], "auto"), (0, "chain"), (1, None)]
+    results: dict[int, Any] = {}
+    barrier = threading.Barrier(len(jobs))
+    sizes: list[int] = []
+    observe = lambda rec: sizes.append(rec.batch_size)  # noqa: E731
+    server.sched.observers.append(observe)
+
+    def run(i: int, prompt: Any, method: str | None) -> None:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        body = {"method": method} if method else None
+        barrier.wait(timeout=30)
+        try:
+            if isinstance(prompt, str):
+                results[i] = c.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=48,
+                                                  extra_body=body)
+            else:
+                results[i] = c.chat.completions.create(model="tiny", messages=CHATS[prompt], temperature=0,
+                                                       max_tokens=48, extra_body=body)
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = e
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=run, args=(i, p, m)) for i, (p, m) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    server.sched.observers.remove(observe)
+    assert max(sizes) > 1  # the requests really shared steps
+    for i, (prompt, method) in enumerate(jobs):
+        r, ref = results[i], refs[prompt]
+        assert not isinstance(r, Exception), r
+        text = r.choices[0].text if isinstance(prompt, str) else r.choices[0].message.content
+        assert text == ref.text, (prompt, method)
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        assert extra(r, "specwood_stats")["method"] == (method or "auto")
+
+
+def test_clients_that_disconnect_cancel_their_requests(server, http, refs):
+    before = metric_values(http)
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        with httpx.Client(base_url=server.url, timeout=30, trust_env=False) as c:
+            for j in range(10):
+                body = {"prompt": RAW[0], "max_tokens": 200, "temperature": 0, "stream": True,
+                        "method": ("ar", "dyspec", "chain", "auto")[(k + j) % 4]}
+                path = "/v1/completions"
+                if j % 3 == 0:
+                    body = {"messages": CHATS[0], "max_tokens": 200, "temperature": 0.7, "stream": True}
+                    path = "/v1/chat/completions"
+                with c.stream("POST", path, json=body) as r:
+                    if r.status_code != 200:
+                        errors.append(f"{r.status_code}: {r.read()!r}")
+                        continue
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            break  # close the stream after the first chunk
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    # a fresh request still completes, exactly
+    r = http.post("/v1/completions", json={"prompt": RAW[3], "max_tokens": 48, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == refs[RAW[3]].text
+    # and every cache row (target and draft pools) comes back
+    sched = server.sched
+    pools = [pool for _, pool in getattr(sched, "_draft_pools", {}).values()]
+    deadline = time.monotonic() + 15
+    while not (sched.cache.free_rows == MAX_BATCH and sched.idle and all(p.free_rows == MAX_BATCH for p in pools)):
+        assert time.monotonic() < deadline, (sched.cache.free_rows, sched.num_running, sched.num_waiting)
+        time.sleep(0.05)
+    m = metric_values(http)
+    cancelled = m.get(("specwood:request_success_total", (("finished_reason", "cancelled"),)), 0) - \
+        before.get(("specwood:request_success_total", (("finished_reason", "cancelled"),)), 0)
+    assert cancelled >= 25  # most of the 50 were dropped mid-generation, not run to the end
+    assert m[("specwood:num_requests_running", ())] == 0
+
+
+def test_a_non_streamed_request_is_cancelled_when_its_client_goes(server, http):
+    """A raw socket sends a long non-streamed request and hangs up; the request is dropped."""
+    sched = server.sched
+    slow = lambda rec: time.sleep(0.01)  # noqa: E731 - 200 tokens would take > 2 s
+    sched.observers.append(slow)
+    key = ("specwood:request_success_total", (("finished_reason", "cancelled"),))
+    try:
+        before = metric_values(http).get(key, 0)
+        body = json.dumps({"prompt": RAW[0], "max_tokens": 200, "temperature": 0}).encode()
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 10
+            while sched.idle:  # wait until it runs
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        while not (sched.idle and sched.cache.free_rows == MAX_BATCH):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        sched.observers.remove(slow)
+    assert metric_values(http).get(key, 0) == before + 1
+
+
+BAD_INPUTS = [
+    ("chat", b"{not json", None),
+    ("chat", b"[1, 2]", None),
+    ("completion", b"", None),
+    ("chat", {"model": "gpt-4o", "messages": CHATS[0]}, "model"),
+    ("chat", {"model": "tiny"}, "messages"),
+    ("completion", {"model": "tiny"}, "prompt"),
+    ("chat", {"messages": "hi"}, "messages"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("chat", {"messages": CHATS[0], "temperature": "hot"}, "temperature"),
+    ("chat", {"messages": CHATS[0], "max_tokens": "5"}, "max_tokens"),
+    ("chat", {"messages": CHATS[0], "stop": 5}, "stop"),
+    ("chat", {"messages": CHATS[0], "stop": ["a", 1]}, "stop"),
+    ("chat", {"messages": CHATS[0], "stream": "yes"}, "stream"),
+    ("chat", {"messages": CHATS[0], "seed": "7"}, "seed"),
+    ("chat", {"messages": CHATS[0], "max_tokens": 0}, "max_tokens"),
+    ("chat", {"messages": CHATS[0], "max_tokens": -3}, "max_tokens"),
+    ("chat", {"messages": CHATS[0], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("completion", {"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+    ("chat", {"messages": CHATS[0], "max_completion_tokens": 255}, "max_completion_tokens"),
+    ("completion", {"prompt": "word " * 300}, "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": "word " * 300}]}, "messages"),
+    ("chat", {"messages": CHATS[0], "temperature": -0.5}, "temperature"),
+    ("chat", {"messages": CHATS[0], "temperature": 1000}, "temperature"),
+    ("chat", {"messages": CHATS[0], "top_p": 0}, "top_p"),
+    ("chat", {"messages": CHATS[0], "top_p": 1.5}, "top_p"),
+    ("chat", {"messages": CHATS[0], "n": 2}, "n"),
+    ("chat", {"messages": CHATS[0], "logprobs": True}, "logprobs"),
+    ("chat", {"messages": CHATS[0], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"messages": CHATS[0], "presence_penalty": 0.5}, "presence_penalty"),
+    ("chat", {"messages": CHATS[0], "response_format": {"type": "json_object"}}, "response_format"),
+    ("completion", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("completion", {"prompt": "hi", "logprobs": 1}, "logprobs"),
+    ("completion", {"prompt": "hi", "echo": True}, "echo"),
+    ("completion", {"prompt": "hi", "n": 3}, "n"),
+    ("chat", {"messages": CHATS[0], "method": "nope"}, "method"),
+    ("chat", {"messages": CHATS[0], "method": 3}, "method"),
+    ("chat", {"messages": CHATS[0], "method": "early-exit", "stream": True, "user": "u"}, "OK"),  # a control
+    ("chat", {"messages": CHATS[0], "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completion", {"prompt": ""}, "prompt"),
+    ("completion", {"prompt": [999999]}, "prompt"),
+    ("completion", {"prompt": ["a", "b"]}, "prompt"),
+    ("completion", {"prompt": {"text": "a"}}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("kind,body,param", BAD_INPUTS)
+def test_bad_input_gives_400_and_the_server_goes_on(http, kind, body, param):
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    if param == "OK":  # the control: a valid streaming request with another method
+        assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
+        return
+    assert_openai_error(r, 400, param)
+    assert http.get("/health").status_code == 200
+
+
+def test_bad_input_through_the_openai_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=CHATS[0], n=2)
+    assert e.value.status_code == 400 and "n" == e.value.body["param"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="other-model", prompt="x")
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
+
+
+def test_full_queue_gives_503_with_retry_after(env, tiny_model_factory, tiny_tokenizer):
+    eng = Engine(tiny_model_factory(seed=0), tiny_tokenizer, target_name="tiny")
+    sched = make_scheduler(eng, max_batch=1, max_queue=1)
+    sched.observers.append(lambda rec: time.sleep(0.02))  # slow steps: ~0.6 s a request
+    srv = ServerThread(create_app(eng, sched, method="ar")).start()
+    try:
+        results: list[httpx.Response] = []
+        barrier = threading.Barrier(5)
+
+        def send() -> None:
+            with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as c:
+                barrier.wait(timeout=30)
+                results.append(c.post("/v1/completions", json={"prompt": RAW[0], "max_tokens": 30, "temperature": 0}))
+
+        threads = [threading.Thread(target=send) for _ in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        codes = sorted(r.status_code for r in results)
+        assert len(codes) == 5 and codes[0] == 200 and codes[-1] == 503, codes
+        for r in results:
+            if r.status_code == 503:
+                assert_openai_error(r, 503)
+                assert r.headers["retry-after"] == "1"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 30
+        with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as c:
+            assert c.get("/health").status_code == 200
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+            # this engine has no draft model: a method that needs one is a 400, not a 500
+            err = assert_openai_error(c.post("/v1/completions", json={"prompt": "x", "method": "dyspec"}), 400,
+                                      "method")
+            assert "draft" in err["message"]
+            m = metric_values(c)
+            assert m[("specwood:requests_rejected_total", ())] == codes.count(503)
+            # queue time: the first request was admitted at once, a second one waited for its row
+            q = "specwood:request_queue_time_seconds"
+            assert m[(f"{q}_count", ())] == codes.count(200) + 1
+            assert m[(f"{q}_bucket", (("le", "0.05"),))] >= 1
+            if codes.count(200) >= 2:
+                assert m[(f"{q}_sum", ())] >= 0.3
+    finally:
+        srv.stop()
+    assert sched._thread is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def test_cli_errors_are_one_line(capsys):
+    from specwood.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, needle in ((["--method", "nope"], "unknown method"), (["--max-batch", "0"], "--max-batch"),
+                             (["--port", str(port)], "cannot listen"), (["--port", "70000"], "--port")):
+            assert main(["serve", *argv]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("specwood: error:") and needle in err[0], err
+
+
+def test_specwood_serve_command(tmp_path, tiny_tokenizer):
+    """`specwood serve` as a user runs it: a tiny HF folder, port 0, the listening line, SIGTERM."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
+    folder = save_hf_folder(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=1))
+    tiny_tokenizer.save_pretrained(folder)
+    cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(folder), "--draft", "none", "--dtype",
+           "fp32", "--method", "ar", "--port", "0", "--max-batch", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, SPECWOOD_CACHE=str(tmp_path / "cache")))
+    lines: list[str] = []
+    try:
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        url = None
+        while url is None:
+            assert proc.poll() is None and time.monotonic() < deadline, lines
+            found = [re.search(r"listening on (http://\S+)", ln) for ln in lines]
+            url = next((f.group(1) for f in found if f), None)
+            time.sleep(0.05)
+        with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
+            assert c.get("/health").json()["status"] == "ok"
+            assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 128
+            r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+        reader.join(timeout=5)
+        assert "Traceback" not in "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
