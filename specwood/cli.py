@@ -118,13 +118,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif args.max_context < 2:
         raise SpecwoodError(f"--max-context must be >= 2, got {args.max_context}")
     sock = bind_socket(args.host, args.port)
+    planner = None
     try:
         engine = load_engine(args, need_draft=need_draft)
+        if args.method == "auto" and args.plan_in_background:
+            planner = start_background_plan(args, engine)
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
               max_batch=args.max_batch, max_queue=args.max_queue, sock=sock)
     finally:
         sock.close()
+        if planner is not None and planner.poll() is None:
+            planner.terminate()
     return 0
+
+
+def start_background_plan(args: argparse.Namespace, engine: Any):
+    """Without a measured plan, `auto` serves from the starter plan at once while `specwood plan`
+    measures one in a niced child process; auto switches to it when it is stored."""
+    import os
+    import subprocess
+
+    from specwood.planner import load_plan, plan_key_for
+    from specwood.planner.store import DEFAULT_METHOD
+    from specwood.planner.store import plans_dir
+
+    if engine.draft_model is None or load_plan(plan_key_for(engine, DEFAULT_METHOD)) is not None:
+        return None
+    cmd = [sys.executable, "-m", "specwood.cli", "plan", "--method", DEFAULT_METHOD, "--quick",
+           "--dtype", args.dtype, "--torch-device", args.device, "--no-plots"]
+    if args.target:
+        cmd += ["--target", str(args.target)]
+    if args.draft not in (None, "auto"):
+        cmd += ["--draft", str(args.draft)]
+    log = plans_dir() / "background-plan.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"specwood: no measured plan yet; measuring one in the background at low priority (log: {log})",
+          file=sys.stderr)
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=lambda: os.nice(19))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot before new ones get 503 (default 64)")
+    s.add_argument("--no-plan-in-background", dest="plan_in_background", action="store_false",
+                   help="with --method auto and no measured plan, do not measure one in a niced child process "
+                        "(auto serves from the starter plan meanwhile and switches when it is stored)")
     s.set_defaults(func=cmd_serve)
 
     from specwood.bench.cli import add_bench_parser, add_loadtest_parser

@@ -171,9 +171,19 @@ def summarize_level(records: Sequence[dict[str, Any]], wall_s: float) -> dict[st
     def ms(x: float | None) -> float | None:
         return None if x is None else x * 1e3
 
+    # decode-busy time: the union of the requests' first-to-last-token intervals, so the prefill of
+    # a prompt no other request is decoding beside does not count as decode time (it does when
+    # requests decode meanwhile: the server really stalls them)
+    spans = sorted(tuple(r["decode_span"]) for r in good if r.get("decode_span"))
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
     return {
         "requests": len(records),
         "ok": len(good),
+        "decode_busy_s": busy,
+        "decode_busy_tokens_per_s": decode_tokens / busy if busy > 0 else None,
         "errors": len(records) - len(good),
         "wall_s": wall_s,
         "completion_tokens": tokens,
@@ -331,6 +341,7 @@ def finalize_record(rec: dict[str, Any], t_send: float, t_end: float, times: lis
     counts, mode = chunk_token_counts(chars, n, exact)
     chunk_s = [t - t_send for t in times]
     rec.update(
+        decode_span=(times[0], times[-1]) if len(times) > 1 else None,  # absolute: for the busy time
         latency_s=t_end - t_send,
         ttft_s=chunk_s[0] if chunk_s else None,
         completion_tokens=n,
@@ -954,7 +965,7 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str] = ()) -> str:
     has_ar = any(r["method"] == AR for r in rows)
     bases = {r.get("scaling_base_concurrency") for r in rows}
     base_label = f"c={bases.pop()}" if len(bases) == 1 else "c=min"
-    head = ["method", "c", "requests", "errors", "decode tok/s", "tok/s", f"x {base_label}"]
+    head = ["method", "c", "requests", "errors", "decode tok/s", "busy decode tok/s", "tok/s", f"x {base_label}"]
     if has_ar:
         head.append("x ar")
     head += ["TTFT p50 s", "TTFT p99 s", "TBT p50 ms", "TBT p99 ms", "ITL p50 ms", "AAT", "tokens", "wall s"]
@@ -965,8 +976,8 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str] = ()) -> str:
             "|" + "|".join("---" if h in ("method", "auto chose") else "---:" for h in head) + "|"]
     for r in rows:
         cells = [r["method"], str(r["concurrency"]), str(r["requests"]), str(r["errors"]),
-                 _fmt(r.get("decode_tokens_per_s"), ".1f"), _fmt(r.get("tokens_per_s"), ".1f"),
-                 _fmt(r.get("scaling"), ".2f", "x")]
+                 _fmt(r.get("decode_tokens_per_s"), ".1f"), _fmt(r.get("decode_busy_tokens_per_s"), ".1f"),
+                 _fmt(r.get("tokens_per_s"), ".1f"), _fmt(r.get("scaling"), ".2f", "x")]
         if has_ar:
             cells.append(_fmt(r.get("speedup_vs_ar"), ".2f", "x"))
         cells += [_fmt(r.get("ttft_s_p50"), ".3f"), _fmt(r.get("ttft_s_p99"), ".3f"), _fmt(r.get("tbt_ms_p50"), ".1f"),
@@ -1015,7 +1026,9 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "c: concurrent streaming clients, each sending its next request when the previous one is done; every "
         "level and method runs the same request list.",
         "decode tok/s: sum over requests of (completion tokens - 1) / wall time of the level (first request sent "
-        "to last response done); tok/s: all completion tokens / the same wall time.",
+        "to last response done); tok/s: all completion tokens / the same wall time; busy decode tok/s: the same "
+        "tokens / the time at least one request was between its first and last token (a prefill while nothing "
+        "decodes does not count; one while others decode does).",
         "TTFT: request sent to the first chunk with content (client clock). TBT: per-token latency, the gap "
         "between content chunks / the tokens in the later chunk (p50/p99 over all tokens of the level); "
         "ITL: the raw gaps between content chunks.",

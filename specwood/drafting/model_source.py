@@ -24,6 +24,7 @@ class _DraftRows:
     positions: list[int]
     slots: list[int]
     mask: torch.Tensor  # [T, S] bool over this source's cache row
+    new_slots: dict[int, int]  # tree node -> slot, taken on by absorb (a failed forward leaves no trace)
 
 
 class ModelDraftSource:
@@ -101,8 +102,9 @@ class ModelDraftSource:
         n_pending = len(self.pending)
         tree_base = base + n_pending
         first_new = tree_base + len(self.slot_of)
+        slot_of = dict(self.slot_of)  # committed in absorb: a failed forward leaves no trace
         for k, node in enumerate(todo):
-            self.slot_of[node] = first_new + k
+            slot_of[node] = first_new + k
         S, T = first_new + len(todo), n_pending + len(todo)
         self.cache.check_room(S)
         self.model.check_positions(tree_base + max((tree.depths[n] for n in todo), default=0))
@@ -114,19 +116,21 @@ class ModelDraftSource:
         for r, node in enumerate(todo, start=n_pending):
             for a in tree.path_to(node):
                 rows.append(r)
-                cols.append(self.slot_of[a])
+                cols.append(slot_of[a])
         mask[rows, cols] = True
         return _DraftRows(
             todo=todo,
             tokens=self.pending + [tree.tokens[n] for n in todo],
             positions=list(range(base, tree_base)) + [tree_base + tree.depths[n] for n in todo],
-            slots=list(range(base, tree_base)) + [self.slot_of[n] for n in todo],
+            slots=list(range(base, tree_base)) + [slot_of[n] for n in todo],
             mask=mask,
+            new_slots={n: slot_of[n] for n in todo},
         )
 
     def absorb(self, rows: _DraftRows, out: torch.Tensor) -> None:
         """Take the logits [len(todo), V] of this source's tree nodes in a draft forward."""
         self.forwards += 1
+        self.slot_of.update(rows.new_slots)
         n_pending = len(self.pending)
         if n_pending:
             self.cache.lengths[self.row] = self.length + n_pending

@@ -152,7 +152,13 @@ class Engine:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
-        prompt_ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else self.encode(prompt, raw)
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            prompt_ids = prompt
+            V = self.target.config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < V for t in prompt_ids):
+                raise SpecwoodError(f"prompt token ids must be integers in [0, {V})")
+        else:
+            prompt_ids = self.encode(prompt, raw)
         if not prompt_ids:
             raise SpecwoodError("the prompt is empty")
         if len(prompt_ids) >= self.max_context:

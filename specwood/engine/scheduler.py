@@ -61,7 +61,7 @@ class Scheduler:
         """A draft source for one request, on a row of this scheduler's pool for `model`."""
         if id(model) not in self._draft_pools:
             self._draft_pools[id(model)] = (model, model.new_cache(self.row_len, self.max_batch))
-        return ModelDraftSource(model, pool=self._draft_pools[id(model)][1])
+        return ModelDraftSource(model, extra_slots=self.tree_room, pool=self._draft_pools[id(model)][1])
 
     def room_for(self, prompt_len: int, max_tokens: int) -> int:
         """Cache slots a request needs (prompt, new tokens, the largest tree)."""

@@ -10,7 +10,7 @@ import torch
 from specwood.drafting.base import Drafting
 from specwood.drafting.model_source import ModelDraftSource, forward_draft_calls
 from specwood.engine.request import Request
-from specwood.errors import SpecwoodError
+from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.batch import RowInput, forward_rows
 from specwood.models.cache import KVCache
 from specwood.models.transformer import Transformer
@@ -71,6 +71,9 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
                 active[req] = (drafting, drafting.send(answers[req]))
             except StopIteration as done:
                 trees[req] = done.value
+                del active[req]
+            except ContextLengthError:  # no room left to draft: a plain step
+                trees[req] = plain_tree(req)
                 del active[req]
             except Exception as e:  # noqa: BLE001
                 failed[req] = e

@@ -4,6 +4,7 @@ PlannedShape, a starter plan when none is measured) and `--method prior`.
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from typing import Any, Callable
 
@@ -14,6 +15,9 @@ from specwood.planner.build import get_plan, measure_draft_prefill
 from specwood.planner.store import _DTYPE_NAMES, DEFAULT_METHOD, Plan, PlanWarning, load_plan, plan_key_for, save_plan
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
+
+PLAN_RECHECK_S = 30.0  # how often a starter plan looks for a measured one in the store
+
 
 class AcceptanceTracker:
     """How much better (or worse) than the plan's AAT(x) the draft does in this request.
@@ -112,6 +116,7 @@ def starter_plan(engine: Any, method: str) -> Plan:
                                dtype=_DTYPE_NAMES.get(str(engine.dtype), "bf16"), contexts=(128, 512, 2048),
                                x_max=8, target_config=engine.target_config, draft_config=engine.draft_config)
     plan.x_cap = 8
+    plan.source = "starter"
     plan.notes.append("starter plan: used until `specwood plan` stores a measured one")
     return plan.refresh()
 
@@ -132,11 +137,12 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                   "autoregressively (load a draft, or use --method pld)", file=sys.stderr)
         return lambda sources, prompt_len, max_tokens: Drafter(extra_stats=lambda: {"auto": "ar"})
     plan = get_plan(engine, base, build_if_missing=False, progress=progress)
+    current = {"plan": plan, "checked": time.monotonic()}
     if plan is None:
         if progress:
             print(f"[plan] no measured plan for '{base}' on this device yet: starting from an analytic estimate "
                   f"(run `specwood plan --method {base}` once, ~6 min, to measure one)", file=sys.stderr)
-        plan = starter_plan(engine, base)
+        plan = current["plan"] = starter_plan(engine, base)
     if all(c.method == "ar" for c in plan.choices) and plan.source == "measured":
         return lambda sources, prompt_len, max_tokens: Drafter(extra_stats=lambda: {"auto": "ar"})
     if plan.draft_prefill_s is None and plan.source == "measured" and engine.draft_model is not None:
@@ -156,7 +162,20 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
 
     told = []
 
+    def latest_plan() -> Plan:
+        """The starter plan until a measured one appears in the store (built in the background by
+        `specwood serve`, or by the user), checked at most every PLAN_RECHECK_S seconds."""
+        if current["plan"].source == "starter" and time.monotonic() - current["checked"] > PLAN_RECHECK_S:
+            current["checked"] = time.monotonic()
+            measured = load_plan(plan_key_for(engine, base))
+            if measured is not None and not all(c.method == "ar" for c in measured.choices):
+                current["plan"] = measured
+                if progress:
+                    print(f"[plan] method auto: now following the measured plan for '{base}'", file=sys.stderr)
+        return current["plan"]
+
     def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int) -> Drafter:
+        plan = latest_plan()
         if not plan.speculation_pays(prompt_len, max_tokens):
             if progress and not told:  # once: a server would print it for every short request
                 told.append(True)

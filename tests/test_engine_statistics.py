@@ -1,0 +1,257 @@
+"""Engine-level proof that every decoding method samples exactly the autoregressive distribution.
+
+A tiny target with a 32-token vocabulary (and a perturbed copy as its draft) runs SAMPLES
+requests per method through the batched Scheduler -- prefill, drafting, ONE target forward per
+step, verification, commit, the output stream -- all from the same token-id prompt, each with its
+own seed. The first two emitted tokens (EOS counted as an outcome: a request whose first token is
+EOS ends there) are compared by a G-test with their exact law, computed from the target's logits:
+the first token ~ target_probs(logits after the prompt), the second ~ target_probs(logits after
+the prompt and the first token). The same test with a verifier that accepts drafted tokens
+more often (+BIAS) must fail hard, so the test has the power to see a bias.
+
+Only the first decode step speculates here (the first token comes from the prefill), so the
+second token is the one every method's drafting + verification decides; `max_tokens=2`.
+Throughput matters: SAMPLES (a module constant, env SPECWOOD_STAT_SAMPLES overrides it) is sized
+for the CI budget; every test prints its requests/s. Measured on the 2-core CI CPU (one torch
+thread, BATCH 256): ar ~2,200 req/s, pld ~1,450, the draft-model methods 680-920, so this file
+(13 law cases + 3 biased runs) takes ~15 min at 50,000 requests per case and ~60 min at 200,000.
+At 50,000 the biased verifier (+0.05) gives p < 1e-36 (chain), 1e-92 (dyspec), 0 (eagle).
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
+import specwood.engine.step as step_mod
+from specwood.engine.api import Engine
+from specwood.engine.scheduler import TREE_ROOM, Scheduler
+from specwood.methods import method_names
+from specwood.sampling import SamplingParams, target_probs
+from specwood.verify import min_ratio, verify_sampling
+
+from conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
+
+SAMPLES = int(os.environ.get("SPECWOOD_STAT_SAMPLES", 50_000))  # requests per method and case (see below)
+BIASED_SAMPLES = SAMPLES  # the biased runs must fail at the same sample count
+BATCH = 256  # max_batch of the scheduler: requests per batched step
+V = 32  # vocabulary
+EOS = 5  # a token of the target's likely first tokens (p ~ 0.07): it ends a request when sampled
+# the target's greedy path from [20, 3], then [20, 3] again: the likely first token (4, p ~ 0.43)
+# repeats the path's 3-gram, so prompt lookup (pld) drafts the path's next tokens (16, 0, 2)
+PROMPT = [20, 3, 4, 16, 0, 2, 15, 17, 20, 26, 20, 3]
+MAX_TOKENS = 2
+BUDGET = 3  # drafted nodes per tree: small and fast, yet branching for the tree shapes
+OUTCOMES = V + 1  # token ids, then EOS (index V) as "the request ended here"
+P_MIN = 1e-4  # a correct engine fails a test (two p-values) with probability ~ 2 * P_MIN
+P_BIASED = 1e-6  # what a biased verifier must reach
+
+ALL_METHODS = method_names()
+DEPTH = 2  # tree depth where a method takes one: only depth 1 decides the second token
+OPTIONS: dict[str, dict] = {
+    "ar": {},
+    "auto": {"progress": False},  # a stored plan (below) makes it speculate with x = BUDGET + 1
+    "prior": {"budget": BUDGET},  # the analytic prior (no stored scores: a PlanWarning)
+    "eagle": {"budget": BUDGET, "depth": DEPTH, "topk": 2},
+    "static": {"budget": BUDGET, "branching": [2, 1]},
+    "dyspec-threshold": {"budget": BUDGET, "depth": DEPTH, "threshold": 0.05},
+}
+
+
+def options_for(method: str) -> dict:
+    return OPTIONS.get(method, {"budget": BUDGET, "depth": DEPTH})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny tensors on 2 shared cores: OpenMP spin-waiting costs far more than it saves.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def stat_engine():
+    target = make_tiny_model(vocab_size=V, seed=3)
+    draft = perturbed_copy(target, 0.3, seed=4)
+    engine = Engine(target, make_tiny_tokenizer(), draft=draft, target_name="tiny32", draft_name="tiny32-draft")
+    assert engine.eos_token_ids == set()  # the tokenizer's specials are outside a 32-token vocabulary
+    engine.eos_token_ids = {EOS}
+    return engine
+
+
+@pytest.fixture()
+def private_plans(monkeypatch, tmp_path, stat_engine):
+    """auto and prior read plans from a private cache; auto gets a stored plan that speculates at
+    every context and batch size (flat T_v) with trees of BUDGET + 1 tokens."""
+    from specwood.planner.fits import DEFAULT_AAT
+    from specwood.planner.store import Plan, plan_key_for, save_plan
+
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
+    xs = (1, 2, BUDGET + 1)
+    plan = Plan(key=plan_key_for(stat_engine, "dyspec"), contexts=[64], verify_times={64: {x: 0.01 for x in xs}},
+                draft_times={64: {x: 1e-4 * (x - 1) for x in xs}}, aat=DEFAULT_AAT, draft_prefill_s=0.0).refresh()
+    assert plan.choose(len(PROMPT)) == ("dyspec", BUDGET + 1)
+    save_plan(plan)
+
+
+# --- the exact law ------------------------------------------------------------------------------
+
+
+def exact_law(engine: Engine, params: SamplingParams) -> np.ndarray:
+    """[OUTCOMES, OUTCOMES]: P(first, second) with EOS as outcome V; after a first EOS the
+    request ends, so that row's mass sits in cell (V, V)."""
+    model = engine.target
+    with torch.inference_mode():
+        n = len(PROMPT)
+        first = target_probs(model(torch.tensor([PROMPT]), torch.arange(n))[0, -1], params).double()
+        seqs = torch.tensor([PROMPT + [a] for a in range(V)])
+        second = target_probs(model(seqs, torch.arange(n + 1).expand(V, -1))[:, -1], params).double()
+    law = np.zeros((OUTCOMES, OUTCOMES))
+    law[:V, :V] = (first[:, None] * second).numpy()
+    for eos in engine.eos_token_ids:  # EOS as a second token ends the request after one token
+        law[:V, V] += law[:V, eos]
+        law[:V, eos] = 0.0
+        law[V, V] += float(first[eos])
+        law[eos, :] = 0.0
+    return law
+
+
+def g_test(counts: np.ndarray, probs: np.ndarray) -> float:
+    """G-test p-value of counts against probs; cells expected < 5 are pooled. An outcome of
+    probability 0 that was observed gives p = 0."""
+    counts, probs = counts.ravel().astype(np.float64), probs.ravel() / probs.sum()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    exp = counts.sum() * probs
+    big = exp >= 5
+    obs_cells, exp_cells = list(counts[big]), list(exp[big])
+    if exp[~big].sum() > 0:
+        obs_cells.append(counts[~big].sum())
+        exp_cells.append(exp[~big].sum())
+    if len(obs_cells) < 2:
+        return 1.0
+    return float(stats.power_divergence(obs_cells, exp_cells, lambda_="log-likelihood").pvalue)
+
+
+# --- running requests through the scheduler ----------------------------------------------------
+
+
+def request_seed(stream: int, i: int) -> int:
+    """A 63-bit seed for request i of a run (splitmix64 of stream and index): reproducible, and
+    unrelated across requests -- runs of consecutive small seeds gave first draws with a suspect
+    G-test p-value (2e-4 twice in 48 runs of 50k; reproduced with torch's sampler alone)."""
+    x = (stream * 0x100000000 + i + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return (x ^ (x >> 31)) >> 1
+
+
+_M64 = (1 << 64) - 1
+
+
+def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, stream: int):
+    """`n` requests of `method` through one scheduler in batches of BATCH: the joint counts of
+    the first two outcomes, the number of speculative steps and of accepted drafted tokens."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # prior without stored scores warns (analytic prior)
+        factory = engine.prepare(method, options_for(method))
+    # rows keep the scheduler's default tree room: draft sources need it (see test_batching)
+    sched = Scheduler(engine.target, max_batch=BATCH, row_len=len(PROMPT) + MAX_TOKENS + TREE_ROOM,
+                      max_queue=BATCH)
+    counts = np.zeros((OUTCOMES, OUTCOMES), dtype=np.int64)
+    spec_steps = accepted = 0
+    for start in range(0, n, BATCH):
+        reqs = [engine.new_request(PROMPT, max_tokens=MAX_TOKENS, temperature=params.temperature,
+                                   top_k=params.top_k, top_p=params.top_p, seed=request_seed(stream, start + i),
+                                   method=method, scheduler=sched, prepared=factory)
+                for i in range(min(BATCH, n - start))]
+        for r in reqs:
+            sched.submit(r)
+        sched.run_until_done(reqs)
+        for r in reqs:
+            assert r.error is None, f"{method}: {r.error}"
+            ids, reason = r.result.token_ids, r.result.finish_reason
+            assert len(ids) == MAX_TOKENS or reason == "stop", (ids, reason)
+            a = ids[0] if ids else V
+            b = ids[1] if len(ids) > 1 else V
+            counts[a, b] += 1
+            spec_steps += r.stats.steps
+            accepted += r.stats.accepted
+    assert sched.idle and sched.cache.free_rows == BATCH
+    return counts, spec_steps, accepted
+
+
+BIAS = 0.05  # what the biased verifier adds to the acceptance probability
+
+
+class BiasedVerify:
+    """A deliberately wrong verifier: accepts drafted tokens BIAS too often (counts its calls,
+    so a refactor that stops routing through step.verify cannot make the power test vacuous)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, tree, logits, params, generator):
+        self.calls += 1
+        return verify_sampling(tree, logits, params, generator,
+                               accept_prob=lambda p_x, q_x: min_ratio(p_x, q_x) + BIAS)
+
+
+CASES = [(m, SamplingParams(temperature=1.0)) for m in ALL_METHODS]
+CASES += [("dyspec", SamplingParams(temperature=0.8, top_k=12, top_p=0.9)),
+          ("eagle", SamplingParams(temperature=1.2, top_p=0.95))]
+
+
+def case_id(case) -> str:
+    method, p = case
+    extra = "".join(f"_{k}{v}" for k, v in (("k", p.top_k), ("p", p.top_p)) if v not in (0, 1.0))
+    return f"{method}_t{p.temperature}{extra}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_engine_samples_the_target_law(stat_engine, private_plans, case):
+    method, params = case
+    law = exact_law(stat_engine, params)
+    t0 = time.perf_counter()
+    counts, spec_steps, accepted = run_requests(stat_engine, method, params, SAMPLES, stream=CASES.index(case))
+    dt = time.perf_counter() - t0
+    p = g_test(counts, law)
+    p_first = g_test(counts.sum(1), law.sum(1))
+    print(f"\n{case_id(case)}: p(first)={p_first:.3g} p(first, second)={p:.3g} | {SAMPLES} requests in {dt:.1f}s "
+          f"= {SAMPLES / dt:.0f} req/s | speculative steps {spec_steps}, accepted {accepted}")
+    if method != "ar":
+        # every request whose first token is not EOS speculated once (pld: where the context
+        # matches), and drafts were accepted
+        live = SAMPLES - int(counts[V].sum())
+        assert spec_steps == live, (spec_steps, live)
+        assert accepted > (live // 10 if method == "pld" else live // 3), (accepted, live)
+    assert min(p, p_first) > P_MIN, f"{method} does not sample the target's distribution"
+
+
+BIASED = ["chain", "dyspec", "eagle"]  # sampled chain, sampled tree without replacement, selected (top-k)
+
+
+@pytest.mark.parametrize("method", BIASED)
+def test_biased_verifier_is_caught(stat_engine, private_plans, monkeypatch, method):
+    """The same test, same sample count, with a verifier biased by BIAS, must fail hard."""
+    params = SamplingParams(temperature=1.0)
+    law = exact_law(stat_engine, params)
+    biased = BiasedVerify()
+    monkeypatch.setattr(step_mod, "verify", biased)
+    t0 = time.perf_counter()
+    counts, _, _ = run_requests(stat_engine, method, params, BIASED_SAMPLES,
+                                stream=1000 + BIASED.index(method))
+    dt = time.perf_counter() - t0
+    p = g_test(counts, law)
+    print(f"\nbiased {method} (+{BIAS}): p(first, second)={p:.3g} | {BIASED_SAMPLES} requests in {dt:.1f}s "
+          f"= {BIASED_SAMPLES / dt:.0f} req/s")
+    assert biased.calls >= BIASED_SAMPLES // 2, "the engine no longer verifies through specwood.engine.step.verify"
+    assert p < P_BIASED, f"the test cannot see a +{BIAS} acceptance bias"
