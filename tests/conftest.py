@@ -98,6 +98,29 @@ def tiny_engine(tiny_pair, tiny_tokenizer):
     return Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft")
 
 
+# --- statistics ---
+
+
+def g_test(counts, probs) -> float:
+    """G-test p-value of counts against probs; cells expected < 5 are pooled. An outcome of
+    probability 0 that was observed gives p = 0."""
+    import numpy as np
+    from scipy import stats
+
+    counts, probs = counts.ravel().astype(np.float64), probs.ravel() / probs.sum()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    exp = counts.sum() * probs
+    big = exp >= 5
+    obs_cells, exp_cells = list(counts[big]), list(exp[big])
+    if exp[~big].sum() > 0:
+        obs_cells.append(counts[~big].sum())
+        exp_cells.append(exp[~big].sum())
+    if len(obs_cells) < 2:
+        return 1.0
+    return float(stats.power_divergence(obs_cells, exp_cells, lambda_="log-likelihood").pvalue)
+
+
 # --- loader fixtures ---
 
 

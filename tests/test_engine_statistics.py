@@ -36,7 +36,7 @@ from specwood.methods import method_names
 from specwood.sampling import SamplingParams, target_probs
 from specwood.verify import min_ratio, verify_sampling
 
-from conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
+from conftest import g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
 SAMPLES = int(os.environ.get("SPECWOOD_STAT_SAMPLES", 50_000))  # requests per method and case (see below)
 BIASED_SAMPLES = SAMPLES  # the biased runs must fail at the same sample count
@@ -122,23 +122,6 @@ def exact_law(engine: Engine, params: SamplingParams) -> np.ndarray:
         law[V, V] += float(first[eos])
         law[eos, :] = 0.0
     return law
-
-
-def g_test(counts: np.ndarray, probs: np.ndarray) -> float:
-    """G-test p-value of counts against probs; cells expected < 5 are pooled. An outcome of
-    probability 0 that was observed gives p = 0."""
-    counts, probs = counts.ravel().astype(np.float64), probs.ravel() / probs.sum()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    exp = counts.sum() * probs
-    big = exp >= 5
-    obs_cells, exp_cells = list(counts[big]), list(exp[big])
-    if exp[~big].sum() > 0:
-        obs_cells.append(counts[~big].sum())
-        exp_cells.append(exp[~big].sum())
-    if len(obs_cells) < 2:
-        return 1.0
-    return float(stats.power_divergence(obs_cells, exp_cells, lambda_="log-likelihood").pvalue)
 
 
 # --- running requests through the scheduler ----------------------------------------------------

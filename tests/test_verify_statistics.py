@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from specwood.drafting.base import draft_probs
 from specwood.sampling import SamplingParams, target_probs
 from specwood.tree.token_tree import ChildRule, TokenTree
 from specwood.verify import children_table, min_ratio, verify_sampling, verify_sampling_batch
+
+from conftest import g_test
 
 TRIALS = 200_000
 PRE = 0  # the token before the root (the target conditions on it at the root)
@@ -181,23 +182,6 @@ class Synthetic:
             return torch.where((nodes == 0).unsqueeze(1), self.q_root, q)
 
         return target_rows, draft_rows
-
-
-def g_test(counts: np.ndarray, probs: np.ndarray) -> float:
-    """G-test p-value of counts against probs; cells expected < 5 are pooled. An outcome of
-    probability 0 that was observed gives p = 0."""
-    counts, probs = counts.ravel().astype(np.float64), probs.ravel() / probs.sum()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    exp = counts.sum() * probs
-    big = exp >= 5
-    obs_cells, exp_cells = list(counts[big]), list(exp[big])
-    if exp[~big].sum() > 0:
-        obs_cells.append(counts[~big].sum())
-        exp_cells.append(exp[~big].sum())
-    if len(obs_cells) < 2:
-        return 1.0
-    return float(stats.power_divergence(obs_cells, exp_cells, lambda_="log-likelihood").pvalue)
 
 
 def run_case(case: Case, accept_prob, trials: int = TRIALS) -> tuple[list[float], list[int]]:
