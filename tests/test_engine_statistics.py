@@ -26,7 +26,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
 import specwood.engine.step as step_mod

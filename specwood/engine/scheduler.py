@@ -111,7 +111,6 @@ class Scheduler:
                     continue
                 try:
                     req.row = self.cache.allocate()
-                    self.cache.lengths[req.row] = 0
                     if req.uses_draft_model:
                         req.drafter.source.attach(len(req.prompt_ids), req.max_tokens)
                 except Exception as e:  # noqa: BLE001
@@ -177,9 +176,9 @@ class Scheduler:
 
         try:
             logits = prefill_rows(model, cache, [(row_of(r), r.prompt_ids, a, b) for r, a, b in chunks])
-        except Exception:  # noqa: BLE001 - one at a time, to fail only the request at fault
+        except Exception as e:  # noqa: BLE001 - one at a time, to fail only the request at fault
             if len(chunks) == 1:
-                self._fail(chunks[0][0], _current_error())
+                self._fail(chunks[0][0], e)
                 return
             for chunk in chunks:
                 self._prefill_forward(model, cache, [chunk], draft)
@@ -242,9 +241,9 @@ class Scheduler:
             return []
         try:
             return target_forward(self.target, self.cache, live, trees)
-        except Exception:  # noqa: BLE001 - find the request at fault; the others go on
+        except Exception as e:  # noqa: BLE001 - find the request at fault; the others go on
             if len(live) == 1:
-                failed[live[0]] = _current_error()
+                failed[live[0]] = e
                 return [None]
         outs: list[torch.Tensor | None] = []
         for req in live:
@@ -330,9 +329,3 @@ class Scheduler:
         for req in list(self.running) + list(self.waiting):
             self._fail(req, SpecwoodError("the server is shutting down"))
         self.waiting.clear()
-
-
-def _current_error() -> BaseException:
-    import sys
-
-    return sys.exc_info()[1] or RuntimeError("unknown error")

@@ -2,7 +2,6 @@
 forward over all of them (padded, per-row positions, slots and masks), verify each, commit."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch

@@ -3,6 +3,7 @@ PlannedShape, a starter plan when none is measured) and `--method prior`.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import warnings
@@ -156,8 +157,8 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         make_shape = lambda budget: prior_shape(plan.prior.best_layout(budget))  # noqa: E731
         draft_model = engine.draft_model
     else:
-        base_factory = lambda budget: prepare_method(engine, base, {"budget": budget})  # noqa: E731
-        make_shape = lambda budget: base_factory(budget)(_no_source, 0, 0).shape  # noqa: E731
+        # shapes are stateless policies: one per budget, shared by every request
+        make_shape = functools.cache(lambda budget: prepare_method(engine, base, {"budget": budget})(_no_source, 0, 0).shape)
         draft_model = _draft_model_of(engine, base)
 
     told = []
