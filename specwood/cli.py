@@ -48,7 +48,7 @@ def add_method_args(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--method", default=default,
                    help="auto (default: the planner's choice of AR or dyspec and its tree size for this hardware; "
                         "the first run profiles for a few minutes), ar, chain, static, sequoia, eagle, dyspec, "
-                        "dyspec-threshold, pld, early-exit, prior")
+                        "dyspec-threshold, pld, early-exit, prior, duo")
     add_method_options(p)
 
 
@@ -72,15 +72,31 @@ def load_engine(args: argparse.Namespace, need_draft: bool = True):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    parallel = getattr(args, "executor", "sequential") == "parallel"
+    if parallel:  # DuoDecoding (specwood/engine/parallel.py): checks that need no model first
+        from specwood.engine.parallel import check_cli_args
+
+        args.method = check_cli_args(args)
     engine = load_engine(args, need_draft=needs_draft(args.method))
+    executor: Any = "sequential"
+    if parallel:
+        from specwood.engine.parallel import ParallelExecutor
+
+        executor = ParallelExecutor(engine, draft_device=args.draft_device, draft_threads=args.draft_threads,
+                                    draft_dtype=args.draft_dtype)
     prompt: Any = args.prompt
     if args.system and not args.raw:
         prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = engine.generate(
-        prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop, method=args.method, raw=args.raw, on_text=stream, **method_options(args),
-    )
+    try:
+        result = engine.generate(
+            prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, stop=args.stop, method=args.method, raw=args.raw, on_text=stream, executor=executor,
+            **method_options(args),
+        )
+    finally:
+        if parallel:
+            executor.close()
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "stats": result.stats}))
@@ -90,6 +106,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"TBT p50 {s['tbt_ms_p50']} ms, finish={result.finish_reason}")
         if "mean_accepted_tokens" in s:
             line += f", AAT {s['mean_accepted_tokens']:.2f}, acceptance {s['acceptance_rate']:.2f}"
+        if s.get("executor") == "parallel":
+            line += (f", parallel: {s['iterations']} iterations, gamma {s['gamma_mean']:.1f}, sequences "
+                     f"{s['sequences_mean']:.1f}, idle draft {s['draft_idle_s']:.3f}s target {s['target_idle_s']:.3f}s")
         print("\n" + line, file=sys.stderr)
     return 0
 
@@ -175,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message (chat mode)")
     g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--executor", choices=["sequential", "parallel"], default="sequential",
+                   help="parallel = DuoDecoding: the draft model in a worker process on --draft-device, drafting "
+                        "while the target verifies (method duo; needs a draft)")
+    g.add_argument("--draft-device", default="cpu", help="parallel executor: the draft's device, cpu or cuda:N")
+    g.add_argument("--draft-threads", type=int, default=None,
+                   help="parallel executor: CPU threads (and pinned cores) of the draft worker (default: all cores "
+                        "but one beside a GPU target, half of them beside a CPU target)")
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="list the embedded models")

@@ -139,3 +139,16 @@ for _name, _opts in SHAPE_OPTIONS.items():
 register(Method("early-exit", "the target's first layers + its head draft a chain", False,
                 ("exit_layer", "shape", "budget", "depth", "topk", "threshold", "branching", "acceptance"),
                 _prepare_early_exit))
+
+
+def _prepare_duo(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+    from specwood.drafting.multi_sequence import make_multi_sequence
+
+    shape = make_multi_sequence(**options)
+    return lambda sources, prompt_len, max_tokens: Drafter(sources(engine.draft_model), shape)
+
+
+# DuoDecoding's drafting policy; in-process (draft then verify) here, draft and target at the same
+# time with executor="parallel" (specwood.engine.parallel, `--executor parallel`)
+register(Method("duo", "DuoDecoding dynamic multi-sequence drafting (parallel with --executor parallel)", True,
+                ("budget", "depth", "max_sequences"), _prepare_duo))

@@ -40,6 +40,7 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
     "early-exit": {"budget": 4},
     "auto": {"progress": False},
     "prior": {"budget": 6},
+    "duo": {"budget": 6},
 }
 
 

@@ -189,11 +189,22 @@ class Engine:
         method: str = "ar",
         raw: bool = False,
         on_text: Callable[[str], None] | None = None,
+        executor: Any = "sequential",
         **method_options: Any,
     ) -> GenerationResult:
         """Generate a completion with `method` ("ar" or a speculative method): a batch of one on
         the same step the server batches. Lossless: every method emits exactly what "ar" emits
-        under greedy decoding, and samples the same distribution."""
+        under greedy decoding, and samples the same distribution.
+
+        executor="parallel" (or a ParallelExecutor) runs DuoDecoding instead: method "duo" with
+        the draft model in a worker process (options draft_device, draft_threads; see
+        specwood.engine.parallel)."""
+        if not (isinstance(executor, str) and executor == "sequential"):
+            from specwood.engine.parallel import generate_parallel
+
+            return generate_parallel(self, executor, prompt, max_tokens=max_tokens, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, seed=seed, stop=stop, method=method, raw=raw,
+                                     on_text=on_text, **method_options)
         request = self.new_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k, seed=seed, stop=stop, method=method, raw=raw, on_text=on_text,
                                    **method_options)

@@ -1,0 +1,1021 @@
+"""The parallel executor (DuoDecoding): the draft model in a worker process on its own device and
+cores, the target in this process, both working at the same time.
+
+Each iteration both sides start from the same committed prefix. The target verifies the drafts of
+the previous iteration (the *pending* chain: root + tokens drafted earlier) and so produces the
+next token; meanwhile the draft, assuming the pending chain is accepted, drafts the next tree from
+its end: a multi-sequence tree (specwood.drafting.multi_sequence) whose first-level tokens are
+guesses of the target's bonus token. After both finish:
+
+* pending chain fully accepted and the bonus token y equals a first-level guess s: the chain under
+  s becomes the next pending chain (its tokens were drawn from q conditioned on s, and s == y is
+  now the true prefix, so it is verified normally next iteration: lossless);
+* otherwise y is the next root with nothing pending, and the draft rolls back to the accepted
+  prefix (its KV cache row is truncated or compacted; no re-prefill).
+
+The guesses are never verified against p: y is drawn from p exactly as plain decoding would (or
+is the argmax under greedy decoding); a guess only decides which pre-drafted chain is kept.
+
+Message protocol (one multiprocessing Pipe, spawn context; main -> worker, one reply each):
+
+    ("load", spec)                          -> ("ready", info)        spec: config, weights (shared
+                                                                      memory), dtype, device, threads
+    ("calibrate", ctx, reps)                -> ("calibrated", s)      s per one-token draft forward
+    ("prefill", drops, rows, row_len, [(rid, prompt, params, seed, gamma, depth, max_seqs)])
+    ("go", drops, [(rid, ctx_len, root, hit, gamma, depth)])
+                                            -> ("drafts", {rid: (tokens, parents, probs,
+                                                            dist_nodes, dists)}, timing)
+    ("stop",)                               (no reply)
+    any failure                             -> ("error", text)
+
+`hit` is the index (in the tree the worker sent last) of the first-level node that matched the
+target's token, or -1: then the worker truncates its row to `ctx_len` tokens (the target's
+committed context) and drafts from `root`. Only token ids, parent indices and the draft
+probabilities of drafted tokens cross; full vocabulary rows (`dists`, float32) only under sampling
+and only for drafted positions that have a drafted child (what the verifier needs).
+
+Scope: the executor advances a *set* of requests in lock step (`run(requests)`: one batched target
+forward and one batched draft forward per round for all of them), so the batch scheduler can drive
+it later; requests join only at the start of a run (no continuous admission yet), and
+`Engine.generate(..., executor="parallel")` runs one request at a time.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from specwood.drafting.multi_sequence import MultiSequenceShape, make_multi_sequence, sequence_end
+from specwood.engine.request import Drafter, Request, State
+from specwood.errors import ContextLengthError, SpecwoodError
+from specwood.tree.token_tree import TokenTree
+
+GAMMA_MAX = 32  # the largest draft budget the hardware-aware rule may pick
+CALIBRATION_CONTEXT = 128  # context length of the start-up timing
+CALIBRATION_REPS = 5
+REMEASURE_TOKENS = 64  # re-derive gamma from the measured step times every this many context tokens
+EMA = 0.3
+EXECUTOR_OPTIONS = ("draft_device", "draft_threads")
+PARALLEL_METHODS = ("duo",)
+
+
+# ---------------------------------------------------------------------------------------------
+# checks (cheap: the CLI runs them before loading any model)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_draft_device(device: str) -> str:
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SpecwoodError(f"unknown draft device '{device}' (use cpu or cuda:N)") from None
+    if d.type == "cpu":
+        return "cpu"
+    if d.type != "cuda":
+        raise SpecwoodError(f"draft device '{device}' is not supported (use cpu or cuda:N)")
+    if not torch.cuda.is_available():
+        raise SpecwoodError(f"draft device '{device}' does not exist: CUDA is not available here "
+                            "(use --draft-device cpu)")
+    index = d.index or 0
+    if index >= torch.cuda.device_count():
+        raise SpecwoodError(f"draft device '{device}' does not exist: this machine has {torch.cuda.device_count()} "
+                            f"CUDA device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return f"cuda:{index}"
+
+
+def default_draft_threads(target_device: str | torch.device) -> int:
+    """All cores but one beside a GPU target; half of them beside a CPU target."""
+    cores = available_cores()
+    return max(1, cores - 1) if torch.device(target_device).type != "cpu" else max(1, cores // 2)
+
+
+def check_draft_threads(threads: int | None, target_device: str | torch.device) -> int:
+    if threads is None:
+        return default_draft_threads(target_device)
+    cores = available_cores()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise SpecwoodError(f"draft threads must be a positive integer, got {threads!r}")
+    if threads > cores:
+        raise SpecwoodError(f"{threads} draft threads is more than the {cores} CPU core(s) this process may use "
+                            f"(use --draft-threads 1..{cores})")
+    return threads
+
+
+def parallel_method(method: str | None) -> str:
+    """The method the parallel executor runs: duo (the sequential defaults 'ar'/'auto' mean duo)."""
+    key = str(method or "duo").strip().lower()
+    if key in ("ar", "auto", "duo"):
+        return "duo"
+    raise SpecwoodError(f"executor 'parallel' runs method 'duo' (DuoDecoding multi-sequence drafting), not "
+                        f"'{method}'; drop --method or use --executor sequential")
+
+
+def check_cli_args(args: Any) -> str:
+    """`specwood generate --executor parallel`: the checks that need no model; the method to run."""
+    method = parallel_method(args.method)
+    if args.draft in (None, "none"):
+        raise SpecwoodError("executor 'parallel' needs a draft model; pass --draft NAME|PATH (not 'none')")
+    check_draft_device(args.draft_device)
+    args.draft_threads = check_draft_threads(args.draft_threads, args.device)
+    if torch.device(args.device).type == "cpu":  # the CLI owns its process: leave the draft its cores
+        torch.set_num_threads(max(1, available_cores() - args.draft_threads))
+    return method
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker side (runs in the draft process; `DraftWorker` also runs in-process for tests)
+
+
+@dataclass
+class _WorkerRequest:
+    source: Any  # ModelDraftSource on the worker's pool
+    params: Any
+    generator: torch.Generator | None
+    max_sequences: int
+    seq: list[int]  # every token before `root` (cache row + pending tokens)
+    root: int
+    tree: TokenTree | None = None
+
+
+class DraftWorker:
+    """The draft process's state: a KV pool with one row per request, each request's drafting
+    state, and the handling of every message of the protocol."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.pool = None
+        self.reqs: dict[str, _WorkerRequest] = {}
+
+    # --- messages ---
+
+    def handle(self, msg: tuple, idle_s: float = 0.0) -> tuple:
+        kind = msg[0]
+        if kind == "calibrate":
+            return ("calibrated", time_forward(self.model, msg[1], msg[2]))
+        t0 = time.perf_counter()
+        prefill_s = 0.0
+        if kind == "prefill":
+            _, drops, rows, row_len, entries = msg
+            self._drop(drops)
+            self._admit(entries, rows, row_len)
+            prefill_s = time.perf_counter() - t0
+            budgets = {e[0]: (e[4], e[5], e[6]) for e in entries}
+        elif kind == "go":
+            _, drops, entries = msg
+            self._drop(drops)
+            budgets = {}
+            for rid, ctx_len, root, hit, gamma, depth in entries:
+                self._apply(rid, ctx_len, root, hit)
+                budgets[rid] = (gamma, depth, self.reqs[rid].max_sequences)
+        else:
+            raise RuntimeError(f"unknown message {kind!r}")
+        trees, rounds = self._draft(budgets)
+        payloads = {rid: tree_payload(tree) for rid, tree in trees.items()}
+        timing = {"idle_s": idle_s, "busy_s": time.perf_counter() - t0, "prefill_s": prefill_s, "rounds": rounds,
+                  "tokens": sum(t.size for t in trees.values())}
+        return ("drafts", payloads, timing)
+
+    def _drop(self, rids: list[str]) -> None:
+        for rid in rids:
+            w = self.reqs.pop(rid, None)
+            if w is not None:
+                w.source.close()
+
+    def _admit(self, entries: list, rows: int, row_len: int) -> None:
+        from specwood.drafting.model_source import ModelDraftSource
+        from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
+
+        need_rows = len(self.reqs) + len(entries)
+        if self.pool is None or self.pool.rows < need_rows or self.pool.max_len < row_len:
+            if self.reqs:
+                raise RuntimeError("the draft pool cannot grow while requests are running")
+            self.pool = self.model.new_cache(-(-row_len // 256) * 256, max(rows, need_rows))
+        new = []
+        for rid, prompt, params, seed, _gamma, _depth, max_seqs in entries:
+            src = ModelDraftSource(self.model, extra_slots=0, pool=self.pool)
+            src.attach(0, 0)
+            gen = None
+            if seed is not None:
+                gen = torch.Generator(device=self.model.device)
+                gen.manual_seed(seed)
+            w = _WorkerRequest(src, params, gen, max_seqs, list(prompt[:-1]), int(prompt[-1]))
+            self.reqs[rid] = w
+            new.append(w)
+        start = 0
+        with torch.inference_mode():  # the prompt but its last token, which roots the first tree
+            while True:
+                chunks = [(w.source.row, w.seq, start, min(start + PREFILL_CHUNK, len(w.seq)))
+                          for w in new if len(w.seq) > start]
+                if not chunks:
+                    break
+                prefill_rows(self.model, self.pool, chunks)
+                start += PREFILL_CHUNK
+
+    def _apply(self, rid: str, ctx_len: int, root: int, hit: int) -> None:
+        """The target's verdict on the last iteration: keep the guessed sequence `hit` (its chain
+        becomes the speculative prefix the next tree grows from), or roll back to `ctx_len`."""
+        w = self.reqs[rid]
+        src, tree = w.source, w.tree
+        if hit >= 0:
+            if tree is None or tree.parents[hit] != 0 or tree.tokens[hit] != root:
+                raise RuntimeError(f"protocol: node {hit} is not a first-level guess of token {root}")
+            end = sequence_end(tree, hit)
+            path = tree.path_to(end)
+            src.commit(tree, path[1:-1], tree.tokens[end])  # processed path kept in place, no re-prefill
+            w.seq += [tree.tokens[i] for i in path[:-1]]
+            w.root = tree.tokens[end]
+            if len(w.seq) != ctx_len + tree.depths[end] - 1:
+                raise RuntimeError(f"protocol: draft at {len(w.seq)} tokens, target context {ctx_len}")
+        else:
+            full = w.seq + [w.root]
+            if ctx_len > len(full):
+                raise RuntimeError(f"protocol: target context {ctx_len} is ahead of the draft's {len(full)}")
+            L, row = src.length, src.row
+            if ctx_len <= L:  # rejected inside the committed speculative prefix: truncate
+                src.cache.lengths[row] = ctx_len
+                src.pending = []
+            elif not src.pending and src.slot_of.get(0) == L and ctx_len == L + 1:
+                src.cache.lengths[row] = L + 1  # the last tree's root was processed in place
+            else:  # tokens the draft never processed (a lone-root tree): feed them next forward
+                src.pending = full[L:ctx_len]
+            src.slot_of, src.node_logits, src.seen = {}, {}, None
+            w.seq, w.root = full[:ctx_len], int(root)
+        w.tree = None
+        if len(w.seq) != src.length + len(src.pending):
+            raise RuntimeError("protocol: draft cache row out of step with its tokens")
+
+    def _draft(self, budgets: dict[str, tuple[int, int | None, int]]) -> tuple[dict[str, TokenTree], int]:
+        """Every request's next tree, the calls of all of them answered by one forward per round."""
+        from specwood.drafting.model_source import forward_draft_calls
+
+        trees: dict[str, TokenTree] = {}
+        active: dict[str, tuple[Any, tuple]] = {}
+        for rid, (gamma, depth, max_seqs) in budgets.items():
+            w = self.reqs[rid]
+            drafting = MultiSequenceShape(budget=gamma, max_sequences=max_seqs, max_depth=depth).draft(
+                w.seq, w.root, w.params, w.generator)
+            try:
+                active[rid] = (drafting, drafting.send(None))
+            except StopIteration as done:
+                trees[rid] = done.value
+        rounds = 0
+        with torch.inference_mode():
+            while active:
+                rounds += 1
+                rids = list(active)
+                try:
+                    outs = forward_draft_calls([(self.reqs[r].source, *active[r][1]) for r in rids])
+                except ContextLengthError:  # find the request(s) without room; they draft nothing
+                    outs = []
+                    for r in rids:
+                        try:
+                            outs.append(self.reqs[r].source.logits(*active[r][1]))
+                        except ContextLengthError:
+                            outs.append(None)
+                for r, out in zip(rids, outs):
+                    drafting, call = active[r]
+                    if out is None:
+                        drafting.close()
+                        trees[r] = TokenTree.with_root(self.reqs[r].root, call[0].child_rule)
+                        del active[r]
+                        continue
+                    try:
+                        active[r] = (drafting, drafting.send(out))
+                    except StopIteration as done:
+                        trees[r] = done.value
+                        del active[r]
+        for rid, tree in trees.items():
+            self.reqs[rid].tree = tree
+        return trees, rounds
+
+
+def tree_payload(tree: TokenTree) -> tuple:
+    """What crosses the pipe for a drafted tree: ids, parents, draft probs, and (sampling only)
+    the q rows of drafted nodes that have a drafted child."""
+    nodes = sorted(tree.child_dists)
+    dists = np.stack([tree.child_dists[n].float().cpu().numpy() for n in nodes]) if nodes else None
+    return (tree.tokens, tree.parents, tree.probs, nodes, dists)
+
+
+def tree_from_payload(payload: tuple, greedy: bool) -> TokenTree:
+    tokens, parents, probs, nodes, dists = payload
+    depths = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        depths[i] = depths[parents[i]] + 1
+    tree = TokenTree(list(tokens), list(parents), depths, list(probs), {}, "selected" if greedy else "sampled")
+    if dists is not None:
+        rows = torch.from_numpy(dists)
+        tree.child_dists = {n: rows[k] for k, n in enumerate(nodes)}
+    return tree
+
+
+def time_forward(model: Any, ctx: int, reps: int) -> float:
+    """Median seconds of a one-token forward at context `ctx` (a scratch cache; contents unused)."""
+    ctx = max(1, min(ctx, model.max_positions - 1))
+    cache = model.new_cache(ctx + 1, 1)
+    dev = model.device
+    tokens = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    pos = torch.tensor([ctx], device=dev)
+    mask = torch.ones(1, ctx + 1, dtype=torch.bool, device=dev)
+    slots = torch.tensor([ctx], device=dev)
+    times = []
+    with torch.inference_mode():
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            model(tokens, pos, mask, cache, slots).sum().item()  # .item(): wait for the device
+            if i:  # the first one warms up
+                times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _pin(threads: int) -> list[int] | None:
+    """Pin this process to the last `threads` of its allowed cores (None where not allowed)."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+        cores = allowed[-threads:] if threads <= len(allowed) else allowed
+        os.sched_setaffinity(0, cores)
+        return cores
+    except (AttributeError, OSError):
+        return None
+
+
+def _worker_main(conn: Any) -> None:
+    """The draft process: build the draft model from the shipped weights, then serve messages."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    try:
+        _, spec = conn.recv()
+        cores = _pin(spec["threads"])
+        torch.set_num_threads(spec["threads"])
+        model = _build_draft(spec)
+        del spec
+        worker = DraftWorker(model)
+        conn.send(("ready", {"pid": os.getpid(), "device": str(model.device), "threads": torch.get_num_threads(),
+                             "cores": cores, "vocab_size": model.config.vocab_size, "dtype": str(model.dtype),
+                             "int4": any(type(m).__name__ == "Int4Linear" for m in model.modules())}))
+    except Exception as e:  # noqa: BLE001
+        conn.send(("error", f"the draft worker could not start: {type(e).__name__}: {e}"))
+        return
+    last = time.perf_counter()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the main process is gone
+        idle = time.perf_counter() - last
+        if msg[0] == "stop":
+            return
+        try:
+            reply = worker.handle(msg, idle)
+        except Exception as e:  # noqa: BLE001
+            reply = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
+        conn.send(reply)
+        last = time.perf_counter()
+
+
+def _draft_spec(model: Any, device: str, threads: int, draft_dtype: str | None = None) -> dict[str, Any]:
+    """The draft model as the worker rebuilds it: config and weights (copied once into shared
+    memory by the pipe's pickler, so the worker maps them instead of copying them again).
+
+    draft_dtype None keeps the loaded draft's form; "auto" is int4 weights on a CPU draft device
+    (as `specwood.load` does for CPU drafts) and the loaded dtype elsewhere; "int4", "bf16" and
+    "fp32" force one (int4 only on a CPU)."""
+    from specwood.models.transformer import int4_available
+
+    dtype = model.dtype
+    int4 = any(type(m).__name__ == "Int4Linear" for m in model.modules())
+    on_cpu = torch.device(device).type == "cpu"
+    if draft_dtype == "auto":
+        int4 = on_cpu and int4_available()
+    elif draft_dtype == "int4":
+        if not (on_cpu and int4_available()):
+            raise SpecwoodError("--draft-dtype int4 needs a CPU draft device with torch's int4 kernel")
+        int4 = True
+    elif draft_dtype in ("bf16", "fp32"):
+        int4, dtype = False, torch.bfloat16 if draft_dtype == "bf16" else torch.float32
+    elif draft_dtype is not None:
+        raise SpecwoodError(f"unknown draft dtype '{draft_dtype}' (use auto, int4, bf16 or fp32)")
+    if int4:
+        dtype = torch.bfloat16
+    weights = {k: v.detach().to("cpu", dtype).clone() for k, v in model.canonical_state_dict().items()}
+    return {"config": model.config, "weights": weights, "dtype": dtype, "int4": int4 and on_cpu,
+            "max_positions": model.max_positions, "device": device, "threads": threads}
+
+
+def _build_draft(spec: dict[str, Any]) -> Any:
+    from specwood.models.transformer import build_model
+
+    dev = torch.device(spec["device"])
+    int4 = spec["int4"] and dev.type == "cpu"
+    return build_model(spec["config"], spec["weights"], spec["dtype"], dev, max_positions=spec["max_positions"],
+                       int4=int4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the main side
+
+
+class WorkerFailure(SpecwoodError):
+    """The draft worker died, hung or failed; the executor restarts it for the next request."""
+
+
+class _Remote:
+    """The draft process and its pipe; every call checks that the process is alive."""
+
+    def __init__(self, spec: dict[str, Any], start_timeout: float):
+        import torch.multiprocessing as tmp  # registers the tensor reducers (shared memory)
+
+        ctx = tmp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="specwood-draft")
+        self.proc.start()
+        child.close()
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn)
+        try:
+            self.send(("load", spec))
+            self.info = self.expect("ready", start_timeout, "starting")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def death(self) -> str:
+        code = self.proc.exitcode
+        if code is None:
+            return "stopped answering"
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def send(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, EOFError, OSError):
+            self.proc.join(0.5)
+            raise WorkerFailure(f"the draft worker (pid {self.pid}) {self.death()}") from None
+
+    def recv(self, timeout: float) -> tuple:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.conn.poll(0.05):
+                    return self.conn.recv()
+            except (EOFError, OSError):
+                self.proc.join(0.5)
+                raise WorkerFailure(f"the draft worker (pid {self.pid}) {self.death()}") from None
+            if not self.proc.is_alive():
+                try:  # a reply sent just before it exited
+                    if self.conn.poll(0):
+                        return self.conn.recv()
+                except (EOFError, OSError):
+                    pass
+                raise WorkerFailure(f"the draft worker (pid {self.pid}) {self.death()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise WorkerFailure(f"the draft worker (pid {self.pid}) did not answer within {timeout:.0f}s "
+                                    "and was stopped")
+
+    def expect(self, kind: str, timeout: float, what: str) -> Any:
+        reply = self.recv(timeout)
+        if reply[0] == "error":
+            raise WorkerFailure(f"draft worker failed while {what}: {reply[1].strip().splitlines()[0]}")
+        if reply[0] != kind:
+            raise WorkerFailure(f"draft worker answered {reply[0]!r} while {what}")
+        return reply[1] if len(reply) == 2 else reply[1:]
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class _Inline:
+    """The worker's logic in this process, answering each message at once (no parallelism): for
+    debugging and for tests that inspect the worker's state."""
+
+    class _Alive:
+        pid = None
+
+        @staticmethod
+        def is_alive() -> bool:
+            return True
+
+    def __init__(self, spec: dict[str, Any]):
+        self.worker = DraftWorker(_build_draft(spec))
+        self.proc = self._Alive()
+        self.pid = None
+        self.info = {"pid": None, "device": spec["device"], "threads": torch.get_num_threads(), "cores": None,
+                     "vocab_size": spec["config"].vocab_size}
+        self._replies: list[tuple] = []
+        self._last = time.perf_counter()
+
+    def send(self, msg: tuple) -> None:
+        idle = time.perf_counter() - self._last
+        try:
+            self._replies.append(self.worker.handle(msg, idle))
+        except Exception as e:  # noqa: BLE001
+            self._replies.append(("error", f"{type(e).__name__}: {e}"))
+        self._last = time.perf_counter()
+
+    def expect(self, kind: str, timeout: float, what: str) -> Any:
+        reply = self._replies.pop(0)
+        if reply[0] == "error":
+            raise WorkerFailure(f"draft worker failed while {what}: {reply[1]}")
+        return reply[1] if len(reply) == 2 else reply[1:]
+
+    def close(self) -> None:
+        self._replies = []
+
+
+def _shutdown(proc: Any, conn: Any) -> None:
+    try:
+        if proc.is_alive():
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            proc.join(2)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    finally:
+        conn.close()
+
+
+@dataclass
+class _Duo:
+    """One request's executor state and stats (main side)."""
+
+    shape: MultiSequenceShape
+    fixed_gamma: int | None
+    pending: TokenTree | None = None  # the tree the target verifies next: root + pending chain
+    all_accepted: bool = True  # the last verification accepted the whole pending chain
+    hit: int = -1
+    hit_rank: int = -1  # which guess (0 = the draft's top token) the last hit was
+    gamma: int = 0
+    iterations: int = 0
+    guesses: int = 0  # iterations whose bonus token could have been guessed
+    hits: int = 0
+    gammas: list[int] = field(default_factory=list)
+    sequences: list[int] = field(default_factory=list)
+    draft_idle_s: float = 0.0
+    target_idle_s: float = 0.0
+    draft_prefill_s: float = 0.0
+    target_prefill_s: float = 0.0
+
+
+class ParallelExecutor:
+    """DuoDecoding: the draft model in a worker process (`draft_device`, `draft_threads` cores),
+    the target here. `generate` runs one request; `run(requests)` advances a set of requests made
+    by `new_request` in lock step. The worker starts on first use and is restarted after a
+    failure; `close()` stops it."""
+
+    def __init__(self, engine: Any, *, draft: Any = None, draft_device: str = "cpu", draft_threads: int | None = None,
+                 gamma_max: int = GAMMA_MAX, remeasure_tokens: int = REMEASURE_TOKENS,
+                 start_timeout: float = 180.0, reply_timeout: float = 600.0, verbose: bool = True,
+                 inline: bool = False, draft_dtype: str | None = None):
+        model = draft if draft is not None else engine.draft_model
+        if model is None:
+            raise SpecwoodError("executor 'parallel' needs a draft model; pass --draft NAME|PATH "
+                                "(draft=... in the API)")
+        tv, dv = engine.target.config.vocab_size, model.config.vocab_size
+        if dv != tv:
+            raise SpecwoodError(f"draft vocabulary ({dv} tokens) differs from the target's ({tv} tokens); the parallel "
+                                "executor needs a draft from the target's model family")
+        self.engine = engine
+        self.target = engine.target
+        self.draft = model
+        self.draft_device = check_draft_device(draft_device)
+        self.draft_threads = check_draft_threads(draft_threads, self.target.device)
+        self.gamma_max = gamma_max
+        self.remeasure_tokens = remeasure_tokens
+        self.start_timeout = start_timeout
+        self.reply_timeout = reply_timeout
+        self.verbose = verbose
+        self.inline = inline  # the worker's logic in this process, one message at a time (tests)
+        self.draft_dtype = draft_dtype
+        if draft_dtype not in (None, "auto", "int4", "bf16", "fp32"):
+            raise SpecwoodError(f"unknown draft dtype '{draft_dtype}' (use auto, int4, bf16 or fp32)")
+        self.limit_positions = min(self.target.max_positions, model.max_positions)
+        self.tree_room = 2 * gamma_max + 4
+        self.cache = None
+        self._remote: _Remote | _Inline | None = None
+        # replies the worker still owes for messages whose answer is no longer wanted (a run ended
+        # before its last drafts came): discarded before the next wanted reply, so the next request
+        # never waits for them up front
+        self._stale = 0
+        self._to_drop: list[str] = []
+        self._lock = threading.RLock()
+        self.restarts = 0
+        self._failed = False  # the last run lost its worker: the next start is a restart
+        self.c_startup: float | None = None
+        self.c: float | None = None
+        self._t_target: float | None = None
+        self._t_draft: float | None = None
+        self._gamma = 1
+        self._ctx_at_update = 0
+        self.on_worker_started: Callable[[int], None] | None = None
+
+    # --- the worker ---------------------------------------------------------------------------
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._remote.pid if self._remote is not None else None
+
+    @property
+    def worker_info(self) -> dict[str, Any] | None:
+        """What the worker reported at start: pid, device, threads, pinned cores, dtype, int4."""
+        return self._remote.info if self._remote is not None else None
+
+    def start(self) -> None:
+        """Start the worker (and measure the cost coefficient) unless it is running."""
+        with self._lock:
+            if self._remote is not None and self._remote.proc.is_alive():
+                return
+            if self._remote is not None:
+                self._discard()
+            spec = _draft_spec(self.draft, self.draft_device, self.draft_threads, self.draft_dtype)
+            self._remote = _Inline(spec) if self.inline else _Remote(spec, self.start_timeout)
+            del spec
+            self._stale, self._to_drop = 0, []
+            try:
+                self._calibrate()
+            except BaseException:
+                self._discard()
+                raise
+
+    def _calibrate(self) -> None:
+        """c = T_target_step / T_draft_token at start-up, both timed at the same time (as they run)."""
+        ctx = max(1, min(CALIBRATION_CONTEXT, self.limit_positions - 2))
+        self._remote.send(("calibrate", ctx, CALIBRATION_REPS))
+        t_target = time_forward(self.target, ctx, CALIBRATION_REPS)
+        t_draft = self._remote.expect("calibrated", self.reply_timeout, "timing the draft")
+        self.c_startup = self.c = t_target / max(t_draft, 1e-9)
+        self._t_target, self._t_draft = t_target, t_draft
+        self._gamma = self._gamma_from(self.c)
+
+    def _gamma_from(self, c: float) -> int:
+        return max(1, min(self.gamma_max, int(round(c))))
+
+    def _discard(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+        self._remote = None
+        self._stale, self._to_drop = 0, []
+
+    def close(self) -> None:
+        with self._lock:
+            self._discard()
+
+    def __enter__(self) -> "ParallelExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- requests (the executor stands in for a scheduler in Engine.new_request) ---------------
+
+    def room_for(self, prompt_len: int, max_tokens: int) -> int:
+        return prompt_len + max_tokens + self.tree_room
+
+    def ensure_room(self, needed: int) -> None:
+        if needed - self.tree_room > self.limit_positions:
+            raise ContextLengthError(f"the request needs {needed - self.tree_room} context tokens but the models hold "
+                                     f"{self.limit_positions}; shorten the prompt or lower max_tokens")
+
+    def draft_source(self, model: Any) -> Any:
+        raise SpecwoodError("the parallel executor drafts in its worker process")
+
+    def new_request(self, prompt: Any, *, method: str = "duo", **kwargs: Any) -> Request:
+        """A request for `run` (same arguments as Engine.new_request; method options: budget =
+        a fixed gamma instead of the hardware-aware one, depth, max_sequences)."""
+        method = parallel_method(method)
+        options = {k: kwargs.pop(k) for k in ("budget", "depth", "max_sequences") if k in kwargs}
+        options = {k: v for k, v in options.items() if v is not None}
+        unknown = sorted(set(kwargs) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "raw",
+                                        "on_text", "on_finish", "request_id"})
+        if unknown:
+            raise SpecwoodError(f"method 'duo' does not use option(s) {', '.join(unknown)} "
+                                "(it takes budget, depth, max_sequences)")
+        shape = make_multi_sequence(**options)
+        state = _Duo(shape, options.get("budget"))
+
+        def factory(sources: Any, prompt_len: int, max_tokens: int) -> Drafter:
+            return Drafter(None, shape)
+
+        req = self.engine.new_request(prompt, method=method, scheduler=self, prepared=factory, **kwargs)
+        req.duo = state
+        req.extra_stats = lambda: self._stats(state)
+        return req
+
+    def generate(self, prompt: Any, *, method: str = "duo", **kwargs: Any) -> Any:
+        request = self.new_request(prompt, method=method, **kwargs)
+        self.run([request])
+        if request.error is not None:
+            raise request.exception
+        return request.result
+
+    def _stats(self, st: _Duo) -> dict[str, Any]:
+        hist: dict[int, int] = {}
+        for s in st.sequences:
+            hist[s] = hist.get(s, 0) + 1
+        return {
+            "executor": "parallel",
+            "draft_device": self.draft_device,
+            "draft_threads": self.draft_threads,
+            "iterations": st.iterations,
+            "draft_idle_s": round(st.draft_idle_s, 5),
+            "target_idle_s": round(st.target_idle_s, 5),
+            "gamma_mode": "fixed" if st.fixed_gamma else "hardware-aware",
+            "gamma_mean": round(sum(st.gammas) / len(st.gammas), 3) if st.gammas else 0.0,
+            "gamma_last": st.gammas[-1] if st.gammas else 0,
+            "cost_coefficient": round(self.c, 4) if self.c is not None else None,
+            "cost_coefficient_startup": round(self.c_startup, 4) if self.c_startup is not None else None,
+            "sequences_mean": round(sum(st.sequences) / len(st.sequences), 3) if st.sequences else 0.0,
+            "sequences_hist": dict(sorted(hist.items())),
+            "bonus_guess_hit_rate": round(st.hits / st.guesses, 4) if st.guesses else 0.0,
+            "draft_prefill_s": round(st.draft_prefill_s, 5),
+            "target_prefill_s": round(st.target_prefill_s, 5),
+            "target_step_s": round(self._t_target, 6) if self._t_target is not None else None,  # EMA
+            "draft_token_s": round(self._t_draft, 6) if self._t_draft is not None else None,  # EMA
+            "worker_restarts": self.restarts,
+        }
+
+    # --- running -----------------------------------------------------------------------------
+
+    def run(self, requests: list[Request]) -> None:
+        """Run `requests` (made by `new_request`) to completion. A worker failure fails the
+        running requests with one clear error; the next run restarts the worker."""
+        with self._lock:
+            for r in requests:
+                if not hasattr(r, "duo"):
+                    raise SpecwoodError("requests for the parallel executor come from ParallelExecutor.new_request")
+            try:
+                restart = self._failed or (self._remote is not None and not self._remote.proc.is_alive())
+                self.start()
+                if restart:
+                    self.restarts += 1
+                self._failed = False
+                self._run(requests)
+            except WorkerFailure as e:
+                self._discard()
+                self._failed = True
+                msg = f"{e}; the request failed and the next request restarts the worker"
+                for r in requests:
+                    if r.state is not State.FINISHED:
+                        self._fail(r, WorkerFailure(msg))
+                if self.verbose:
+                    print(f"specwood: {msg}", file=sys.stderr)
+            except BaseException as e:
+                self._discard()  # the worker's state is unknown now
+                self._failed = True
+                for r in requests:
+                    if r.state is not State.FINISHED:
+                        self._fail(r, e)
+                if not isinstance(e, Exception):
+                    raise
+
+    def _send(self, msg: tuple) -> None:
+        self._remote.send(msg)
+
+    def _recv_drafts(self) -> tuple[dict, dict]:
+        while self._stale:
+            self._remote.expect("drafts", self.reply_timeout, "drafting")
+            self._stale -= 1
+        payloads, timing = self._remote.expect("drafts", self.reply_timeout, "drafting")
+        return payloads, timing
+
+    def _ensure_cache(self, rows: int, row_len: int) -> None:
+        c = self.cache
+        if c is None or c.rows < rows or c.max_len < row_len:
+            self.cache = None
+            self.cache = self.target.new_cache(-(-row_len // 256) * 256, rows)
+        self.cache.reset()  # every row free (a run returns its rows; this is a safety net)
+        self.cache._free = list(range(self.cache.rows - 1, -1, -1))
+
+    def _run(self, requests: list[Request]) -> None:
+        from specwood.engine.step import commit, target_forward, verify_tree
+        from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
+        from specwood.sampling import next_token
+
+        if not requests:
+            return
+        row_len = max(len(r.prompt_ids) + r.max_tokens + self.tree_room for r in requests)
+        self._ensure_cache(len(requests), row_len)
+        entries = []
+        for r in requests:
+            r.row = self.cache.allocate()
+            r.state = State.PREFILL
+            r.t_admitted = time.perf_counter()
+            st: _Duo = r.duo
+            st.gamma = self._gamma_for(r, len(r.prompt_ids) - 1)
+            seed = None if r.params.greedy else r.draft_generator.initial_seed()
+            entries.append((r.id, r.prompt_ids, r.params, seed, st.gamma, self._depth_for(r),
+                            st.shape.max_sequences))
+        drops, self._to_drop = self._to_drop, []
+        # overlapped prefill: the worker prefills the prompt and drafts the first tree (guesses of
+        # the first token) while the target prefills here
+        self._send(("prefill", drops, len(requests), row_len, entries))
+        t0 = time.perf_counter()
+        start = 0
+        with torch.inference_mode():
+            while True:
+                chunk = [r for r in requests if len(r.prompt_ids) > start]
+                if not chunk:
+                    break
+                outs = prefill_rows(self.target, self.cache,
+                                    [(r.row, r.prompt_ids, start, min(start + PREFILL_CHUNK, len(r.prompt_ids)))
+                                     for r in chunk])
+                for r, logits in zip(chunk, outs):
+                    if start + PREFILL_CHUNK >= len(r.prompt_ids):
+                        r.root = int(next_token(logits, r.params, r.target_generator))
+                        r.state = State.DECODE
+                        if r.out.push_step([r.root]):  # TTFT: before waiting for the draft
+                            self._finish(r)
+                start += PREFILL_CHUNK
+        t_prefill = time.perf_counter() - t0
+        for r in requests:
+            r.duo.target_prefill_s = t_prefill
+        live = [r for r in requests if r.state is State.DECODE]
+        if not live:
+            self._stale += 1
+            return
+        t1 = time.perf_counter()
+        payloads, timing = self._recv_drafts()
+        waited = time.perf_counter() - t1
+        for r in live:
+            r.duo.draft_prefill_s = timing["busy_s"]
+            r.duo.target_idle_s += waited
+            self._take_tree(r, payloads[r.id])
+        while live:
+            for r in [r for r in live if r.cancelled]:
+                r.out.finish_reason = "cancelled"
+                self._finish(r)
+            live = [r for r in live if r.state is State.DECODE]
+            if not live:
+                return
+            go = []
+            for r in live:
+                st = r.duo
+                st.gamma = self._gamma_for(r, len(r.context) + len(st.pending) - 1)
+                go.append((r.id, len(r.context), r.root, st.hit, st.gamma, self._depth_for(r)))
+            drops, self._to_drop = self._to_drop, []
+            self._send(("go", drops, go))
+            t0 = time.perf_counter()
+            trees = {r: r.duo.pending for r in live}
+            with torch.inference_mode():
+                outs = target_forward(self.target, self.cache, live, trees)
+                for r, logits in zip(live, outs):
+                    st, tree = r.duo, trees[r]
+                    verdict = verify_tree(r, tree, logits)
+                    st.all_accepted = len(verdict.accepted) == tree.max_depth
+                    st.iterations += 1
+                    st.gammas.append(st.gamma)
+                    tokens = commit(self.cache, r, tree, verdict, 0.0, time.perf_counter() - t0)
+                    if r.out.push_step(tokens):
+                        self._finish(r)
+            t_target = time.perf_counter() - t0
+            still = [r for r in live if r.state is State.DECODE]
+            if not still:
+                self._stale += 1  # not waited for: the next run discards it
+                return
+            t1 = time.perf_counter()
+            payloads, timing = self._recv_drafts()
+            waited = time.perf_counter() - t1
+            for r in live:
+                r.duo.target_idle_s += waited
+                r.duo.draft_idle_s += timing["idle_s"]
+            self._measure(t_target, timing, len(live), max(len(r.context) for r in live))
+            for r in still:
+                self._take_tree(r, payloads[r.id])
+            live = still
+
+    def _take_tree(self, r: Request, payload: tuple) -> None:
+        """The worker's tree for this request: keep the sequence that starts with the token the
+        target just produced (if the pending chain was accepted whole), else nothing pends."""
+        st: _Duo = r.duo
+        tree = tree_from_payload(payload, r.params.greedy)
+        firsts = tree.children(0)
+        st.sequences.append(len(firsts))
+        st.hit = st.hit_rank = -1
+        if st.all_accepted and firsts:
+            st.guesses += 1
+            st.hit_rank = next((k for k, c in enumerate(firsts) if tree.tokens[c] == r.root), -1)
+            st.hit = firsts[st.hit_rank] if st.hit_rank >= 0 else -1
+            st.hits += st.hit >= 0
+        st.pending = tree.reroot(st.hit) if st.hit >= 0 else TokenTree.with_root(r.root, tree.child_rule)
+
+    def _gamma_for(self, r: Request, root_pos: int) -> int:
+        """This iteration's budget for a tree rooted at position `root_pos`: the fixed or the
+        hardware-aware gamma, within the context and the tokens the request may still emit."""
+        st: _Duo = r.duo
+        gamma = st.fixed_gamma or self._gamma
+        room = min(self.limit_positions, self.cache.max_len) - 1 - root_pos
+        return max(0, min(gamma, room))
+
+    def _depth_for(self, r: Request) -> int:
+        """No sequence longer than the tokens the request may still emit (a sequence starts with
+        the token after the pending chain) or the method's depth option."""
+        st: _Duo = r.duo
+        pend = st.pending.size if st.pending is not None else 0  # chain tokens, the root is emitted
+        left = max(1, r.max_tokens - len(r.out.token_ids) - pend)
+        return min(left, st.shape.max_depth) if st.shape.max_depth else left
+
+    def _measure(self, t_target: float, timing: dict, n_live: int, ctx: int) -> None:
+        """Re-measure c from the running iterations (EMA of the target's busy time per step and
+        the draft's busy time per drafted token); gamma follows it as the context grows."""
+        tokens = timing["tokens"] / max(n_live, 1)
+        if tokens <= 0:
+            return
+        t_draft = timing["busy_s"] / tokens
+        self._t_target = t_target if self._t_target is None else (1 - EMA) * self._t_target + EMA * t_target
+        self._t_draft = t_draft if self._t_draft is None else (1 - EMA) * self._t_draft + EMA * t_draft
+        self.c = self._t_target / max(self._t_draft, 1e-9)
+        if abs(ctx - self._ctx_at_update) >= self.remeasure_tokens:
+            self._ctx_at_update = ctx
+            self._gamma = self._gamma_from(self.c)
+
+    def _release(self, r: Request) -> None:
+        if r.row is not None and self.cache is not None:
+            self.cache.release(r.row)
+        r.row = None
+        self._to_drop.append(r.id)
+
+    def _finish(self, r: Request) -> None:
+        self._release(r)
+        r.state = State.FINISHED
+        r.result = r.out.finish(r.method, r.stats_dict())
+        self._notify(r)
+
+    def _fail(self, r: Request, error: BaseException) -> None:
+        try:
+            self._release(r)
+        except Exception:  # noqa: BLE001
+            pass
+        r.state = State.FINISHED
+        r.error = str(error) if isinstance(error, SpecwoodError) else f"internal error: {type(error).__name__}: {error}"
+        r.exception = error
+        self._notify(r)
+
+    @staticmethod
+    def _notify(r: Request) -> None:
+        r.done.set()
+        if r.on_finish is not None:
+            try:
+                r.on_finish(r)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine.generate(..., executor=...)
+
+
+def engine_executor(engine: Any, **options: Any) -> ParallelExecutor:
+    """The engine's own parallel executor (kept for the next call; a new one if the options differ)."""
+    key = (options.get("draft_device", "cpu"), options.get("draft_threads"))
+    cached = engine.__dict__.get("_parallel_executor")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if cached is not None:
+        cached[1].close()
+    ex = ParallelExecutor(engine, **options)
+    engine.__dict__["_parallel_executor"] = (key, ex)
+    return ex
+
+
+def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) -> Any:
+    """Engine.generate with executor="parallel" (or a ParallelExecutor): DuoDecoding."""
+    options = {k: kwargs.pop(k) for k in EXECUTOR_OPTIONS if k in kwargs}
+    if isinstance(executor, ParallelExecutor):
+        if options:
+            raise SpecwoodError(f"pass {', '.join(options)} to ParallelExecutor(...), not to generate")
+        ex = executor
+    elif executor == "parallel":
+        ex = engine_executor(engine, **options)
+    else:
+        raise SpecwoodError(f"unknown executor {executor!r} (use 'sequential' or 'parallel')")
+    return ex.generate(prompt, **kwargs)

@@ -1,0 +1,588 @@
+"""The parallel executor (DuoDecoding): the draft model in a worker process, drafting while the
+target verifies. Tiny models only; every test has a deadline (SIGALRM) and the module leaves no
+process behind.
+
+* greedy fp32: token-identical to `ar`, single- and multi-sequence, hardware-aware gamma, EOS and
+  stop strings inside a draft, a draft that is always wrong and one that is always right;
+* sampling: a G-test on the first two emitted tokens (V = 32) through the real worker, and the
+  same test with a biased verifier must fail;
+* the worker killed mid-request: a clear error within seconds, the next request runs;
+* bad input: one clear SpecwoodError (API) or one `specwood: error:` line (CLI).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import specwood.engine.step as step_mod
+from specwood.drafting.multi_sequence import MultiSequenceShape, make_multi_sequence, split_budget
+from specwood.engine.api import Engine
+from specwood.engine.parallel import ParallelExecutor, WorkerFailure, generate_parallel
+from specwood.errors import SpecwoodError
+from specwood.sampling import SamplingParams, target_probs
+from specwood.tree.token_tree import TokenTree
+from specwood.verify import min_ratio, verify, verify_sampling
+
+from conftest import g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy
+
+PROMPTS = ["def add(a, b):", "Once upon a time", "1, 2, 3, 4, 5, 1, 2, 3,"]
+DEADLINE_S = 90  # per test, unless listed in DEADLINES
+DEADLINES = {"test_sampling_first_two_tokens_follow_the_target": 900, "test_biased_verifier_is_caught": 200,
+             "test_cli_parallel": 120}
+_executors: list[ParallelExecutor] = []
+
+
+@pytest.fixture(autouse=True)
+def deadline(request):
+    """A per-test timeout without pytest-timeout: SIGALRM raises in the main thread (a blocked
+    pipe poll included), and the fixtures' teardown stops the workers."""
+    def expired(signum, frame):
+        raise TimeoutError(f"{request.node.name} ran past its deadline")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(DEADLINES.get(request.node.originalname, DEADLINE_S))
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors on 2 shared cores: one torch thread here, one in the worker
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def executor(engine: Engine, **kwargs) -> ParallelExecutor:
+    ex = ParallelExecutor(engine, draft_threads=1, verbose=False, **kwargs)
+    _executors.append(ex)
+    return ex
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    return Engine(tiny_pair.target, make_tiny_tokenizer(), draft=tiny_pair.draft, target_name="tiny",
+                  draft_name="tiny-draft")
+
+
+@pytest.fixture(scope="module")
+def duo(engine):
+    ex = executor(engine)
+    yield ex
+    ex.close()
+
+
+@pytest.fixture(scope="module")
+def same_engine(tiny_pair):
+    """draft == target: every guess and every drafted token is right (greedy)."""
+    return Engine(tiny_pair.target, make_tiny_tokenizer(), draft=tiny_pair.target)
+
+
+@pytest.fixture(scope="module")
+def duo_same(same_engine):
+    ex = executor(same_engine)
+    yield ex
+    ex.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the multi-sequence shape
+
+
+class TableSource:
+    """Draft logits from a table: position after the root -> logits (the same whatever the path)."""
+
+    def __init__(self, rows: list[list[float]]):
+        self.rows = [torch.tensor(r).log() for r in rows]
+        self.vocab_size = len(rows[0])
+
+    def logits(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+        return torch.stack([self.rows[min(tree.depths[n], len(self.rows) - 1)] for n in nodes])
+
+
+def test_theta_rule_and_budget_split():
+    greedy = SamplingParams()
+    # p(1,.) = .5 .3 .15 .05, p(2,1) = .4: theta = .2, so tokens 0 and 1 start sequences
+    src = TableSource([[0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    tree = MultiSequenceShape(budget=7).build([], 3, src, greedy, None)
+    firsts = tree.children(0)
+    assert [tree.tokens[c] for c in firsts] == [0, 1]
+    lengths = [tree.path_to(n) for n in tree.leaves()]
+    assert sorted(len(p) - 1 for p in lengths) == [3, 4]  # 7 tokens: 4 + 3
+    assert tree.size == 7 and tree.child_rule == "selected" and not tree.child_dists
+    # a confident draft: theta = .9 * .9, one sequence of all 7 tokens
+    src = TableSource([[0.9, 0.05, 0.05, 0.0], [0.9, 0.1, 0.0, 0.0]])
+    tree = MultiSequenceShape(budget=7).build([], 3, src, greedy, None)
+    assert len(tree.children(0)) == 1 and tree.max_depth == 7
+    # the cap, budget 1, max_depth
+    flat = TableSource([[1 / 16] * 16, [0.01] + [0.99 / 15] * 15])
+    assert len(MultiSequenceShape(budget=20, max_sequences=8).build([], 3, flat, greedy, None).children(0)) == 8
+    assert MultiSequenceShape(budget=1).build([], 3, flat, greedy, None).size == 1
+    assert MultiSequenceShape(budget=9, max_depth=2).build([], 3, src, greedy, None).max_depth == 2
+    assert split_budget(7, 3) == [3, 2, 2]
+
+
+def test_sampled_tree_records_q_below_the_first_level():
+    params = SamplingParams(temperature=1.0)
+    src = TableSource([[0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1]])
+    tree = MultiSequenceShape(budget=6).build([], 3, src, params, torch.Generator().manual_seed(0))
+    assert tree.child_rule == "sampled" and 0 not in tree.child_dists  # guesses: "selected"
+    internal = {tree.parents[i] for i in range(1, len(tree))} - {0}
+    assert set(tree.child_dists) == internal
+
+
+def test_make_multi_sequence_checks_options():
+    for bad in (dict(budget=0), dict(depth=0), dict(max_sequences=0), dict(budget=2.5)):
+        with pytest.raises(SpecwoodError):
+            make_multi_sequence(**bad)
+
+
+def test_sequential_duo_method_is_lossless(engine):
+    for prompt in PROMPTS:
+        ref = engine.generate(prompt, max_tokens=30, raw=True)
+        out = engine.generate(prompt, max_tokens=30, raw=True, method="duo", budget=6)
+        assert out.token_ids == ref.token_ids
+        assert out.stats["mean_accepted_tokens"] >= 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy: token-identical to ar
+
+
+@pytest.mark.parametrize("options", [dict(budget=4, max_sequences=1), dict(budget=6), dict(budget=9, max_sequences=8),
+                                     dict(budget=1), {}],
+                         ids=["single", "multi", "multi-wide", "guess-only", "hardware-aware"])
+def test_greedy_identical_to_ar(engine, duo, options):
+    multi = 0
+    for prompt in PROMPTS:
+        ref = engine.generate(prompt, max_tokens=40, raw=True)
+        out = duo.generate(prompt, max_tokens=40, raw=True, **options)
+        assert out.token_ids == ref.token_ids and out.text == ref.text, (options, prompt)
+        s = out.stats
+        assert s["executor"] == "parallel" and s["iterations"] >= 1 and s["ttft_s"] > 0
+        assert s["gamma_mode"] == ("fixed" if options else "hardware-aware")
+        assert 1 <= s["gamma_last"] <= 32 and s["sequences_mean"] >= 1
+        assert s["draft_idle_s"] >= 0 and s["target_idle_s"] >= 0
+        multi += any(k > 1 for k in s["sequences_hist"])
+    if options.get("budget", 0) >= 6:
+        assert multi, "the tiny draft never branched"
+    assert duo.c_startup is not None and duo.c_startup > 0
+
+
+def test_int4_draft_in_the_worker(engine):
+    from specwood.models.transformer import int4_available
+
+    if not int4_available():
+        pytest.skip("no int4 kernel in this torch")
+    ex = executor(engine, draft_dtype="auto")  # a CPU draft device: int4 weights, as specwood.load does
+    try:
+        ref = engine.generate(PROMPTS[0], max_tokens=24, raw=True)
+        assert ex.generate(PROMPTS[0], max_tokens=24, raw=True, budget=4).token_ids == ref.token_ids
+        info = ex.worker_info
+        assert info["int4"] and info["dtype"] == "torch.bfloat16" and info["threads"] == 1
+        assert info["cores"] is None or len(info["cores"]) == 1
+    finally:
+        ex.close()
+
+
+def test_draft_equal_to_target_is_always_right(same_engine, duo_same):
+    for prompt in PROMPTS:
+        ref = same_engine.generate(prompt, max_tokens=48, raw=True)
+        out = duo_same.generate(prompt, max_tokens=48, raw=True, budget=5, max_sequences=1)
+        assert out.token_ids == ref.token_ids
+        s = out.stats
+        assert s["bonus_guess_hit_rate"] == 1.0 and s["acceptance_rate"] == 1.0, s
+        # every iteration but the first verifies a whole sequence (4 tokens) and its bonus
+        assert s["mean_accepted_tokens"] >= 3.5, s
+
+
+def test_random_draft_is_always_wrong(tiny_pair, engine):
+    wrong = make_tiny_model(seed=99)  # unrelated weights, same vocabulary
+    ex = executor(engine, draft=wrong)
+    try:
+        for prompt in PROMPTS:
+            ref = engine.generate(prompt, max_tokens=30, raw=True)
+            out = ex.generate(prompt, max_tokens=30, raw=True, budget=6)
+            assert out.token_ids == ref.token_ids
+            assert out.stats["mean_accepted_tokens"] < 1.5
+    finally:
+        ex.close()
+
+
+@pytest.mark.parametrize("options", [dict(budget=6, max_sequences=1), dict(budget=8)], ids=["single", "multi"])
+def test_eos_and_stop_inside_a_draft(same_engine, duo_same, options):
+    prompt = PROMPTS[1]
+    ref = same_engine.generate(prompt, max_tokens=30, raw=True)
+    stop = ref.text[7:9]
+    a = same_engine.generate(prompt, max_tokens=30, raw=True, stop=[stop])
+    b = duo_same.generate(prompt, max_tokens=30, raw=True, stop=[stop], **options)
+    assert (a.text, a.finish_reason, a.token_ids) == (b.text, b.finish_reason, b.token_ids)
+    assert a.finish_reason == "stop"
+    old = same_engine.eos_token_ids
+    k = next(k for k in range(6, len(ref.token_ids)) if ref.token_ids[k] not in ref.token_ids[:k])
+    same_engine.eos_token_ids = {ref.token_ids[k]}
+    try:
+        a = same_engine.generate(prompt, max_tokens=30, raw=True)
+        b = duo_same.generate(prompt, max_tokens=30, raw=True, **options)
+        assert a.token_ids == b.token_ids == ref.token_ids[:k] and b.finish_reason == "stop"
+        c = duo_same.generate(prompt, max_tokens=5, raw=True, **options)
+        assert c.token_ids == ref.token_ids[:5] and c.finish_reason == "length"
+    finally:
+        same_engine.eos_token_ids = old
+
+
+def test_sampling_runs_and_is_reproducible(duo):
+    for options in (dict(budget=5, max_sequences=1), dict(budget=8)):
+        a = duo.generate(PROMPTS[0], max_tokens=24, raw=True, temperature=0.8, top_p=0.9, seed=3, **options)
+        b = duo.generate(PROMPTS[0], max_tokens=24, raw=True, temperature=0.8, top_p=0.9, seed=3, **options)
+        assert a.token_ids == b.token_ids and (len(a.token_ids) == 24 or a.finish_reason == "stop")
+
+
+def test_api_executor_parallel(engine):
+    ref = engine.generate(PROMPTS[2], max_tokens=20, raw=True)
+    try:
+        out = engine.generate(PROMPTS[2], max_tokens=20, raw=True, executor="parallel", draft_threads=1, budget=4)
+        assert out.token_ids == ref.token_ids and out.stats["executor"] == "parallel" and out.stats["method"] == "duo"
+        again = engine.generate(PROMPTS[2], max_tokens=20, raw=True, executor="parallel", draft_threads=1)
+        assert again.token_ids == ref.token_ids
+        ex = engine.__dict__["_parallel_executor"][1]
+        assert out.stats["worker_restarts"] == 0 and ex.worker_pid is not None
+    finally:
+        cached = engine.__dict__.pop("_parallel_executor", None)
+        if cached is not None:
+            cached[1].close()
+
+
+def test_requests_in_lock_step_equal_ar(engine, duo):
+    """`run` advances several requests together (one target forward, one draft forward per round);
+    they finish at different iterations."""
+    reqs = [duo.new_request(p, max_tokens=n, raw=True, budget=b) for p, n, b in
+            zip(PROMPTS, (12, 40, 25), (4, 7, 2))]
+    duo.run(reqs)
+    for r, p, n in zip(reqs, PROMPTS, (12, 40, 25)):
+        assert r.error is None and r.result.token_ids == engine.generate(p, max_tokens=n, raw=True).token_ids
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.9, seed=5)], ids=["greedy", "sampling"])
+def test_draft_rollback_keeps_an_exact_kv_cache(engine, params):
+    """After every verdict (a guess kept, or a rollback to the accepted prefix, no re-prefill),
+    each drafted token's probability equals the draft's on a fresh forward over the whole prefix:
+    the worker's KV row is exactly the committed sequence. (A wrong row would only cost
+    acceptance, never correctness, so greedy parity alone would not see it.)"""
+    from specwood.drafting.base import draft_probs
+    from specwood.engine.parallel import DraftWorker
+
+    ex = ParallelExecutor(engine, draft_threads=1, inline=True)
+    checked = {"trees": 0, "rollbacks": 0}
+    draft = engine.draft_model
+    original = DraftWorker._draft
+    sampling = SamplingParams(temperature=params.get("temperature", 0.0))
+
+    def checked_draft(self, budgets):
+        trees, rounds = original(self, budgets)
+        for rid, tree in trees.items():
+            w = self.reqs[rid]
+            for n in range(1, len(tree)):
+                path = [tree.tokens[i] for i in tree.path_to(tree.parents[n])]
+                toks = w.seq + path
+                with torch.inference_mode():
+                    logits = draft(torch.tensor([toks]), torch.arange(len(toks)))[0, -1]
+                fresh = float(draft_probs(logits, sampling)[tree.tokens[n]])
+                assert tree.probs[n] == pytest.approx(fresh, rel=1e-4, abs=1e-6), (rid, n)
+            checked["trees"] += 1
+        return trees, rounds
+
+    original_apply = DraftWorker._apply
+
+    def counting_apply(self, rid, ctx_len, root, hit):
+        checked["rollbacks"] += hit < 0 and ctx_len < len(self.reqs[rid].seq) + 1
+        return original_apply(self, rid, ctx_len, root, hit)
+
+    DraftWorker._draft, DraftWorker._apply = checked_draft, counting_apply
+    try:
+        for prompt in PROMPTS:
+            ref = engine.generate(prompt, max_tokens=30, raw=True, **params)
+            out = ex.generate(prompt, max_tokens=30, raw=True, budget=5, **params)
+            if not params:
+                assert out.token_ids == ref.token_ids
+    finally:
+        DraftWorker._draft, DraftWorker._apply = original, original_apply
+        ex.close()
+    assert checked["trees"] > 20 and checked["rollbacks"] > 3, checked
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker dies mid-request
+
+
+def test_worker_killed_mid_request(engine):
+    ex = executor(engine)
+    ex.start()
+    pid = ex.worker_pid
+    ref = engine.generate(PROMPTS[1], max_tokens=60, raw=True)
+    killed = []
+
+    def kill_once(text: str) -> None:
+        if not killed:
+            killed.append(time.perf_counter())
+            os.kill(pid, signal.SIGKILL)
+
+    try:
+        with pytest.raises(WorkerFailure, match=r"draft worker \(pid \d+\) was killed by SIGKILL.*restarts the worker"):
+            ex.generate(PROMPTS[1], max_tokens=60, raw=True, budget=4, on_text=kill_once)
+        assert killed and time.perf_counter() - killed[0] < 5.0, "no clear error within seconds"
+        out = ex.generate(PROMPTS[1], max_tokens=60, raw=True, budget=4)  # restarted
+        assert out.token_ids == ref.token_ids and out.stats["worker_restarts"] == 1
+        assert ex.worker_pid != pid
+    finally:
+        ex.close()
+    assert not any(p.pid == pid for p in multiprocessing.active_children())
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_input_is_one_clear_error(tiny_pair, engine):
+    no_draft = Engine(tiny_pair.target, make_tiny_tokenizer())
+    with pytest.raises(SpecwoodError, match="needs a draft model"):
+        no_draft.generate(PROMPTS[0], max_tokens=4, raw=True, executor="parallel")
+    missing = "cuda:0" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(SpecwoodError, match=f"draft device '{missing}' does not exist"):
+        ParallelExecutor(engine, draft_device=missing, draft_threads=1)
+    with pytest.raises(SpecwoodError, match="unknown draft device"):
+        ParallelExecutor(engine, draft_device="gpu-7", draft_threads=1)
+    with pytest.raises(SpecwoodError, match="not supported"):
+        ParallelExecutor(engine, draft_device="meta", draft_threads=1)
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(SpecwoodError, match=f"{cores + 1} draft threads is more than the {cores} CPU core"):
+        ParallelExecutor(engine, draft_threads=cores + 1)
+    with pytest.raises(SpecwoodError, match="positive integer"):
+        ParallelExecutor(engine, draft_threads=0)
+    other = make_tiny_model(vocab_size=tiny_pair.target.config.vocab_size + 8, seed=5)
+    with pytest.raises(SpecwoodError, match=r"draft vocabulary \(\d+ tokens\) differs from the target's"):
+        ParallelExecutor(engine, draft=other, draft_threads=1)
+    ex = ParallelExecutor(engine, draft_threads=1)  # no worker until first use
+    with pytest.raises(SpecwoodError, match="runs method 'duo'"):
+        ex.generate(PROMPTS[0], max_tokens=4, raw=True, method="chain")
+    with pytest.raises(SpecwoodError, match="does not use option"):
+        ex.generate(PROMPTS[0], max_tokens=4, raw=True, topk=3)
+    with pytest.raises(SpecwoodError, match="budget must be"):
+        ex.generate(PROMPTS[0], max_tokens=4, raw=True, budget=0)
+    assert ex.worker_pid is None
+    with pytest.raises(SpecwoodError, match="unknown executor"):
+        engine.generate(PROMPTS[0], max_tokens=4, executor="pipeline")
+    with pytest.raises(SpecwoodError, match="pass draft_threads to ParallelExecutor"):
+        generate_parallel(engine, ex, PROMPTS[0], draft_threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
+    folder = save_hf_folder(tmp_path_factory.mktemp("m") / "tiny", cfg, random_state_dict(cfg, seed=1))
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _cli(*args: str, cache) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SPECWOOD_CACHE=str(cache))
+    return subprocess.run([sys.executable, "-m", "specwood.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=110)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("specwood: error:")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_cli_parallel(tiny_folder, tmp_path):
+    base = ("generate", "hello", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--dtype", "fp32",
+            "--draft-dtype", "fp32", "--raw", "--max-tokens", "12")
+    ref = _cli(*base, "--method", "ar", "--json", cache=tmp_path)
+    assert ref.returncode == 0, ref.stderr
+    p = _cli(*base, "--executor", "parallel", "--draft-threads", "1", "--budget", "4", "--json", cache=tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["token_ids"] == json.loads(ref.stdout)["token_ids"]
+    s = out["stats"]
+    assert s["executor"] == "parallel" and s["method"] == "duo" and s["iterations"] >= 1
+    for key in ("draft_idle_s", "target_idle_s", "gamma_mean", "sequences_mean", "ttft_s", "draft_prefill_s"):
+        assert key in s
+    cores = len(os.sched_getaffinity(0))
+    _one_line_error(_cli(*base, "--executor", "parallel", "--draft-threads", str(cores + 1), cache=tmp_path),
+                    "draft threads is more than")
+    _one_line_error(_cli(*base, "--executor", "parallel", "--draft-device", "cuda:3", cache=tmp_path),
+                    "draft device 'cuda:3'")
+    _one_line_error(_cli(*base[:4], "--draft", "none", "--executor", "parallel", cache=tmp_path),
+                    "needs a draft model")
+    _one_line_error(_cli(*base, "--executor", "parallel", "--method", "eagle", cache=tmp_path), "runs method 'duo'")
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling: the first two emitted tokens follow the target's law (G-test), through the worker
+#
+# As in test_engine_statistics: V = 32, EOS is an outcome, requests of max_tokens = 2 from one
+# token-id prompt, each with its own seed. Here the first token comes from the target's prefill
+# while the worker drafted guesses of it; the second is decided by verifying the chain pre-drafted
+# under the guess that matched (or sampled plainly after a miss): exactly the parallel-only logic.
+# Requests run in lock-step batches of BATCH through ONE worker process.
+
+# requests per case (env SPECWOOD_PARALLEL_STAT_SAMPLES sets all three): ~650 requests/s on the
+# 2-core CI CPU, so the 200k-sample case takes ~5 min and the rest ~2 min
+STAT_SAMPLES = {"single": 200_000, "multi": 50_000, "biased": 20_000}
+if os.environ.get("SPECWOOD_PARALLEL_STAT_SAMPLES"):
+    STAT_SAMPLES = dict.fromkeys(STAT_SAMPLES, int(os.environ["SPECWOOD_PARALLEL_STAT_SAMPLES"]))
+BATCH = 256
+V = 32
+EOS = 5
+PROMPT = [20, 3, 4, 16, 0, 2, 15, 17, 20, 26, 20, 3]
+OUTCOMES = V + 1
+P_MIN = 1e-4
+P_BIASED = 1e-6
+BIAS = 0.05
+# (options, temperature): "single" drafts one sequence (the first guess + one chained token);
+# "multi" is flatter, so theta = p(1,1) p(2,1) ~ 0.04 lets ~6 first tokens start sequences of 2
+STAT_CASES = {"single": (dict(budget=3, max_sequences=1), 1.0), "multi": (dict(budget=12, max_sequences=8), 1.5)}
+
+
+@pytest.fixture(scope="module")
+def stat_executor():
+    target = make_tiny_model(vocab_size=V, seed=3)
+    draft = perturbed_copy(target, 0.3, seed=4)
+    engine = Engine(target, make_tiny_tokenizer(), draft=draft, target_name="tiny32", draft_name="tiny32-draft")
+    engine.eos_token_ids = {EOS}
+    ex = executor(engine)
+    yield ex
+    ex.close()
+
+
+def exact_law(engine: Engine, params: SamplingParams) -> np.ndarray:
+    """[OUTCOMES, OUTCOMES]: P(first, second), EOS as outcome V (a first EOS ends the request)."""
+    model = engine.target
+    with torch.inference_mode():
+        n = len(PROMPT)
+        first = target_probs(model(torch.tensor([PROMPT]), torch.arange(n))[0, -1], params).double()
+        seqs = torch.tensor([PROMPT + [a] for a in range(V)])
+        second = target_probs(model(seqs, torch.arange(n + 1).expand(V, -1))[:, -1], params).double()
+    law = np.zeros((OUTCOMES, OUTCOMES))
+    law[:V, :V] = (first[:, None] * second).numpy()
+    for eos in engine.eos_token_ids:
+        law[:V, V] += law[:V, eos]
+        law[:V, eos] = 0.0
+        law[V, V] += float(first[eos])
+        law[eos, :] = 0.0
+    return law
+
+
+_M64 = (1 << 64) - 1
+
+
+def request_seed(stream: int, i: int) -> int:
+    x = (stream * 0x100000000 + i + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return (x ^ (x >> 31)) >> 1
+
+
+def run_requests(ex: ParallelExecutor, options: dict, params: SamplingParams, n: int, stream: int):
+    """Joint counts of the first two outcomes; requests whose second token came from a chain
+    pre-drafted under a guess (and under a guess other than the top one); accepted drafted tokens."""
+    counts = np.zeros((OUTCOMES, OUTCOMES), dtype=np.int64)
+    chained = accepted = chained_other = 0
+    for start in range(0, n, BATCH):
+        reqs = [ex.new_request(PROMPT, max_tokens=2, temperature=params.temperature, top_k=params.top_k,
+                               top_p=params.top_p, seed=request_seed(stream, start + i), **options)
+                for i in range(min(BATCH, n - start))]
+        ex.run(reqs)
+        for r in reqs:
+            assert r.error is None, r.error
+            ids = r.result.token_ids
+            assert len(ids) == 2 or r.result.finish_reason == "stop"
+            counts[ids[0] if ids else V, ids[1] if len(ids) > 1 else V] += 1
+            chained += r.stats.drafted_depth > 0  # the second token came from a pre-drafted chain
+            chained_other += r.stats.drafted_depth > 0 and r.duo.hit_rank > 0
+            accepted += r.stats.accepted
+    return counts, chained, accepted, chained_other
+
+
+def p_values(counts: np.ndarray, law: np.ndarray) -> dict[str, float]:
+    """G-tests of the first token, of (first, second), and of the second given the likeliest first
+    token (the guess that hits most: where most pre-drafted chains are verified)."""
+    a = int(law[:V].sum(1).argmax())
+    return {"first": g_test(counts.sum(1), law.sum(1)), "joint": g_test(counts, law),
+            f"second|first={a}": g_test(counts[a], law[a])}
+
+
+@pytest.mark.parametrize("case", list(STAT_CASES))
+def test_sampling_first_two_tokens_follow_the_target(stat_executor, case):
+    options, temperature = STAT_CASES[case]
+    params = SamplingParams(temperature=temperature)
+    law = exact_law(stat_executor.engine, params)
+    n = STAT_SAMPLES[case]
+    t0 = time.perf_counter()
+    counts, chained, accepted, other = run_requests(stat_executor, options, params, n,
+                                                    stream=list(STAT_CASES).index(case))
+    dt = time.perf_counter() - t0
+    ps = p_values(counts, law)
+    print(f"\nparallel {case}: " + " ".join(f"p({k})={v:.3g}" for k, v in ps.items()) + f" | {n} requests in "
+          f"{dt:.1f}s = {n / dt:.0f} req/s | second token from a pre-drafted chain in {chained} (under a guess "
+          f"other than the top one in {other}), drafted tokens accepted {accepted}")
+    assert chained > n // 5 and accepted > n // 10, (chained, accepted)
+    if case == "multi":
+        assert other > n // 10, other
+    assert min(ps.values()) > P_MIN, "the parallel executor does not sample the target's distribution"
+
+
+class BiasedVerify:
+    """Accepts drafted tokens BIAS too often (counts its calls, so the power test cannot go vacuous)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, tree, logits, params, generator):
+        self.calls += 1
+        return verify_sampling(tree, logits, params, generator,
+                               accept_prob=lambda p_x, q_x: min_ratio(p_x, q_x) + BIAS)
+
+
+def test_biased_verifier_is_caught(stat_executor, monkeypatch):
+    params = SamplingParams(temperature=1.0)
+    law = exact_law(stat_executor.engine, params)
+    biased = BiasedVerify()
+    monkeypatch.setattr(step_mod, "verify", biased)
+    n = STAT_SAMPLES["biased"]
+    t0 = time.perf_counter()
+    counts, _, _, _ = run_requests(stat_executor, STAT_CASES["single"][0], params, n, stream=1000)
+    ps = p_values(counts, law)
+    print(f"\nparallel, biased verifier (+{BIAS}): " + " ".join(f"p({k})={v:.3g}" for k, v in ps.items())
+          + f" | {n} requests in {time.perf_counter() - t0:.1f}s")
+    assert biased.calls >= n // 5, "the executor no longer verifies through specwood.engine.step.verify"
+    assert min(ps.values()) < P_BIASED, f"the test cannot see a +{BIAS} acceptance bias"
+    assert step_mod.verify is biased and verify is not biased
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_no_leftover_processes():
+    for ex in _executors:
+        ex.close()
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
