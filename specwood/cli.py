@@ -11,17 +11,35 @@ from specwood.errors import SpecwoodError
 METHOD_OPTIONS = ("budget", "depth", "topk", "threshold")
 
 
-# the bench's Hugging Face baselines (not engine methods) and whether they draft with a model
-HF_DRAFTS = {"hf": False, "hf-pld": False, "hf-assisted": True}
+# the bench's baselines (Hugging Face generate, llama.cpp; not engine methods) and whether they draft with a model
+HF_DRAFTS = {"hf": False, "hf-pld": False, "hf-assisted": True, "llama.cpp": False}
 
 
 def needs_draft(method: str) -> bool:
     """Whether to load the draft model for `method` (from the method registry)."""
-    from specwood.methods import get_method
+    from specwood.methods import get_method, split_executor
 
     if method in HF_DRAFTS:
         return HF_DRAFTS[method]
-    return get_method(method).loads_draft
+    name, executor = split_executor(method)
+    return executor == "parallel" or get_method(name).loads_draft
+
+
+def add_executor_args(p: argparse.ArgumentParser, pipeline: bool = False) -> None:
+    p.add_argument("--executor", choices=["sequential", "parallel"] + (["pipeline"] if pipeline else []), default=None,
+                   help="parallel = DuoDecoding: the draft model in a worker process on --draft-device, drafting "
+                        "while the target verifies (method duo; needs a draft). Default: sequential, except that "
+                        "auto runs parallel where `specwood plan` measured it fastest")
+    p.add_argument("--draft-device", default="cpu", help="parallel executor: the draft's device, cpu or cuda:N")
+    p.add_argument("--draft-threads", type=int, default=None,
+                   help="parallel executor: CPU threads (and pinned cores) of the draft worker (default: all cores "
+                        "but one beside a GPU target, half of them beside a CPU target); the target gets the rest")
+    if pipeline:  # SpecPipe (specwood/engine/pipeline.py); --topk is shared with the method options
+        p.add_argument("--stages", type=int, default=2, help="pipeline executor: target stages, one process each")
+        p.add_argument("--width", type=int, default=8, help="pipeline executor: tree width w (nodes per level)")
+        p.add_argument("--pipeline-mode", choices=["specpipe", "pp", "specinfer"], default="specpipe",
+                       help="pipeline executor: specpipe (one tree level per step), pp (plain, no speculation) or "
+                            "specinfer (PP + a whole static tree per pass; --method picks the shape, default static)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -29,8 +47,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="auto",
                    help="draft model name/path; 'auto' = the target's default draft; 'none' = no draft. "
                         "Loaded only when the method drafts with a model")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="auto = bf16 on CPUs with AVX512-BF16/AMX and on GPUs, else fp32")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "int4", "bf16", "fp32"],
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"],
+                   help="auto = bf16 on CPUs with AVX512-BF16/AMX and on GPUs, else fp32; int8 = W8A8 linears "
+                        "(int8 weights, per-token int8 activations; lossy against bf16, every method still "
+                        "token-identical to ar in that mode)")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "int4", "int8", "bf16", "fp32"],
                    help="auto = int4 weights on CPUs (drafts never change the output, only the speed), else --dtype")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
@@ -72,13 +93,17 @@ def load_engine(args: argparse.Namespace, need_draft: bool = True):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    parallel = getattr(args, "executor", "sequential") == "parallel"
+    if getattr(args, "executor", None) == "pipeline":
+        from specwood.engine.pipeline_launch import cmd_generate_pipeline
+
+        return cmd_generate_pipeline(args, load_engine)
+    parallel = getattr(args, "executor", None) == "parallel"
     if parallel:  # DuoDecoding (specwood/engine/parallel.py): checks that need no model first
         from specwood.engine.parallel import check_cli_args
 
         args.method = check_cli_args(args)
     engine = load_engine(args, need_draft=needs_draft(args.method))
-    executor: Any = "sequential"
+    executor: Any = getattr(args, "executor", None)  # None: the method decides (auto follows the plan)
     if parallel:
         from specwood.engine.parallel import ParallelExecutor
 
@@ -128,6 +153,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specwood.serve.app import DEFAULT_MAX_CONTEXT, bind_socket, serve
 
     # cheap checks first, so a typo or a busy port fails before the model load
+    parallel = args.executor == "parallel"
+    if parallel:  # DuoDecoding serves method duo in lock-step batches
+        from specwood.engine.parallel import check_cli_args
+
+        args.method = check_cli_args(args)
     need_draft = needs_draft(args.method)
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
         if value < 1:
@@ -140,10 +170,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     planner = None
     try:
         engine = load_engine(args, need_draft=need_draft)
-        if args.method == "auto" and args.plan_in_background:
+        executor = None
+        if parallel:
+            from specwood.engine.parallel import ParallelExecutor
+
+            executor = ParallelExecutor(engine, draft_device=args.draft_device, draft_threads=args.draft_threads,
+                                        draft_dtype=args.draft_dtype)
+        elif args.method == "auto" and args.plan_in_background:
             planner = start_background_plan(args, engine)
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
-              max_batch=args.max_batch, max_queue=args.max_queue, sock=sock)
+              max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor)
     finally:
         sock.close()
         if planner is not None and planner.poll() is None:
@@ -194,13 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message (chat mode)")
     g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--executor", choices=["sequential", "parallel"], default="sequential",
-                   help="parallel = DuoDecoding: the draft model in a worker process on --draft-device, drafting "
-                        "while the target verifies (method duo; needs a draft)")
-    g.add_argument("--draft-device", default="cpu", help="parallel executor: the draft's device, cpu or cuda:N")
-    g.add_argument("--draft-threads", type=int, default=None,
-                   help="parallel executor: CPU threads (and pinned cores) of the draft worker (default: all cores "
-                        "but one beside a GPU target, half of them beside a CPU target)")
+    add_executor_args(g, pipeline=True)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="list the embedded models")
@@ -218,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot before new ones get 503 (default 64)")
+    add_executor_args(s)
     s.add_argument("--no-plan-in-background", dest="plan_in_background", action="store_false",
                    help="with --method auto and no measured plan, do not measure one in a niced child process "
                         "(auto serves from the starter plan meanwhile and switches when it is stored)")

@@ -28,6 +28,9 @@ class Method:
     # prepare(engine, options) -> DrafterFactory; validates option values, builds shared parts once
     prepare: Callable[[Any, dict[str, Any]], DrafterFactory]
     wants_draft: bool | None = None  # load a draft model for it when one is configured (default: needs_draft)
+    # choose_executor(engine, options, prompt_len) -> "sequential" | "parallel", when the method
+    # picks its executor itself (auto follows the plan); None: sequential unless asked otherwise
+    choose_executor: Callable[[Any, dict[str, Any], int], str] | None = None
 
     @property
     def loads_draft(self) -> bool:
@@ -51,6 +54,16 @@ def get_method(name: str) -> Method:
     if key not in _REGISTRY:
         raise SpecwoodError(f"unknown method '{name}' (choose from {', '.join(_REGISTRY)})")
     return _REGISTRY[key]
+
+
+def split_executor(method: str) -> tuple[str, str | None]:
+    """'duo@parallel' -> ('duo', 'parallel'): a method and the executor it runs on (the bench's
+    way to put both executors in one run); a bare name gets None: the method decides."""
+    name, _, executor = str(method).partition("@")
+    executor = executor.strip().lower() or None
+    if executor not in (None, "sequential", "parallel"):
+        raise SpecwoodError(f"unknown executor '{executor}' in '{method}' (use NAME@parallel or NAME@sequential)")
+    return name.strip(), executor
 
 
 def options_for(name: str, options: dict[str, Any]) -> dict[str, Any]:

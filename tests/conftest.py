@@ -9,6 +9,57 @@ import torch
 
 # --- runtime fixtures ---
 
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors on 2 shared cores: OpenMP spin-waiting costs far more than it saves (and a
+    worker or stage process beside this one gets the other core). Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+class BiasedVerify:
+    """A deliberately wrong sampling verifier: accepts drafted tokens `bias` too often. It counts
+    its calls, so a refactor that stops routing through specwood.engine.step.verify cannot make a
+    power test vacuous. Patch it in with monkeypatch.setattr(step_mod, "verify", BiasedVerify(b))."""
+
+    def __init__(self, bias: float) -> None:
+        self.bias = bias
+        self.calls = 0
+
+    def __call__(self, tree, logits, params, generator):
+        from specwood.verify import min_ratio, verify_sampling
+
+        self.calls += 1
+        return verify_sampling(tree, logits, params, generator,
+                               accept_prob=lambda p_x, q_x: min_ratio(p_x, q_x) + self.bias)
+
+
+def exact_first_two_law(engine, prompt: list[int], params):
+    """[V + 1, V + 1]: the target's exact P(first, second) after `prompt` under `params`, with
+    EOS as outcome V: after a first EOS the request ends, so that row's mass sits in (V, V)."""
+    import numpy as np
+
+    from specwood.sampling import target_probs
+
+    model, V = engine.target, engine.target.config.vocab_size
+    with torch.inference_mode():
+        n = len(prompt)
+        first = target_probs(model(torch.tensor([prompt]), torch.arange(n))[0, -1], params).double()
+        seqs = torch.tensor([prompt + [a] for a in range(V)])
+        second = target_probs(model(seqs, torch.arange(n + 1).expand(V, -1))[:, -1], params).double()
+    law = np.zeros((V + 1, V + 1))
+    law[:V, :V] = (first[:, None] * second).numpy()
+    for eos in engine.eos_token_ids:  # EOS as a second token ends the request after one token
+        law[:V, V] += law[:V, eos]
+        law[:V, eos] = 0.0
+        law[V, V] += float(first[eos])
+        law[eos, :] = 0.0
+    return law
+
 TINY_VOCAB = 264  # 256 byte tokens + specials, padded
 
 

@@ -25,17 +25,15 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 
 import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
 import specwood.engine.step as step_mod
 from specwood.engine.api import Engine
 from specwood.engine.scheduler import TREE_ROOM, Scheduler
 from specwood.methods import method_names
-from specwood.sampling import SamplingParams, target_probs
-from specwood.verify import min_ratio, verify_sampling
+from specwood.sampling import SamplingParams
 
-from conftest import g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy
+from conftest import BiasedVerify, exact_first_two_law, g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
 SAMPLES = int(os.environ.get("SPECWOOD_STAT_SAMPLES", 50_000))  # requests per method and case (see below)
 BIASED_SAMPLES = SAMPLES  # the biased runs must fail at the same sample count
@@ -67,13 +65,7 @@ def options_for(method: str) -> dict:
     return OPTIONS.get(method, {"budget": BUDGET, "depth": DEPTH})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors on 2 shared cores: OpenMP spin-waiting costs far more than it saves.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -104,23 +96,9 @@ def private_plans(monkeypatch, tmp_path, stat_engine):
 # --- the exact law ------------------------------------------------------------------------------
 
 
+
 def exact_law(engine: Engine, params: SamplingParams) -> np.ndarray:
-    """[OUTCOMES, OUTCOMES]: P(first, second) with EOS as outcome V; after a first EOS the
-    request ends, so that row's mass sits in cell (V, V)."""
-    model = engine.target
-    with torch.inference_mode():
-        n = len(PROMPT)
-        first = target_probs(model(torch.tensor([PROMPT]), torch.arange(n))[0, -1], params).double()
-        seqs = torch.tensor([PROMPT + [a] for a in range(V)])
-        second = target_probs(model(seqs, torch.arange(n + 1).expand(V, -1))[:, -1], params).double()
-    law = np.zeros((OUTCOMES, OUTCOMES))
-    law[:V, :V] = (first[:, None] * second).numpy()
-    for eos in engine.eos_token_ids:  # EOS as a second token ends the request after one token
-        law[:V, V] += law[:V, eos]
-        law[:V, eos] = 0.0
-        law[V, V] += float(first[eos])
-        law[eos, :] = 0.0
-    return law
+    return exact_first_two_law(engine, PROMPT, params)
 
 
 # --- running requests through the scheduler ----------------------------------------------------
@@ -174,17 +152,6 @@ def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, st
 BIAS = 0.05  # what the biased verifier adds to the acceptance probability
 
 
-class BiasedVerify:
-    """A deliberately wrong verifier: accepts drafted tokens BIAS too often (counts its calls,
-    so a refactor that stops routing through step.verify cannot make the power test vacuous)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, tree, logits, params, generator):
-        self.calls += 1
-        return verify_sampling(tree, logits, params, generator,
-                               accept_prob=lambda p_x, q_x: min_ratio(p_x, q_x) + BIAS)
 
 
 CASES = [(m, SamplingParams(temperature=1.0)) for m in ALL_METHODS]
@@ -226,7 +193,7 @@ def test_biased_verifier_is_caught(stat_engine, private_plans, monkeypatch, meth
     """The same test, same sample count, with a verifier biased by BIAS, must fail hard."""
     params = SamplingParams(temperature=1.0)
     law = exact_law(stat_engine, params)
-    biased = BiasedVerify()
+    biased = BiasedVerify(BIAS)
     monkeypatch.setattr(step_mod, "verify", biased)
     t0 = time.perf_counter()
     counts, _, _ = run_requests(stat_engine, method, params, BIASED_SAMPLES,

@@ -28,11 +28,11 @@ from specwood.drafting.multi_sequence import MultiSequenceShape, make_multi_sequ
 from specwood.engine.api import Engine
 from specwood.engine.parallel import ParallelExecutor, WorkerFailure, generate_parallel
 from specwood.errors import SpecwoodError
-from specwood.sampling import SamplingParams, target_probs
+from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
-from specwood.verify import min_ratio, verify, verify_sampling
+from specwood.verify import verify
 
-from conftest import g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy
+from conftest import BiasedVerify, exact_first_two_law, g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
 PROMPTS = ["def add(a, b):", "Once upon a time", "1, 2, 3, 4, 5, 1, 2, 3,"]
 DEADLINE_S = 90  # per test, unless listed in DEADLINES
@@ -55,16 +55,13 @@ def deadline(request):
     signal.signal(signal.SIGALRM, old)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors on 2 shared cores: one torch thread here, one in the worker
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def executor(engine: Engine, **kwargs) -> ParallelExecutor:
+    """A worker process with one thread; no catch-up steps (unless asked), so that every step is
+    speculative however fast the tiny target is next to the worker's reply latency."""
+    kwargs.setdefault("catch_up", False)
     ex = ParallelExecutor(engine, draft_threads=1, verbose=False, **kwargs)
     _executors.append(ex)
     return ex
@@ -203,8 +200,10 @@ def test_draft_equal_to_target_is_always_right(same_engine, duo_same):
         assert out.token_ids == ref.token_ids
         s = out.stats
         assert s["bonus_guess_hit_rate"] == 1.0 and s["acceptance_rate"] == 1.0, s
-        # every iteration but the first verifies a whole sequence (4 tokens) and its bonus
-        assert s["mean_accepted_tokens"] >= 3.5, s
+        # every iteration after the plain catch-up steps (taken while the worker prefilled) and
+        # the first tree verifies a whole sequence (4 tokens) and its bonus
+        per_iteration = (len(out.token_ids) - 1 - s["catchup_steps"]) / (s["iterations"] - s["catchup_steps"])
+        assert per_iteration >= 3.5, s
 
 
 def test_random_draft_is_always_wrong(tiny_pair, engine):
@@ -240,6 +239,24 @@ def test_eos_and_stop_inside_a_draft(same_engine, duo_same, options):
         assert c.token_ids == ref.token_ids[:5] and c.finish_reason == "length"
     finally:
         same_engine.eos_token_ids = old
+
+
+def test_catch_up_steps_while_the_worker_prefills(engine):
+    """Real worker process, catch-up on: the target decodes plainly until the worker's first
+    trees arrive (how many steps that takes is timing; the inline-worker test in
+    test_draft_rollback_keeps_an_exact_kv_cache forces it), then hands the worker the tokens it
+    missed; the output is the same either way."""
+    ex = executor(engine, catch_up=True)
+    prompt = list(range(3, 153))  # token ids: a longer prompt, so the worker's prefill takes a while
+    for budget in (4, 2):
+        ref = engine.generate(prompt, max_tokens=40)
+        out = ex.generate(prompt, max_tokens=40, budget=budget)
+        assert out.token_ids == ref.token_ids
+        assert 0 <= out.stats["catchup_steps"] <= out.stats["iterations"], out.stats
+    # a seeded sampled request never catches up: the number of plain steps depends on timing
+    a = ex.generate(prompt, max_tokens=12, budget=4, temperature=0.8, seed=1)
+    assert a.stats["catchup_steps"] == 0
+    ex.close()
 
 
 def test_sampling_runs_and_is_reproducible(duo):
@@ -284,7 +301,7 @@ def test_draft_rollback_keeps_an_exact_kv_cache(engine, params):
     from specwood.engine.parallel import DraftWorker
 
     ex = ParallelExecutor(engine, draft_threads=1, inline=True)
-    checked = {"trees": 0, "rollbacks": 0}
+    checked = {"trees": 0, "rollbacks": 0, "catchups": 0}
     draft = engine.draft_model
     original = DraftWorker._draft
     sampling = SamplingParams(temperature=params.get("temperature", 0.0))
@@ -305,21 +322,30 @@ def test_draft_rollback_keeps_an_exact_kv_cache(engine, params):
 
     original_apply = DraftWorker._apply
 
-    def counting_apply(self, rid, ctx_len, root, hit):
+    def counting_apply(self, rid, ctx_len, root, hit, catchup):
         checked["rollbacks"] += hit < 0 and ctx_len < len(self.reqs[rid].seq) + 1
-        return original_apply(self, rid, ctx_len, root, hit)
+        checked["catchups"] += len(catchup) > 0
+        return original_apply(self, rid, ctx_len, root, hit, catchup)
 
     DraftWorker._draft, DraftWorker._apply = checked_draft, counting_apply
     try:
         for prompt in PROMPTS:
             ref = engine.generate(prompt, max_tokens=30, raw=True, **params)
-            out = ex.generate(prompt, max_tokens=30, raw=True, budget=5, **params)
-            if not params:
-                assert out.token_ids == ref.token_ids
+            # lag: the worker's first trees come only after that many plain target steps (as when
+            # a CPU target decodes while the worker prefills): they are dropped, the worker is
+            # handed the tokens it missed and must still hold an exact row
+            for lag in (0, 3):
+                ex.start()
+                ex._remote.lag = lag
+                out = ex.generate(prompt, max_tokens=30, raw=True, budget=5, **params)
+                assert out.stats["catchup_steps"] == (lag if not params else 0)  # seeded: never
+                if not params:
+                    assert out.token_ids == ref.token_ids
     finally:
         DraftWorker._draft, DraftWorker._apply = original, original_apply
         ex.close()
     assert checked["trees"] > 20 and checked["rollbacks"] > 3, checked
+    assert checked["catchups"] == (len(PROMPTS) if not params else 0), checked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,10 +429,10 @@ def _cli(*args: str, cache) -> subprocess.CompletedProcess:
                           timeout=110)
 
 
-def _one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+def _one_line_error(proc: subprocess.CompletedProcess, needle: str, prefix: str = "specwood: error:") -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("specwood: error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(prefix)]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
 
 
@@ -431,6 +457,79 @@ def test_cli_parallel(tiny_folder, tmp_path):
     _one_line_error(_cli(*base[:4], "--draft", "none", "--executor", "parallel", cache=tmp_path),
                     "needs a draft model")
     _one_line_error(_cli(*base, "--executor", "parallel", "--method", "eagle", cache=tmp_path), "runs method 'duo'")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs where a CUDA GPU is present")
+def test_cuda_target_with_a_cpu_draft_worker(tiny_pair):
+    """DuoDecoding's setting: the target on the GPU, the draft in a CPU worker (and on the GPU)."""
+    import copy
+
+    target = copy.deepcopy(tiny_pair.target).to("cuda")
+    eng = Engine(target, make_tiny_tokenizer(), draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft")
+    for device in ("cpu", "cuda:0"):
+        ex = executor(eng, draft_device=device)
+        try:
+            for prompt in PROMPTS:
+                ref = eng.generate(prompt, max_tokens=24, raw=True)
+                assert ex.generate(prompt, max_tokens=24, raw=True).token_ids == ref.token_ids
+                out = ex.generate(prompt, max_tokens=24, raw=True, temperature=0.8, seed=3)  # q rows cross devices
+                assert len(out.token_ids) >= 1 and out.stats["draft_device"] == device
+            assert ex.worker_info["device"].startswith(device.split(":")[0])
+        finally:
+            ex.close()
+
+
+def test_bench_runs_both_executors_in_one_run(tiny_folder, tmp_path):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("\n".join(json.dumps({"id": f"p{i}", "category": "raw", "prompt": p}) for i, p in enumerate(PROMPTS)))
+    p = _cli("bench", "--workload", str(wl), "--methods", "ar,duo,duo@parallel", "--target", str(tiny_folder),
+             "--draft", str(tiny_folder), "--dtype", "fp32", "--draft-dtype", "fp32", "--max-tokens", "12",
+             "--draft-threads", "1", "--out", str(tmp_path / "out"), "--no-progress", cache=tmp_path)
+    assert p.returncode == 0, p.stderr
+    records = json.loads((tmp_path / "out" / "results.json").read_text())
+    by = {(r["id"], r["method"]): r for r in records}
+    for i in range(len(PROMPTS)):
+        ar = by[f"p{i}", "ar"]["token_ids"]
+        assert by[f"p{i}", "duo"]["token_ids"] == ar and by[f"p{i}", "duo@parallel"]["token_ids"] == ar
+        assert by[f"p{i}", "duo@parallel"]["engine_stats"]["executor"] == "parallel"
+    assert "duo@parallel" in (tmp_path / "out" / "report.md").read_text()
+    _one_line_error(_cli("bench", "--workload", str(wl), "--methods", "ar,eagle@parallel", "--target",
+                         str(tiny_folder), "--out", str(tmp_path / "o2"), cache=tmp_path), "runs method 'duo'",
+                    prefix="specwood bench: error:")
+
+
+def test_server_on_the_parallel_executor(engine):
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specwood.engine.parallel import ParallelScheduler
+    from specwood.serve.app import create_app
+    from test_server import ServerThread
+
+    sched = ParallelScheduler(executor(engine), max_batch=4, max_queue=8)
+    app = create_app(engine, sched, method="duo")
+    srv = ServerThread(app).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as http:
+            assert http.get("/health").json()["status"] == "ok"
+
+            def complete(prompt: str) -> dict:
+                r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16,
+                                                       "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                outs = list(pool.map(complete, PROMPTS))
+            for prompt, out in zip(PROMPTS, outs):
+                assert out["choices"][0]["text"] == engine.generate(prompt, max_tokens=16, raw=True).text
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4,
+                                                   "method": "dyspec"})
+            assert r.status_code == 400 and "runs method 'duo'" in r.json()["error"]["message"]
+            assert complete("hello")["choices"][0]["text"] == engine.generate("hello", max_tokens=16, raw=True).text
+    finally:
+        srv.stop()
+    assert sched._thread is not None and not sched._thread.is_alive() and sched.executor.worker_pid is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,22 +570,9 @@ def stat_executor():
     ex.close()
 
 
+
 def exact_law(engine: Engine, params: SamplingParams) -> np.ndarray:
-    """[OUTCOMES, OUTCOMES]: P(first, second), EOS as outcome V (a first EOS ends the request)."""
-    model = engine.target
-    with torch.inference_mode():
-        n = len(PROMPT)
-        first = target_probs(model(torch.tensor([PROMPT]), torch.arange(n))[0, -1], params).double()
-        seqs = torch.tensor([PROMPT + [a] for a in range(V)])
-        second = target_probs(model(seqs, torch.arange(n + 1).expand(V, -1))[:, -1], params).double()
-    law = np.zeros((OUTCOMES, OUTCOMES))
-    law[:V, :V] = (first[:, None] * second).numpy()
-    for eos in engine.eos_token_ids:
-        law[:V, V] += law[:V, eos]
-        law[:V, eos] = 0.0
-        law[V, V] += float(first[eos])
-        law[eos, :] = 0.0
-    return law
+    return exact_first_two_law(engine, PROMPT, params)
 
 
 _M64 = (1 << 64) - 1
@@ -548,22 +634,12 @@ def test_sampling_first_two_tokens_follow_the_target(stat_executor, case):
     assert min(ps.values()) > P_MIN, "the parallel executor does not sample the target's distribution"
 
 
-class BiasedVerify:
-    """Accepts drafted tokens BIAS too often (counts its calls, so the power test cannot go vacuous)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, tree, logits, params, generator):
-        self.calls += 1
-        return verify_sampling(tree, logits, params, generator,
-                               accept_prob=lambda p_x, q_x: min_ratio(p_x, q_x) + BIAS)
 
 
 def test_biased_verifier_is_caught(stat_executor, monkeypatch):
     params = SamplingParams(temperature=1.0)
     law = exact_law(stat_executor.engine, params)
-    biased = BiasedVerify()
+    biased = BiasedVerify(BIAS)
     monkeypatch.setattr(step_mod, "verify", biased)
     n = STAT_SAMPLES["biased"]
     t0 = time.perf_counter()

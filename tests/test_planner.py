@@ -3,6 +3,7 @@ and a quick end-to-end plan on the tiny engine."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import math
 import time
 import warnings
@@ -16,7 +17,7 @@ from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat, fit_roofline
 from specwood.planner.analytic import build_analytic_plan
 from specwood.planner.auto import AcceptanceTracker, PlannedShape
 from specwood.planner.build import build_plan, get_plan
-from specwood.planner.decision import decide
+from specwood.planner.decision import ParallelProfile, decide
 from specwood.planner.store import (
     SCHEMA_VERSION,
     BucketChoice,
@@ -515,8 +516,8 @@ def test_build_plan_end_to_end_on_tiny_engine(tiny_engine, tmp_path):
     t0 = time.perf_counter()
     plan = build_plan(tiny_engine, "dyspec", quick=True, calibration_prompts=RAW_PROMPTS, raw_prompts=True,
                       contexts=(32, 96), xs=(1, 2, 4, 8, 16), aat_xs=(2, 4, 8, 16), max_tokens=16, repeats=2,
-                      progress=False)
-    assert time.perf_counter() - t0 < 20
+                      progress=False, parallel=False)
+    assert time.perf_counter() - t0 < 20 and plan.parallel is None
     assert plan.contexts == [32, 96] and set(plan.aat_points) == {2, 4, 8, 16}
     assert plan.aat.n_points == 4 and len(plan.choices) == 2
     for c in plan.choices:
@@ -550,6 +551,48 @@ def test_build_plan_end_to_end_on_tiny_engine(tiny_engine, tmp_path):
     save_plan(plan)
     res = tiny_engine.generate(ids, max_tokens=24, method="auto", progress=False)
     assert res.token_ids == ar and res.stats["auto"] == "ar" and "mean_accepted_tokens" not in res.stats
+
+
+def test_executor_choice_follows_the_parallel_model():
+    plan = synthetic_plan(KEY)
+    best = max(plan.choices[0].p_eff, plan.choices[0].p_ar)
+    # T_v(x) = 10 ms at ctx 64: an iteration of max(4 x 2 ms, 1.5 x 10 ms) + 1 ms = 16 ms
+    fast = ParallelProfile(gamma=4, t_draft_token_s=0.002, target_slowdown=1.5, verify_tokens=3,
+                           tokens_per_iteration=16e-3 * best * 1.2, comm_s=0.001, tokens_per_s=0.0, context=64)
+    assert fast.iteration_s(lambda x: plan.t_v(64, x)) == pytest.approx(0.016)
+    plan.parallel = fast
+    plan.refresh()
+    assert plan.executor_for(64) == "parallel" and plan.choices[0].p_parallel == pytest.approx(1.2 * best)
+    assert plan.choices[1].p_parallel < plan.choices[0].p_parallel / 2  # T_v(3) is 3x longer at 4096
+    plan.parallel = ParallelProfile(**{**asdict(fast), "tokens_per_iteration": 16e-3 * best * 0.9})
+    plan.refresh()
+    assert plan.executor_for(64) == "sequential"
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).to_dict() == plan.to_dict()
+
+
+def test_plan_measures_the_parallel_executor_and_auto_follows_it(tiny_engine):
+    from specwood.planner.cli import format_plan
+
+    plan = build_plan(tiny_engine, "dyspec", quick=True, calibration_prompts=RAW_PROMPTS, raw_prompts=True,
+                      contexts=(32,), xs=(1, 2, 4, 8), aat_xs=(2, 4, 8), max_tokens=12, repeats=2, progress=False)
+    pp = plan.parallel
+    assert pp is not None and pp.tokens_per_s > 0 and pp.gamma >= 1 and pp.tokens_per_iteration >= 1
+    assert pp.t_draft_token_s > 0 and pp.target_slowdown > 0
+    assert all(c.p_parallel > 0 for c in plan.choices) and "parallel executor (DuoDecoding)" in format_plan(plan)
+    ids = tiny_engine.encode(RAW_PROMPTS[0], raw=True)
+    ar = tiny_engine.generate(ids, max_tokens=16, method="ar").token_ids
+    for executor in ("parallel", "sequential"):
+        for c in plan.choices:
+            c.executor = executor
+        save_plan(plan)
+        res = tiny_engine.generate(ids, max_tokens=16, method="auto", progress=False)
+        assert res.token_ids == ar and (res.stats.get("executor") == "parallel") == (executor == "parallel")
+    # an explicit executor wins over the plan
+    for c in plan.choices:
+        c.executor = "parallel"
+    save_plan(plan)
+    res = tiny_engine.generate(ids, max_tokens=16, method="auto", executor="sequential", progress=False)
+    assert res.token_ids == ar and "executor" not in res.stats
 
 
 def test_prior_plan_and_components(tiny_engine):

@@ -37,13 +37,7 @@ def biased(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     return min_ratio(p_x, q_x) + 0.02
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors on 2 shared cores: OpenMP spin-waiting costs far more than it saves.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass

@@ -7,8 +7,17 @@ import shlex
 import sys
 from typing import Any
 
-from specwood.cli import add_method_options, add_model_args, add_sampling_args, load_engine, method_options, needs_draft
+from specwood.cli import (
+    add_executor_args,
+    add_method_options,
+    add_model_args,
+    add_sampling_args,
+    load_engine,
+    method_options,
+    needs_draft,
+)
 from specwood.errors import SpecwoodError
+from specwood.methods import split_executor
 
 DEFAULT_OUT = "bench-out"
 
@@ -27,10 +36,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workload", default="builtin",
                    help="a JSONL file (lines: id, category, messages|prompt) or 'builtin' (default)")
     p.add_argument("--methods", default="ar,auto",
-                   help="comma-separated methods: ar, auto, engine speculative methods, hf, hf-assisted, hf-pld "
+                   help="comma-separated methods: ar, auto, engine speculative methods, hf, hf-assisted, hf-pld, "
+                        "llama.cpp (llama.cpp's plain decoding of the target GGUF; needs the llamacpp extra); "
+                        "NAME@parallel runs NAME on the parallel executor, e.g. ar,duo,duo@parallel "
                         "(default: ar,auto)")
     add_sampling_args(p, max_tokens=128)
     add_model_args(p)
+    add_executor_args(p)
     p.add_argument("--limit", type=int, default=None,
                    help="at most N prompts, picked round-robin over categories")
     p.add_argument("--categories", type=_csv, default=None, help="comma-separated categories to keep")
@@ -50,10 +62,29 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     try:
         # cheap checks first so a typo fails before a multi-GB model load
         methods = parse_methods(args.methods)
+        if args.executor == "parallel":  # --executor parallel: the methods it runs go parallel
+            methods = [f"{m}@parallel" if m == "duo" else m for m in methods]
+        executor_options = None
+        if any(split_executor(m)[1] == "parallel" for m in methods):
+            from specwood.engine.parallel import check_draft_device, check_draft_threads, parallel_method
+
+            for m in methods:
+                name, executor = split_executor(m)
+                if executor == "parallel":
+                    parallel_method(name)
+            if args.draft in (None, "none"):
+                raise SpecwoodError("the parallel executor needs a draft model; pass --draft NAME|PATH (not 'none')")
+            executor_options = {"draft_device": check_draft_device(args.draft_device),
+                                "draft_threads": check_draft_threads(args.draft_threads, args.device),
+                                "draft_dtype": args.draft_dtype}
         sampling = normalise_sampling({"temperature": args.temperature, "top_p": args.top_p,
                                        "top_k": args.top_k, "seed": args.seed})
         if any(m in HF_METHODS for m in methods):
             require_transformers()
+        if "llama.cpp" in methods:
+            from specwood.models.llamacpp import import_llama_cpp
+
+            import_llama_cpp()  # the missing extra fails now, not after the model load
         if args.max_tokens < 1:
             raise SpecwoodError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
         workload = load_workload(args.workload, limit=args.limit, categories=args.categories)
@@ -68,7 +99,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         records = run_bench(engine, workload, methods, args.out, sampling=sampling,
                             method_options=method_options(args), max_tokens=args.max_tokens,
                             run_info={k: v for k, v in run_info.items() if v is not None},
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, executor_options=executor_options)
     except SpecwoodError as e:
         print(f"specwood bench: error: {e}", file=sys.stderr)
         return 2
@@ -155,8 +186,8 @@ def _check_loadtest_args(args: argparse.Namespace) -> tuple[list[int], list[str]
 
     bench_only = [m for m in methods if m in HF_DRAFTS]
     if bench_only:
-        raise SpecwoodError(f"{', '.join(bench_only)}: Hugging Face baselines run in `specwood bench`, "
-                            "not in the server")
+        raise SpecwoodError(f"{', '.join(bench_only)}: the Hugging Face and llama.cpp baselines run in "
+                            "`specwood bench`, not in the server")
     for name in ("max_tokens", "requests", "limit", "max_total_requests", "max_batch", "max_queue", "max_context"):
         v = getattr(args, name)
         if v is not None and v < 1:

@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from specwood.methods import options_for
+from specwood.methods import options_for, split_executor
 from specwood.bench import report as _report
 from specwood.bench.hf_baseline import HF_METHODS, HFBaseline
+from specwood.bench.llamacpp_baseline import LLAMACPP_METHODS, LlamaCppBaseline
 from specwood.bench.workload import Prompt, Workload, load_workload
 from specwood.errors import SamplingParamsError, SpecwoodError
 
@@ -223,24 +224,37 @@ class _Runner:
     """Runs one (prompt, method) generation and returns a record."""
 
     def __init__(self, engine: Any, methods: Sequence[str], sampling: dict[str, Any],
-                 method_options: dict[str, Any], max_tokens: int) -> None:
+                 method_options: dict[str, Any], max_tokens: int,
+                 executor_options: dict[str, Any] | None = None) -> None:
         self.engine = engine
         self.sampling = sampling
         self.method_options = method_options
         self.max_tokens = max_tokens
+        self.executor_options = executor_options or {}
+        self.parallel: Any = None  # one DuoDecoding executor (draft worker) for every 'm@parallel'
         hf_methods = [m for m in methods if m in HF_METHODS]
         self.hf = HFBaseline(engine, hf_methods) if hf_methods else None
+        self.llamacpp = LlamaCppBaseline(engine) if any(m in LLAMACPP_METHODS for m in methods) else None
 
     def generate(self, method: str, content: Any, raw: bool, max_tokens: int) -> dict[str, Any]:
         if method in HF_METHODS:
             assert self.hf is not None
             return self.hf.generate(method, content, raw, max_tokens, self.sampling)
+        if method in LLAMACPP_METHODS:
+            assert self.llamacpp is not None
+            return self.llamacpp.generate(method, content, raw, max_tokens, self.sampling)
         # each engine method gets the pass-through options it takes
-        opts = options_for(method, self.method_options)
+        name, executor = split_executor(method)
+        opts = options_for(name, self.method_options)
+        if executor == "parallel" and self.parallel is None:
+            from specwood.engine.parallel import ParallelExecutor
+
+            self.parallel = ParallelExecutor(self.engine, **self.executor_options)
         t0 = time.perf_counter()
-        res = self.engine.generate(content, max_tokens=max_tokens, method=method, raw=raw,
+        res = self.engine.generate(content, max_tokens=max_tokens, method=name, raw=raw,
                                    temperature=self.sampling["temperature"], top_p=self.sampling["top_p"],
-                                   top_k=self.sampling["top_k"], seed=self.sampling["seed"], **opts)
+                                   top_k=self.sampling["top_k"], seed=self.sampling["seed"],
+                                   executor=self.parallel if executor == "parallel" else executor, **opts)
         wall = time.perf_counter() - t0
         stats = getattr(res, "stats", None) or {}
         return {
@@ -286,6 +300,10 @@ class _Runner:
         if "engine_stats" in r:
             rec["engine_stats"] = r["engine_stats"]
         return rec
+
+    def close(self) -> None:
+        if self.parallel is not None:
+            self.parallel.close()
 
     def warmup(self, method: str) -> None:
         """One short untimed generation: first-call allocations, kernel selection, lazy init.
@@ -343,11 +361,14 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
               out_dir: str | os.PathLike[str], sampling: dict[str, Any] | None = None,
               method_options: dict[str, Any] | None = None, max_tokens: int = 128, *,
               run_info: dict[str, Any] | None = None, warmup: bool = True, progress: bool = True,
-              on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+              on_record: Callable[[dict[str, Any]], None] | None = None,
+              executor_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Benchmark `methods` on `workload` with one loaded engine; write results into `out_dir`.
 
     sampling: temperature/top_p/top_k/seed (greedy by default). method_options: passed to every
-    engine method except `ar` (budget, depth, topk, threshold, ...). run_info: extra metadata for
+    engine method except `ar` (budget, depth, topk, threshold, ...). A method named 'NAME@parallel'
+    runs NAME on the DuoDecoding parallel executor (executor_options: draft_device,
+    draft_threads), so sequential and parallel rows come from the same run. run_info: extra metadata for
     run.json (command, target, draft, dtype, device...). Returns the per-(prompt, method) records.
     A generation that raises SpecwoodError is recorded with an `error` and the run goes on; an
     interrupt still writes what finished (run.json says completed: false) and re-raises.
@@ -367,7 +388,9 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
     out.mkdir(parents=True, exist_ok=True)
 
     meta = run_metadata(engine, workload, methods, sampling, method_options, max_tokens, run_info)
-    runner = _Runner(engine, methods, sampling, method_options, max_tokens)
+    runner = _Runner(engine, methods, sampling, method_options, max_tokens, executor_options)
+    if runner.llamacpp is not None:
+        meta["llama.cpp"] = runner.llamacpp.settings()
     records: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     meta["completed"] = False
@@ -390,6 +413,7 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
                 bar.update(1)
         meta["completed"] = True
     finally:
+        runner.close()
         if bar is not None:
             bar.close()
         meta["elapsed_s"] = round(time.perf_counter() - t_start, 3)

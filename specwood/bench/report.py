@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 OVERALL = "overall"
 AR = "ar"
-HF_BASELINES = ("hf", "hf-assisted")  # "vs X" columns appear when X ran
+BASELINES = ("hf", "hf-assisted", "llama.cpp")  # "vs X" columns appear when X ran
 
 
 def ok(r: dict[str, Any]) -> bool:
@@ -104,7 +104,7 @@ def summary_rows(records: Sequence[dict[str, Any]], *, greedy: bool = True,
                 "speedup_vs_ar": speedup(records, m, AR, c) if AR in methods else None,
                 "e2e_speedup_vs_ar": speedup(records, m, AR, c, "e2e_tokens_per_s") if AR in methods else None,
             }
-            for base in HF_BASELINES:
+            for base in BASELINES:
                 if base in methods:
                     row[f"vs_{base}"] = speedup(records, m, base, c)
             if greedy and AR in methods and m != AR:
@@ -121,7 +121,7 @@ def _f(x: Any, fmt: str, suffix: str = "") -> str:
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     methods = ordered_unique(r["method"] for r in rows)
     has_ar = AR in methods
-    bases = [b for b in HF_BASELINES if b in methods]
+    bases = [b for b in BASELINES if b in methods]
     has_agree = any("same_as_ar" in r for r in rows)
     has_acc = any(r.get("acceptance_rate") is not None for r in rows)
     has_err = any(r.get("errors") for r in rows)

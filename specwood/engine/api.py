@@ -189,7 +189,7 @@ class Engine:
         method: str = "ar",
         raw: bool = False,
         on_text: Callable[[str], None] | None = None,
-        executor: Any = "sequential",
+        executor: Any = None,
         **method_options: Any,
     ) -> GenerationResult:
         """Generate a completion with `method` ("ar" or a speculative method): a batch of one on
@@ -198,7 +198,12 @@ class Engine:
 
         executor="parallel" (or a ParallelExecutor) runs DuoDecoding instead: method "duo" with
         the draft model in a worker process (options draft_device, draft_threads; see
-        specwood.engine.parallel)."""
+        specwood.engine.parallel). executor=None lets the method choose: "auto" runs on the
+        parallel executor where the stored plan measured it fastest, everything else sequentially."""
+        if executor is None:
+            executor = self._executor_for(method, prompt, raw, method_options)
+            if executor == "parallel":
+                method_options = {}  # auto's own options do not apply to duo
         if not (isinstance(executor, str) and executor == "sequential"):
             from specwood.engine.parallel import generate_parallel
 
@@ -209,6 +214,16 @@ class Engine:
                                    top_k=top_k, seed=seed, stop=stop, method=method, raw=raw, on_text=on_text,
                                    **method_options)
         return self.run(request)
+
+    def _executor_for(self, method: str, prompt: Any, raw: bool, options: dict[str, Any]) -> str:
+        """The executor a method picks for this prompt (sequential unless the method chooses)."""
+        from specwood.methods import get_method
+
+        choose = get_method(method).choose_executor
+        if choose is None or self.draft_model is None:
+            return "sequential"
+        is_ids = isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
+        return choose(self, options, len(prompt) if is_ids else len(self.encode(prompt, raw)))
 
     def run(self, request: Request) -> GenerationResult:
         """Submit a request to the engine's own scheduler and step until it is done."""
@@ -234,27 +249,33 @@ def load(
     draft="auto" picks the registry's default draft for a registry target (none otherwise);
     draft=None loads no draft. draft_dtype="auto" runs the draft with int4 weights on CPUs
     (bf16 activations; drafting never affects the output, only the speed) and in the target's
-    dtype elsewhere; "int4", "bf16", "fp32" force one.
+    dtype elsewhere; "int4", "int8", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
+    is W8A8: int8 weights and per-token int8 activations in the linears of the layers (see
+    Int8Linear), activations in the "auto" dtype elsewhere; lossy against the float model, but
+    every method stays token-identical to "ar" in that mode.
     """
     from specwood.models.loader import load_checkpoint, load_tokenizer
     from specwood.models.registry import DEFAULT_TARGET, default_draft_for
 
     device = check_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
+    int8 = dtype == "int8"
+    torch_dtype = resolve_dtype("auto" if int8 else dtype, device)
     target = str(target or DEFAULT_TARGET)
     if draft == "auto":
         draft = default_draft_for(target)
     cfg, sd, path = load_checkpoint(target, dtype=torch_dtype)
     positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
-    model = build_model(cfg, sd, torch_dtype, device, max_positions=positions)
+    model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8)
     del sd
     tokenizer = load_tokenizer(path)
     draft_model = None
     if draft is not None:
         int4 = draft_dtype == "int4" or (draft_dtype == "auto" and device == "cpu" and int4_available())
-        ddtype = torch.bfloat16 if int4 else torch_dtype if draft_dtype == "auto" else resolve_dtype(draft_dtype, device)
+        dint8 = draft_dtype == "int8"
+        ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8")
+                  else resolve_dtype(draft_dtype, device))
         dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype)
-        draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4)
+        draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8)
         del dsd
     return Engine(model, tokenizer, draft=draft_model, target_name=target,
                   draft_name=str(draft) if draft is not None else None, max_context=max_context)

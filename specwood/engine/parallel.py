@@ -22,7 +22,7 @@ Message protocol (one multiprocessing Pipe, spawn context; main -> worker, one r
                                                                       memory), dtype, device, threads
     ("calibrate", ctx, reps)                -> ("calibrated", s)      s per one-token draft forward
     ("prefill", drops, rows, row_len, [(rid, prompt, params, seed, gamma, depth, max_seqs)])
-    ("go", drops, [(rid, ctx_len, root, hit, gamma, depth)])
+    ("go", drops, [(rid, ctx_len, root, hit, gamma, depth, catchup)])
                                             -> ("drafts", {rid: (tokens, parents, probs,
                                                             dist_nodes, dists)}, timing)
     ("stop",)                               (no reply)
@@ -30,7 +30,8 @@ Message protocol (one multiprocessing Pipe, spawn context; main -> worker, one r
 
 `hit` is the index (in the tree the worker sent last) of the first-level node that matched the
 target's token, or -1: then the worker truncates its row to `ctx_len` tokens (the target's
-committed context) and drafts from `root`. Only token ids, parent indices and the draft
+committed context) and drafts from `root`. `catchup` lists committed tokens the worker has not
+seen: those the target decoded plainly while the worker was still prefilling. Only token ids, parent indices and the draft
 probabilities of drafted tokens cross; full vocabulary rows (`dists`, float32) only under sampling
 and only for drafted positions that have a drafted child (what the verifier needs).
 
@@ -55,6 +56,7 @@ import numpy as np
 import torch
 
 from specwood.drafting.multi_sequence import MultiSequenceShape, make_multi_sequence, sequence_end
+from specwood.engine.processes import describe_exit
 from specwood.engine.request import Drafter, Request, State
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.tree.token_tree import TokenTree
@@ -132,8 +134,6 @@ def check_cli_args(args: Any) -> str:
         raise SpecwoodError("executor 'parallel' needs a draft model; pass --draft NAME|PATH (not 'none')")
     check_draft_device(args.draft_device)
     args.draft_threads = check_draft_threads(args.draft_threads, args.device)
-    if torch.device(args.device).type == "cpu":  # the CLI owns its process: leave the draft its cores
-        torch.set_num_threads(max(1, available_cores() - args.draft_threads))
     return method
 
 
@@ -179,8 +179,8 @@ class DraftWorker:
             _, drops, entries = msg
             self._drop(drops)
             budgets = {}
-            for rid, ctx_len, root, hit, gamma, depth in entries:
-                self._apply(rid, ctx_len, root, hit)
+            for rid, ctx_len, root, hit, gamma, depth, catchup in entries:
+                self._apply(rid, ctx_len, root, hit, catchup)
                 budgets[rid] = (gamma, depth, self.reqs[rid].max_sequences)
         else:
             raise RuntimeError(f"unknown message {kind!r}")
@@ -226,9 +226,11 @@ class DraftWorker:
                 prefill_rows(self.model, self.pool, chunks)
                 start += PREFILL_CHUNK
 
-    def _apply(self, rid: str, ctx_len: int, root: int, hit: int) -> None:
+    def _apply(self, rid: str, ctx_len: int, root: int, hit: int, catchup: list[int]) -> None:
         """The target's verdict on the last iteration: keep the guessed sequence `hit` (its chain
-        becomes the speculative prefix the next tree grows from), or roll back to `ctx_len`."""
+        becomes the speculative prefix the next tree grows from), or roll back to `ctx_len`.
+        `catchup`: context tokens the target committed that this side never saw (decoded while
+        the draft prefilled), appended before the rollback."""
         w = self.reqs[rid]
         src, tree = w.source, w.tree
         if hit >= 0:
@@ -242,7 +244,7 @@ class DraftWorker:
             if len(w.seq) != ctx_len + tree.depths[end] - 1:
                 raise RuntimeError(f"protocol: draft at {len(w.seq)} tokens, target context {ctx_len}")
         else:
-            full = w.seq + [w.root]
+            full = w.seq + [w.root] + list(catchup)
             if ctx_len > len(full):
                 raise RuntimeError(f"protocol: target context {ctx_len} is ahead of the draft's {len(full)}")
             L, row = src.length, src.row
@@ -312,14 +314,14 @@ def tree_payload(tree: TokenTree) -> tuple:
     return (tree.tokens, tree.parents, tree.probs, nodes, dists)
 
 
-def tree_from_payload(payload: tuple, greedy: bool) -> TokenTree:
+def tree_from_payload(payload: tuple, greedy: bool, device: torch.device | str = "cpu") -> TokenTree:
     tokens, parents, probs, nodes, dists = payload
     depths = [0] * len(tokens)
     for i in range(1, len(tokens)):
         depths[i] = depths[parents[i]] + 1
     tree = TokenTree(list(tokens), list(parents), depths, list(probs), {}, "selected" if greedy else "sampled")
     if dists is not None:
-        rows = torch.from_numpy(dists)
+        rows = torch.from_numpy(dists).to(device)  # beside the target's logits (the verifier mixes them)
         tree.child_dists = {n: rows[k] for k, n in enumerate(nodes)}
     return tree
 
@@ -457,15 +459,7 @@ class _Remote:
         return self.proc.pid
 
     def death(self) -> str:
-        code = self.proc.exitcode
-        if code is None:
-            return "stopped answering"
-        if code < 0:
-            try:
-                return f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}"
+        return describe_exit(self.proc.exitcode)
 
     def send(self, msg: tuple) -> None:
         try:
@@ -494,6 +488,13 @@ class _Remote:
                 self.kill()
                 raise WorkerFailure(f"the draft worker (pid {self.pid}) did not answer within {timeout:.0f}s "
                                     "and was stopped")
+
+    def ready(self) -> bool:
+        """Whether a reply is waiting (a dead worker counts as ready: recv then raises)."""
+        try:
+            return self.conn.poll(0) or not self.proc.is_alive()
+        except (EOFError, OSError):
+            return True
 
     def expect(self, kind: str, timeout: float, what: str) -> Any:
         reply = self.recv(timeout)
@@ -531,6 +532,7 @@ class _Inline:
                      "vocab_size": spec["config"].vocab_size}
         self._replies: list[tuple] = []
         self._last = time.perf_counter()
+        self.lag = 0
 
     def send(self, msg: tuple) -> None:
         idle = time.perf_counter() - self._last
@@ -539,6 +541,14 @@ class _Inline:
         except Exception as e:  # noqa: BLE001
             self._replies.append(("error", f"{type(e).__name__}: {e}"))
         self._last = time.perf_counter()
+
+    def ready(self) -> bool:
+        """Replies are computed at once; `lag` > 0 makes the next `lag` polls say "not yet" (to
+        exercise the catch-up steps deterministically)."""
+        if self.lag > 0:
+            self.lag -= 1
+            return False
+        return bool(self._replies)
 
     def expect(self, kind: str, timeout: float, what: str) -> Any:
         reply = self._replies.pop(0)
@@ -585,6 +595,9 @@ class _Duo:
     target_idle_s: float = 0.0
     draft_prefill_s: float = 0.0
     target_prefill_s: float = 0.0
+    worker_len: int | None = None  # the prompt the worker prefilled (until the first go: catch-up from here)
+    catchup_steps: int = 0  # plain steps while the worker prefilled (CPU target)
+    catchup_s: float = 0.0
 
 
 class ParallelExecutor:
@@ -596,7 +609,7 @@ class ParallelExecutor:
     def __init__(self, engine: Any, *, draft: Any = None, draft_device: str = "cpu", draft_threads: int | None = None,
                  gamma_max: int = GAMMA_MAX, remeasure_tokens: int = REMEASURE_TOKENS,
                  start_timeout: float = 180.0, reply_timeout: float = 600.0, verbose: bool = True,
-                 inline: bool = False, draft_dtype: str | None = None):
+                 inline: bool = False, draft_dtype: str | None = None, catch_up: bool = True):
         model = draft if draft is not None else engine.draft_model
         if model is None:
             raise SpecwoodError("executor 'parallel' needs a draft model; pass --draft NAME|PATH "
@@ -610,12 +623,18 @@ class ParallelExecutor:
         self.draft = model
         self.draft_device = check_draft_device(draft_device)
         self.draft_threads = check_draft_threads(draft_threads, self.target.device)
+        # a CPU target gets the cores the draft leaves (while a run lasts; other work keeps all)
+        self.target_threads = (max(1, available_cores() - self.draft_threads)
+                               if self.target.device.type == "cpu" else torch.get_num_threads())
         self.gamma_max = gamma_max
         self.remeasure_tokens = remeasure_tokens
         self.start_timeout = start_timeout
         self.reply_timeout = reply_timeout
         self.verbose = verbose
         self.inline = inline  # the worker's logic in this process, one message at a time (tests)
+        # plain target steps while the worker prefills (False: the target waits for the first
+        # trees; tests use it to make every step speculative whatever the timing)
+        self.catch_up = catch_up
         self.draft_dtype = draft_dtype
         if draft_dtype not in (None, "auto", "int4", "bf16", "fp32"):
             raise SpecwoodError(f"unknown draft dtype '{draft_dtype}' (use auto, int4, bf16 or fp32)")
@@ -671,7 +690,12 @@ class ParallelExecutor:
         """c = T_target_step / T_draft_token at start-up, both timed at the same time (as they run)."""
         ctx = max(1, min(CALIBRATION_CONTEXT, self.limit_positions - 2))
         self._remote.send(("calibrate", ctx, CALIBRATION_REPS))
-        t_target = time_forward(self.target, ctx, CALIBRATION_REPS)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.target_threads)
+        try:
+            t_target = time_forward(self.target, ctx, CALIBRATION_REPS)
+        finally:
+            torch.set_num_threads(threads)
         t_draft = self._remote.expect("calibrated", self.reply_timeout, "timing the draft")
         self.c_startup = self.c = t_target / max(t_draft, 1e-9)
         self._t_target, self._t_draft = t_target, t_draft
@@ -758,6 +782,7 @@ class ParallelExecutor:
             "sequences_hist": dict(sorted(hist.items())),
             "bonus_guess_hit_rate": round(st.hits / st.guesses, 4) if st.guesses else 0.0,
             "draft_prefill_s": round(st.draft_prefill_s, 5),
+            "catchup_steps": st.catchup_steps,
             "target_prefill_s": round(st.target_prefill_s, 5),
             "target_step_s": round(self._t_target, 6) if self._t_target is not None else None,  # EMA
             "draft_token_s": round(self._t_draft, 6) if self._t_draft is not None else None,  # EMA
@@ -773,12 +798,14 @@ class ParallelExecutor:
             for r in requests:
                 if not hasattr(r, "duo"):
                     raise SpecwoodError("requests for the parallel executor come from ParallelExecutor.new_request")
+            threads = torch.get_num_threads()
             try:
                 restart = self._failed or (self._remote is not None and not self._remote.proc.is_alive())
                 self.start()
                 if restart:
                     self.restarts += 1
                 self._failed = False
+                torch.set_num_threads(self.target_threads)
                 self._run(requests)
             except WorkerFailure as e:
                 self._discard()
@@ -797,6 +824,8 @@ class ParallelExecutor:
                         self._fail(r, e)
                 if not isinstance(e, Exception):
                     raise
+            finally:
+                torch.set_num_threads(threads)
 
     def _send(self, msg: tuple) -> None:
         self._remote.send(msg)
@@ -817,10 +846,6 @@ class ParallelExecutor:
         self.cache._free = list(range(self.cache.rows - 1, -1, -1))
 
     def _run(self, requests: list[Request]) -> None:
-        from specwood.engine.step import commit, target_forward, verify_tree
-        from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
-        from specwood.sampling import next_token
-
         if not requests:
             return
         row_len = max(len(r.prompt_ids) + r.max_tokens + self.tree_room for r in requests)
@@ -832,43 +857,59 @@ class ParallelExecutor:
             r.t_admitted = time.perf_counter()
             st: _Duo = r.duo
             st.gamma = self._gamma_for(r, len(r.prompt_ids) - 1)
+            st.gammas.append(st.gamma)
             seed = None if r.params.greedy else r.draft_generator.initial_seed()
             entries.append((r.id, r.prompt_ids, r.params, seed, st.gamma, self._depth_for(r),
                             st.shape.max_sequences))
         drops, self._to_drop = self._to_drop, []
-        # overlapped prefill: the worker prefills the prompt and drafts the first tree (guesses of
-        # the first token) while the target prefills here
-        self._send(("prefill", drops, len(requests), row_len, entries))
+        prefill_msg = ("prefill", drops, len(requests), row_len, entries)
+        # A target on its own device prefills while the worker prefills the prompt and drafts
+        # guesses of the first token. A CPU target shares the cores with the worker, so it
+        # prefills alone on all of them first (the first token comes as soon as with plain
+        # decoding); the worker prefills after it while the target decodes plainly (catch-up).
+        shared = self.target.device.type == "cpu"
+        if not shared:
+            self._send(prefill_msg)
         t0 = time.perf_counter()
-        start = 0
-        with torch.inference_mode():
-            while True:
-                chunk = [r for r in requests if len(r.prompt_ids) > start]
-                if not chunk:
-                    break
-                outs = prefill_rows(self.target, self.cache,
-                                    [(r.row, r.prompt_ids, start, min(start + PREFILL_CHUNK, len(r.prompt_ids)))
-                                     for r in chunk])
-                for r, logits in zip(chunk, outs):
-                    if start + PREFILL_CHUNK >= len(r.prompt_ids):
-                        r.root = int(next_token(logits, r.params, r.target_generator))
-                        r.state = State.DECODE
-                        if r.out.push_step([r.root]):  # TTFT: before waiting for the draft
-                            self._finish(r)
-                start += PREFILL_CHUNK
+        threads = torch.get_num_threads()
+        if shared:
+            torch.set_num_threads(available_cores())
+        try:
+            self._prefill(requests)
+        finally:
+            torch.set_num_threads(threads)
         t_prefill = time.perf_counter() - t0
         for r in requests:
             r.duo.target_prefill_s = t_prefill
         live = [r for r in requests if r.state is State.DECODE]
+        if shared and live:
+            self._send(prefill_msg)
+        elif not shared and not live:
+            self._stale += 1
+        if not live:
+            return
+        t1 = time.perf_counter()
+        # plain steps until the first trees arrive -- unless a request samples with a seed: how
+        # many steps that is depends on timing, and it would change which random draws it makes
+        catch_up = self.catch_up and all(r.params.greedy or r.params.seed is None for r in live)
+        while catch_up and live and not self._drafts_ready():
+            for r in live:
+                r.duo.pending = TokenTree.with_root(r.root, "selected" if r.params.greedy else "sampled")
+                r.duo.catchup_steps += 1
+            dt = self._target_step(live)
+            for r in live:
+                r.duo.catchup_s += dt
+            live = [r for r in live if r.state is State.DECODE]
         if not live:
             self._stale += 1
             return
-        t1 = time.perf_counter()
         payloads, timing = self._recv_drafts()
-        waited = time.perf_counter() - t1
         for r in live:
-            r.duo.draft_prefill_s = timing["busy_s"]
-            r.duo.target_idle_s += waited
+            st = r.duo
+            st.draft_prefill_s = timing["busy_s"]
+            st.target_idle_s += time.perf_counter() - t1 - st.catchup_s
+            if st.catchup_steps:  # the trees guess a token the target has passed: a miss
+                st.all_accepted = False
             self._take_tree(r, payloads[r.id])
         while live:
             for r in [r for r in live if r.cancelled]:
@@ -881,23 +922,14 @@ class ParallelExecutor:
             for r in live:
                 st = r.duo
                 st.gamma = self._gamma_for(r, len(r.context) + len(st.pending) - 1)
-                go.append((r.id, len(r.context), r.root, st.hit, st.gamma, self._depth_for(r)))
+                # the first go after catch-up steps hands the worker the tokens it missed
+                catchup = r.context[st.worker_len:] if st.catchup_steps and st.worker_len is not None else []
+                st.worker_len = None
+                st.gammas.append(st.gamma)
+                go.append((r.id, len(r.context), r.root, st.hit, st.gamma, self._depth_for(r), catchup))
             drops, self._to_drop = self._to_drop, []
             self._send(("go", drops, go))
-            t0 = time.perf_counter()
-            trees = {r: r.duo.pending for r in live}
-            with torch.inference_mode():
-                outs = target_forward(self.target, self.cache, live, trees)
-                for r, logits in zip(live, outs):
-                    st, tree = r.duo, trees[r]
-                    verdict = verify_tree(r, tree, logits)
-                    st.all_accepted = len(verdict.accepted) == tree.max_depth
-                    st.iterations += 1
-                    st.gammas.append(st.gamma)
-                    tokens = commit(self.cache, r, tree, verdict, 0.0, time.perf_counter() - t0)
-                    if r.out.push_step(tokens):
-                        self._finish(r)
-            t_target = time.perf_counter() - t0
+            t_target = self._target_step(live)
             still = [r for r in live if r.state is State.DECODE]
             if not still:
                 self._stale += 1  # not waited for: the next run discards it
@@ -913,11 +945,60 @@ class ParallelExecutor:
                 self._take_tree(r, payloads[r.id])
             live = still
 
+    def _prefill(self, requests: list[Request]) -> None:
+        """The target's prompt prefill for every request; each one's first token (TTFT)."""
+        from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
+        from specwood.sampling import next_token
+
+        start = 0
+        with torch.inference_mode():
+            while True:
+                chunk = [r for r in requests if len(r.prompt_ids) > start]
+                if not chunk:
+                    break
+                outs = prefill_rows(self.target, self.cache,
+                                    [(r.row, r.prompt_ids, start, min(start + PREFILL_CHUNK, len(r.prompt_ids)))
+                                     for r in chunk])
+                for r, logits in zip(chunk, outs):
+                    if start + PREFILL_CHUNK >= len(r.prompt_ids):
+                        r.root = int(next_token(logits, r.params, r.target_generator))
+                        r.state = State.DECODE
+                        r.duo.worker_len = len(r.prompt_ids)  # what the prefill message gives the worker
+                        if r.out.push_step([r.root]):
+                            self._finish(r)
+                start += PREFILL_CHUNK
+
+    def _target_step(self, live: list[Request]) -> float:
+        """One batched target forward verifying every request's pending tree; commit and emit.
+        Returns its seconds."""
+        from specwood.engine.step import commit, target_forward, verify_tree
+
+        t0 = time.perf_counter()
+        trees = {r: r.duo.pending for r in live}
+        with torch.inference_mode():
+            outs = target_forward(self.target, self.cache, live, trees)
+            for r, logits in zip(live, outs):
+                st, tree = r.duo, trees[r]
+                verdict = verify_tree(r, tree, logits)
+                st.all_accepted = len(verdict.accepted) == tree.max_depth
+                st.iterations += 1
+                tokens = commit(self.cache, r, tree, verdict, 0.0, time.perf_counter() - t0)
+                if r.out.push_step(tokens):
+                    self._finish(r)
+        return time.perf_counter() - t0
+
+    def _drafts_ready(self) -> bool:
+        """Whether the worker's answer to the last message is here (stale answers dropped)."""
+        while self._stale and self._remote.ready():
+            self._remote.expect("drafts", self.reply_timeout, "drafting")
+            self._stale -= 1
+        return not self._stale and self._remote.ready()
+
     def _take_tree(self, r: Request, payload: tuple) -> None:
         """The worker's tree for this request: keep the sequence that starts with the token the
         target just produced (if the pending chain was accepted whole), else nothing pends."""
         st: _Duo = r.duo
-        tree = tree_from_payload(payload, r.params.greedy)
+        tree = tree_from_payload(payload, r.params.greedy, self.target.device)
         firsts = tree.children(0)
         st.sequences.append(len(firsts))
         st.hit = st.hit_rank = -1
@@ -966,28 +1047,14 @@ class ParallelExecutor:
 
     def _finish(self, r: Request) -> None:
         self._release(r)
-        r.state = State.FINISHED
-        r.result = r.out.finish(r.method, r.stats_dict())
-        self._notify(r)
+        r.complete()
 
     def _fail(self, r: Request, error: BaseException) -> None:
         try:
             self._release(r)
         except Exception:  # noqa: BLE001
             pass
-        r.state = State.FINISHED
-        r.error = str(error) if isinstance(error, SpecwoodError) else f"internal error: {type(error).__name__}: {error}"
-        r.exception = error
-        self._notify(r)
-
-    @staticmethod
-    def _notify(r: Request) -> None:
-        r.done.set()
-        if r.on_finish is not None:
-            try:
-                r.on_finish(r)
-            except Exception:  # noqa: BLE001
-                pass
+        r.fail(error)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1019,3 +1086,101 @@ def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) ->
     else:
         raise SpecwoodError(f"unknown executor {executor!r} (use 'sequential' or 'parallel')")
     return ex.generate(prompt, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# serving on the parallel executor
+
+
+class ParallelScheduler:
+    """The server's scheduler on the parallel executor (`specwood serve --executor parallel`):
+    queued requests run in lock-step batches of up to `max_batch` on one draft worker. A batch
+    runs to completion and newcomers wait for the next one (no continuous admission on this
+    executor yet). Same interface as the batch Scheduler where the server uses it."""
+
+    def __init__(self, executor: ParallelExecutor, *, max_batch: int = 8, max_queue: int = 64,
+                 row_len: int | None = None):
+        from collections import deque
+
+        self.executor = executor
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.tree_room = executor.tree_room
+        self.row_len = row_len or executor.limit_positions + self.tree_room
+        self.observers: list[Callable[[Any], None]] = []  # no per-step records on this executor
+        self.waiting: Any = deque()
+        self.running: list[Request] = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def room_for(self, prompt_len: int, max_tokens: int) -> int:
+        return self.executor.room_for(prompt_len, max_tokens)
+
+    def ensure_room(self, needed: int) -> None:
+        self.executor.ensure_room(needed)
+
+    def draft_source(self, model: Any) -> Any:
+        return self.executor.draft_source(model)
+
+    def make_request(self, prompt: Any, *, method: str = "duo", prepared: Any = None, **kwargs: Any) -> Request:
+        """A request for this executor (the server's `engine.new_request` stand-in)."""
+        return self.executor.new_request(prompt, method=method, **kwargs)
+
+    def submit(self, request: Request) -> None:
+        from specwood.engine.scheduler import QueueFullError
+
+        with self._cv:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
+            self.waiting.append(request)
+            self._cv.notify()
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        self.executor.start()  # the worker and the cost coefficient before the first request
+        self._thread = threading.Thread(target=self._loop, name="specwood-parallel", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.executor.close()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.waiting and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    for r in self.waiting:
+                        self.executor._fail(r, SpecwoodError("the server is shutting down"))
+                    self.waiting.clear()
+                    return
+                n = min(self.max_batch, len(self.waiting))
+                self.running = [self.waiting.popleft() for _ in range(n)]
+            try:
+                self.executor.run(self.running)  # fails its requests itself on any error
+            except BaseException as e:  # noqa: BLE001 - the loop outlives any one batch
+                for r in self.running:
+                    if r.state is not State.FINISHED:
+                        self.executor._fail(r, e)
+            finally:
+                self.running = []

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from specwood.errors import SpecwoodError
+
 from specwood.drafting.base import DraftSource, TreeShape
 from specwood.engine.output import GenerationResult, OutputStream
 from specwood.sampling import SamplingParams
@@ -143,6 +145,7 @@ class Request:
         self.context: list[int] = list(prompt_ids)  # every token before the root
         self.result: GenerationResult | None = None
         self.error: str | None = None
+        self.exception: BaseException | None = None
         self._cancel = threading.Event()
         self.done = threading.Event()
 
@@ -163,3 +166,27 @@ class Request:
         if self.extra_stats is not None:
             extra.update(self.extra_stats())
         return extra
+
+    # --- the end (the executor has released the request's cache rows) ---
+
+    def complete(self) -> None:
+        """Finished: build the result and tell whoever waits."""
+        self.state = State.FINISHED
+        self.result = self.out.finish(self.method, self.stats_dict())
+        self._notify()
+
+    def fail(self, error: BaseException) -> None:
+        """Failed with `error`: a SpecwoodError's text is the user's message, anything else an
+        internal error."""
+        self.state = State.FINISHED
+        self.error = str(error) if isinstance(error, SpecwoodError) else f"internal error: {type(error).__name__}: {error}"
+        self.exception = error
+        self._notify()
+
+    def _notify(self) -> None:
+        self.done.set()
+        if self.on_finish is not None:
+            try:
+                self.on_finish(self)
+            except Exception:  # noqa: BLE001 - a consumer's callback must not stop the executor
+                pass

@@ -268,27 +268,14 @@ class Scheduler:
         self._release(req)
         if cancelled and not req.out.finished:
             req.out.finish_reason = "cancelled"
-        req.state = State.FINISHED
-        req.result = req.out.finish(req.method, req.stats_dict())
-        self._notify(req)
+        req.complete()
 
     def _fail(self, req: Request, error: BaseException) -> None:
         try:
             self._release(req)
         except Exception:  # noqa: BLE001
             pass
-        req.state = State.FINISHED
-        req.error = str(error) if isinstance(error, SpecwoodError) else f"internal error: {type(error).__name__}: {error}"
-        req.exception = error
-        self._notify(req)
-
-    def _notify(self, req: Request) -> None:
-        req.done.set()
-        if req.on_finish is not None:
-            try:
-                req.on_finish(req)
-            except Exception:  # noqa: BLE001 - a consumer's callback must not stop the loop
-                pass
+        req.fail(error)
 
     # --- driving ------------------------------------------------------------------------------
 

@@ -87,10 +87,12 @@ def write_gguf(
     arch: str | None = None,
     extra_metadata: dict[str, object] | None = None,
     permute: bool | None = None,
+    tokens: list[str] | None = None,
 ) -> Path:
     """Write ``state_dict`` as a llama.cpp-style GGUF: 2-D weights in ``qtype`` (F32, F16, BF16, Q8_0,
     Q4_0, Q5_0, ...; whatever gguf.quants can quantise), 1-D tensors in F32, q/k permuted as llama.cpp
-    does for llama/mistral (``permute=False``: the caller already permuted them)."""
+    does for llama/mistral (``permute=False``: the caller already permuted them). ``tokens`` (e.g.
+    ``byte_level_tokens(...)``) adds the vocabulary llama.cpp itself needs to load the file."""
     import gguf
 
     from specwood.models.gguf_loader import permute_qk
@@ -116,6 +118,8 @@ def write_gguf(
         w.add_bos_token_id(config.bos_token_id)
     if config.eos_token_ids:
         w.add_eos_token_id(config.eos_token_ids[0])
+    if tokens is not None:
+        _add_vocab(w, tokens)
     for key, value in (extra_metadata or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)
@@ -142,6 +146,27 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def byte_level_tokens(vocab_size: int, specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+                      ) -> list[str]:
+    """A GPT-2 byte-level vocabulary: the 256 byte symbols (sorted, as the tests' tiny tokenizers number
+    them), then ``specials`` (ids 256, 257, ...), padded with unused tokens to ``vocab_size``."""
+    from tokenizers import pre_tokenizers
+
+    toks = sorted(pre_tokenizers.ByteLevel.alphabet()) + list(specials)
+    return toks + [f"[PAD{i}]" for i in range(len(toks), vocab_size)]
+
+
+def _add_vocab(w, tokens: list[str]) -> None:
+    import gguf
+
+    t = gguf.TokenType
+    w.add_token_list(tokens)
+    w.add_token_types([t.CONTROL if s.startswith("<|") else t.UNUSED if s.startswith("[PAD") else t.NORMAL
+                       for s in tokens])
+    w.add_tokenizer_pre("default")
+    w.add_token_merges(["Ġ Ġ"])  # llama.cpp's BPE loader wants a merge list; one is enough
 
 
 def save_hf_folder(path: str | os.PathLike[str], config: ModelConfig, state_dict: dict[str, torch.Tensor],

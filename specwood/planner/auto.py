@@ -192,6 +192,25 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     return new_drafter
 
 
+def _auto_executor(engine: Any, options: dict[str, Any], prompt_len: int) -> str:
+    """auto's executor: parallel (DuoDecoding) where the measured plan found it faster than both
+    sequential SD and AR at this context, sequential everywhere else."""
+    base = str(options.get("shape") or DEFAULT_METHOD)
+    plan = load_plan(plan_key_for(engine, base))
+    if plan is None or plan.parallel is None or plan.source != "measured":
+        return "sequential"
+    executor = plan.executor_for(prompt_len)
+    if executor == "parallel" and options.get("progress", True) and not _told_parallel:
+        _told_parallel.append(True)
+        c = plan.choice_for(prompt_len)
+        print(f"[plan] method auto: the parallel executor (DuoDecoding) measured fastest here "
+              f"({c.p_parallel:.1f} vs {max(c.p_ar, c.p_eff):.1f} tok/s sequential)", file=sys.stderr)
+    return executor
+
+
+_told_parallel: list[bool] = []
+
+
 def _no_source(model: Any) -> None:
     return None
 
@@ -233,6 +252,7 @@ def _prepare_prior(engine: Any, options: dict[str, Any]) -> Callable[..., Drafte
 
 
 register(Method("auto", "the planner's choice: SD or AR and the tree size per step, per request and per load",
-                False, ("shape", "adapt", "progress"), _prepare_auto, wants_draft=True))
+                False, ("shape", "adapt", "progress"), _prepare_auto, wants_draft=True,
+                choose_executor=_auto_executor))
 register(Method("prior", "seed-000 prior-score tree (top-x node positions by measured acceptance)", True,
                 ("budget",), _prepare_prior))

@@ -13,7 +13,7 @@ import torch
 
 from specwood.errors import SpecwoodError
 from specwood.planner.calibration import CALIBRATION_PROMPTS, calibration_set, encode_prompts
-from specwood.planner.decision import MAX_X
+from specwood.planner.decision import MAX_X, ParallelProfile
 from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat
 from specwood.planner.prior_tree import PriorScores
 from specwood.planner.store import (
@@ -89,6 +89,57 @@ def measure_draft_prefill(engine: Any, n_tokens: int = 512, repeats: int = 2) ->
     return best / len(ids[0])
 
 
+def measure_parallel(engine: Any, plan: Plan, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
+                     progress: bool = True) -> ParallelProfile | None:
+    """DuoDecoding (specwood.engine.parallel) decoding the calibration prompts greedily, with its
+    own hardware-aware budget: the per-iteration yield and the split-core step times the plan's
+    executor choice rests on (None without a draft model)."""
+    from specwood.engine.parallel import CALIBRATION_CONTEXT, CALIBRATION_REPS, ParallelExecutor, time_forward
+
+    if engine.draft_model is None or not prompts_ids:
+        return None
+    if progress:
+        print("[plan] parallel executor (DuoDecoding): starting the draft worker and decoding the calibration "
+              "prompts", file=sys.stderr)
+    ctx = max(1, min(CALIBRATION_CONTEXT, engine.max_context - 2))
+    t_full = time_forward(engine.target, ctx, CALIBRATION_REPS)  # all threads, nothing beside it
+    with ParallelExecutor(engine, verbose=False) as ex:
+        ex.start()
+        slowdown = (ex._t_target or t_full) / t_full
+        iterations = emitted = steps = verified = 0
+        decode_s = gamma = t_draft = 0.0
+        for ids in prompts_ids:
+            res = ex.generate(list(ids), max_tokens=max_tokens)
+            st = res.stats
+            n = len(res.token_ids) - 1
+            if n < 1 or not st.get("iterations"):
+                continue
+            iterations += st["iterations"]
+            emitted += n
+            decode_s += n / st["tokens_per_s"]
+            steps += st["spec_steps"]
+            verified += st["spec_steps"] * (st["mean_tree_nodes"] + 1)
+            gamma += st["gamma_mean"] * st["iterations"]
+            t_draft += (st["draft_token_s"] or ex._t_draft or 0.0) * st["iterations"]
+    if not iterations:
+        return None
+    prompt_ctx = int(sum(len(i) for i in prompts_ids) / len(prompts_ids))
+    profile = ParallelProfile(gamma=gamma / iterations, t_draft_token_s=t_draft / iterations, target_slowdown=slowdown,
+                              verify_tokens=verified / max(steps, 1), tokens_per_iteration=emitted / iterations,
+                              comm_s=0.0, tokens_per_s=emitted / decode_s, context=prompt_ctx,
+                              draft_threads=ex.draft_threads)
+    # what the overlapped compute does not explain (messages, tree rebuilds, waiting on each
+    # other; negative where the two sides overlap better than the max() assumes), so the model
+    # reproduces the measured rate at the bucket it was measured at
+    t_v = lambda v: plan.t_v(prompt_ctx, v)  # noqa: E731
+    profile.comm_s = decode_s / iterations - profile.iteration_s(t_v)
+    if progress:
+        print(f"[plan] parallel: {profile.tokens_per_s:.1f} tok/s, gamma {profile.gamma:.1f}, "
+              f"{profile.tokens_per_iteration:.2f} tokens/iteration, target {slowdown:.2f}x slower beside the "
+              f"draft, comm {profile.comm_s * 1e3:.1f} ms/iteration", file=sys.stderr)
+    return profile
+
+
 def build_plan(
     engine: Any,
     method: str = DEFAULT_METHOD,
@@ -105,6 +156,7 @@ def build_plan(
     prior_levels: int | None = None,
     raw_prompts: bool = False,
     progress: bool = True,
+    parallel: bool = True,
 ) -> Plan:
     """Profile T_v and T_d, calibrate AAT(x), fit, and decide per context bucket.
 
@@ -113,6 +165,8 @@ def build_plan(
     runs first (maximal tree of `prior_nodes` over `prior_levels` levels) and AAT(x) is measured
     with its top-(x - 1) trees. quick: fewer x points, contexts, prompts and tokens.
     raw_prompts: feed the calibration prompts as plain text instead of through the chat template.
+    parallel: also measure the DuoDecoding parallel executor (with a draft model), so each bucket
+    says which executor is fastest.
     """
     from specwood.planner import profiler as prof
     from specwood.planner.prior_tree import collect_prior_scores
@@ -136,7 +190,7 @@ def build_plan(
         sets = {c: ids for c, ids in sets.items() if ids} or {fit_ctx[0]: encode_prompts(engine, CALIBRATION_PROMPTS)}
         what = f"{n} chat prompts + {n} raw code/prose windows of the bucket's length (first bucket), {n} windows (others)"
     prompts_ids = sets[min(sets)]
-    notes = [f"x = verification length (tree tokens incl. root); budget = x - 1 drafted nodes",
+    notes = ["x = verification length (tree tokens incl. root); budget = x - 1 drafted nodes",
              f"AAT(x) measured per context bucket on {what}, {max_tokens} tokens each (greedy)"]
 
     prior = None
@@ -202,6 +256,12 @@ def build_plan(
                 aat_by_context=by_ctx, aat_points_by_context=points_by_ctx, x_cap=x_cap,
                 draft_prefill_s=draft_prefill, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
                 created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    if parallel and engine.draft_model is not None:
+        plan.refresh()  # the T_v rows the parallel model reads
+        plan.parallel = measure_parallel(engine, plan, prompts_ids, max_tokens, progress)
+        if plan.parallel is not None:
+            notes.append("executor: parallel SD modelled per bucket as tokens/iteration / (max(gamma T_d, "
+                         "slowdown T_v(x_bar)) + comm), all measured by decoding the calibration prompts")
     return plan.refresh()
 
 

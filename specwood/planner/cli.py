@@ -62,6 +62,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--compare-trees", action="store_true",
                    help="with --method prior: AAT of prior-score vs width- and depth-based trees")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--no-parallel", action="store_true",
+                   help="do not measure the parallel executor (DuoDecoding); auto then stays sequential")
     p.set_defaults(func=run_plan_cli)
     return p
 
@@ -92,6 +94,13 @@ def format_plan(plan: Any) -> str:
         lines.append(f"{c.context:>8} {c.method:>10} {c.x:>5} {c.budget:>6} {c.p_eff:>10.2f} {c.p_ar:>9.2f} "
                      f"{c.speedup:>7.2f}x {c.x_best_sd:>9}")
     lines.append("(x = tokens per target forward incl. the root; budget = x - 1 drafted nodes; P in tokens/s)")
+    pp = plan.parallel
+    if pp is not None:
+        lines.append(f"parallel executor (DuoDecoding), measured at ctx {pp.context}: {pp.tokens_per_s:.2f} tok/s, "
+                     f"gamma {pp.gamma:.1f}, {pp.tokens_per_iteration:.2f} tokens/iteration, T_d {pp.t_draft_token_s * 1e3:.1f} "
+                     f"ms/token, target {pp.target_slowdown:.2f}x slower beside the draft, comm {pp.comm_s * 1e3:.1f} ms")
+        lines.append("executor per bucket: " + ", ".join(
+            f"{c.context}: {c.executor} (parallel {c.p_parallel:.2f} tok/s)" for c in plan.choices))
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -116,7 +125,8 @@ def _local_plan(args: argparse.Namespace) -> Any:
         print(f"[plan] using the stored {plan.mode} plan from {plan.created} (--force to re-measure)",
               file=sys.stderr)
     else:
-        plan = build_plan(engine, args.method, quick=args.quick, contexts=args.contexts)
+        plan = build_plan(engine, args.method, quick=args.quick, contexts=args.contexts,
+                          parallel=not args.no_parallel)
         path = save_plan(plan)
         print(f"[plan] saved {path}", file=sys.stderr)
     if args.compare_trees:

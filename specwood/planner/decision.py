@@ -48,6 +48,35 @@ def decide(t_v: Callable[[int], float], t_d: Callable[[int], float], aat: Callab
     return Decision("sd", cands[i], best / p_ar, best, p_ar, cands[i])
 
 
+@dataclass
+class ParallelProfile:
+    """DuoDecoding measured on this machine (the planner's `parallel` stage): the draft worker
+    and the target each on their share of the cores, timed while both run.
+
+    An iteration costs max(gamma T_d, T_v,split(x_bar)) + comm: the draft drafts gamma tokens
+    while the target verifies x_bar tokens (the pending chain + root; 1 after a miss), the two
+    overlapping; comm is the measured rest (pipe messages, tree rebuilds, waiting; negative
+    where the sides overlap better than max() assumes)."""
+
+    gamma: float  # mean draft budget per iteration
+    t_draft_token_s: float  # one draft token with the worker's threads, the target running
+    target_slowdown: float  # T_v with the target's threads, the draft running / T_v with all threads
+    verify_tokens: float  # mean x_bar: tokens the target verifies per iteration
+    tokens_per_iteration: float  # emitted tokens per iteration
+    comm_s: float  # per-iteration time outside the overlapped compute
+    tokens_per_s: float  # measured decode throughput (what the model reproduces at its bucket)
+    context: int  # the bucket it was measured at
+    draft_threads: int = 1
+
+    def iteration_s(self, t_v: Callable[[float], float]) -> float:
+        overlapped = max(self.gamma * self.t_draft_token_s, self.target_slowdown * float(t_v(self.verify_tokens)))
+        return max(overlapped + self.comm_s, 0.25 * overlapped)
+
+    def p_parallel(self, t_v: Callable[[float], float]) -> float:
+        """Tokens/s of parallel SD where the full-thread target costs t_v(x)."""
+        return self.tokens_per_iteration / self.iteration_s(t_v)
+
+
 def batch_share(t_v: Callable[[float], float], t_d: Callable[[float], float],
                 batch: int) -> tuple[Callable[[float], float], Callable[[float], float]]:
     """Per-request costs when `batch` requests share each step, each verifying x tokens: the

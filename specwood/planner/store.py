@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specwood.errors import SpecwoodError
-from specwood.planner.decision import MAX_X, Decision, batch_share, decide, interpolate, monotone, nearest_context, p_eff
+from specwood.planner.decision import MAX_X, Decision, ParallelProfile, batch_share, decide, interpolate, monotone, nearest_context, p_eff
 from specwood.planner.fits import AATFit, RooflineFit, fit_roofline
 from specwood.planner.prior_tree import PriorScores
 from specwood.planner.profiler import TimeTable
@@ -61,6 +61,8 @@ class BucketChoice:
     p_eff: float
     p_ar: float
     x_best_sd: int
+    executor: str = "sequential"  # "parallel": DuoDecoding beats both sequential SD and AR here
+    p_parallel: float = 0.0  # modelled parallel-SD tokens/s (0: not measured)
 
     @property
     def budget(self) -> int:
@@ -86,6 +88,7 @@ class Plan:
     mode: str = "quick"  # "quick" or "full" measurement, "analytic"
     prior: PriorScores | None = None
     observed: dict[int, dict[str, float]] = field(default_factory=dict)  # calibration step stats per x
+    parallel: ParallelProfile | None = None  # DuoDecoding measured here (None: not measured)
     notes: list[str] = field(default_factory=list)
     created: str = ""
     schema: int = SCHEMA_VERSION
@@ -139,8 +142,17 @@ class Plan:
         for c in self.contexts:
             d = self.decide(c)
             method = "ar" if d.method == "ar" else self.key.method
-            self.choices.append(BucketChoice(c, method, d.x, d.speedup, d.p_eff, d.p_ar, d.x_best_sd))
+            choice = BucketChoice(c, method, d.x, d.speedup, d.p_eff, d.p_ar, d.x_best_sd)
+            if self.parallel is not None:  # DuoDecoding vs the better of sequential SD and AR
+                choice.p_parallel = self.parallel.p_parallel(lambda v, c=c: self.t_v(c, v))
+                if choice.p_parallel > max(d.p_ar, d.p_eff if d.method == "sd" else 0.0):
+                    choice.executor = "parallel"
+            self.choices.append(choice)
         return self
+
+    def executor_for(self, context_len: int) -> str:
+        """"parallel" where the plan measured DuoDecoding faster than sequential SD and AR."""
+        return self.choice_for(context_len).executor
 
     def choose(self, context_len: int) -> tuple[str, int]:
         """(method, x) for a request whose context holds `context_len` tokens: the choice of the
@@ -190,6 +202,7 @@ class Plan:
             "choices": [asdict(c) for c in self.choices],
             "prior": self.prior.to_dict() if self.prior is not None else None,
             "observed": {str(k): v for k, v in self.observed.items()},
+            "parallel": asdict(self.parallel) if self.parallel is not None else None,
             "notes": list(self.notes),
         }
 
@@ -213,6 +226,7 @@ class Plan:
             mode=str(d.get("mode", "quick")),
             prior=PriorScores.from_dict(d["prior"]) if d.get("prior") else None,
             observed={int(k): dict(v) for k, v in (d.get("observed") or {}).items()},
+            parallel=ParallelProfile(**d["parallel"]) if d.get("parallel") else None,
             notes=list(d.get("notes") or []),
             created=str(d.get("created", "")),
             schema=int(d["schema"]),

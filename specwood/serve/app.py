@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import sys
 import threading
@@ -233,11 +234,13 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             metrics.request_finished(req, arrival)
             job.on_finish(req)
 
+        # the parallel executor's scheduler makes its own requests (specwood.engine.parallel)
+        make = getattr(scheduler, "make_request", None) or functools.partial(engine.new_request, scheduler=scheduler)
         try:
-            req = engine.new_request(prompt_ids, max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
-                                     top_k=g.top_k, seed=g.seed, stop=g.stop or None, method=method_name,
-                                     raw=g.raw, on_text=job.on_text if g.stream else None, scheduler=scheduler,
-                                     prepared=prepared, on_finish=on_finish, request_id=rid)
+            req = make(prompt_ids, max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
+                       top_k=g.top_k, seed=g.seed, stop=g.stop or None, method=method_name,
+                       raw=g.raw, on_text=job.on_text if g.stream else None,
+                       prepared=prepared, on_finish=on_finish, request_id=rid)
         except SpecwoodError as e:
             raise ProtocolError(str(e), param=_param_of(e), code=_code_of(e)) from None
         job.req = req
@@ -413,12 +416,19 @@ def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64) -> S
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
           options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
-          sock: socket.socket | None = None, log_level: str = "warning") -> None:
-    """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line."""
+          sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None) -> None:
+    """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line.
+    executor: a ParallelExecutor to serve on (DuoDecoding, lock-step batches), or None for the
+    continuous-batching scheduler."""
     import uvicorn
 
     sock = sock or bind_socket(host, port)
-    scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+    if executor is not None:
+        from specwood.engine.parallel import ParallelScheduler
+
+        scheduler: Any = ParallelScheduler(executor, max_batch=max_batch, max_queue=max_queue)
+    else:
+        scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
     app = create_app(engine, scheduler, method=method, options=options)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
                             lifespan="on")

@@ -1,0 +1,87 @@
+"""SpecPipe vs plain pipeline parallelism on the same spawned stages (one process per stage, gloo on
+127.0.0.1), greedy, interleaved per prompt; reports TBT p50 / mean, decode tok/s, hit rate, stalls
+and per-stage compute / prune / transfer / wait times. `ar` (one process) is shown for reference.
+
+    python benchmarks/specpipe.py --tiny                       # tiny random models (seconds)
+    python benchmarks/specpipe.py --stages 2 --limit 4 --max-tokens 48 --widths 2,4,8
+      # the default pair: Qwen2.5-Coder 1.5B target split over 2 stages (1 core each), the 0.5B draft
+      # (int4 on CPU) in-process on rank 0, sharing its core
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specwood.engine.pipeline_launch import PipelineExecutor
+
+
+def tiny_engine():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
+
+    from specwood.engine.api import Engine
+
+    target = make_tiny_model(seed=0, n_layers=4)
+    return Engine(target, make_tiny_tokenizer(), draft=perturbed_copy(target, 0.3, seed=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="tiny random models instead of the default pair")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--widths", default="2,4,8")
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    if args.tiny:
+        engine = tiny_engine()
+        prompts = [(f"p{i}", p, True) for i, p in enumerate(["def add(a, b):", "Once upon a time",
+                                                              "1, 2, 3, 4, 5, 1, 2, 3,", "import os\nimport"])]
+    else:
+        import specwood
+        from specwood.bench.workload import load_workload
+
+        engine = specwood.load(dtype=args.dtype, progress=False)
+        prompts = [(p.id, p.content, p.raw) for p in load_workload("builtin", limit=args.limit).prompts]
+    prompts = prompts[:args.limit]
+    widths = [int(w) for w in args.widths.split(",")]
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows: dict[str, list[dict]] = defaultdict(list)
+    with PipelineExecutor(engine, args.stages, width=widths[0], topk=args.topk) as ex:
+        print(f"stages {[list(r)[:1] + list(r)[-1:] for r in ex.layers]}, {ex.threads} thread(s) per rank",
+              file=sys.stderr)
+        ex.generate(prompts[0][1], raw=prompts[0][2], max_tokens=4, mode="pp")  # warm-up
+        for pid, text, raw in prompts:
+            runs = [("pp", None)] + [("specpipe", w) for w in widths]
+            ids = None
+            for mode, w in runs:
+                res = ex.generate(text, raw=raw, max_tokens=args.max_tokens, mode=mode, width=w)
+                ids = ids or res.token_ids
+                assert res.token_ids == ids, f"{pid}: {mode} w={w} differs from plain PP"
+                rows[mode if w is None else f"specpipe w={w} k={args.topk}"].append(res.stats)
+            print(f"{pid}: done ({len(ids)} tokens)", file=sys.stderr)
+    base = statistics.mean(s["tbt_ms_p50"] for s in rows["pp"])
+    print(f"\n| method ({args.stages} stages) | TBT p50 ms | vs PP | tok/s | hit rate | stall steps / token | "
+          "busy compute s (per stage) | prune s | transfer s | wait s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, ss in rows.items():
+        tbt = statistics.mean(s["tbt_ms_p50"] for s in ss)
+        tps = statistics.mean(s["tokens_per_s"] for s in ss)
+        hit = statistics.mean(s.get("hit_rate", 0.0) for s in ss)
+        stall = sum(s["stall_steps"] for s in ss) / max(1, sum(s["new_tokens"] for s in ss))
+        per = list(zip(*[s["per_stage"] for s in ss]))
+        agg = lambda key: "/".join(f"{sum(d[key] for d in st):.2f}" for st in per)  # noqa: E731
+        comp = "/".join(f"{sum(d['compute_s'] + d['draft_s'] for d in st):.2f}" for st in per)
+        print(f"| {name} | {tbt:.1f} | {tbt / base:.2f}x | {tps:.1f} | {hit:.2f} | {stall:.2f} | {comp} | "
+              f"{agg('prune_s')} | {agg('transfer_s')} | {agg('sync_s')} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Launching the pipeline executor on one machine: `PipelineExecutor` spawns one process per stage
+(torch.multiprocessing, spawn) joined over gloo (NCCL for CUDA stages) on 127.0.0.1, with the
+rendezvous TCPStore hosted here on a free port. The weights are shipped once through shared memory
+(each rank gets its layers; rank 0 also the draft, the tokenizer and the EOS ids), so ranks start
+in seconds and never re-read model files.
+
+The launcher watches its children: a rank that dies fails the running request with one line
+naming it; the other ranks notice on their own (failed collectives, heartbeats) and exit, and any
+that have not after GRACE_S are killed, so nothing is left behind. Ranks also die with the launcher.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from specwood.engine.output import GenerationResult
+from specwood.engine.pipeline import DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes
+from specwood.engine.processes import describe_exit
+from specwood.errors import ContextLengthError, SpecwoodError
+from specwood.sampling import SamplingParams
+
+GRACE_S = 25.0  # how long the other ranks get to exit by themselves after one died
+
+
+class PipelineFailure(SpecwoodError):
+    """A rank died or failed; the executor is unusable afterwards (start a new one)."""
+
+
+def _available_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def _stage_weights(model: Any, layers: range) -> dict[str, torch.Tensor]:
+    """The canonical tensors a stage over `layers` needs (views: the pipe moves them to shared memory)."""
+    n = model.config.n_layers
+    sd = model.canonical_state_dict()
+    keep = {}
+    for name, t in sd.items():
+        if name.startswith("layers."):
+            if int(name.split(".")[1]) in layers:
+                keep[name] = t
+        elif name == "tok_embeddings.weight":
+            if layers.start == 0 or (layers.stop == n and "output.weight" not in sd):
+                keep[name] = t  # tied head: the last stage reads the embedding matrix too
+        elif layers.stop == n:
+            keep[name] = t
+    return keep
+
+
+def _rank_entry(conn: Any) -> None:
+    """A spawned rank: receive its spec, build its parts, run (pipeline.run_rank)."""
+    from specwood.engine.pipeline import run_rank
+    from specwood.engine.pipeline_comm import connect_store, die, exit_with_parent
+
+    exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    try:
+        spec = conn.recv()
+    except (EOFError, OSError):
+        return
+    rank, world = spec["rank"], spec["world"]
+    torch.set_num_threads(spec["threads"])
+    if spec["cores"]:
+        try:
+            os.sched_setaffinity(0, spec["cores"])
+        except (AttributeError, OSError):
+            pass
+    try:
+        store = connect_store("127.0.0.1", spec["port"])
+    except Exception as e:  # noqa: BLE001
+        die(f"pipeline rank {rank}: cannot reach the launcher's store: {e}")
+
+    def build(r: int, layers: range) -> dict[str, Any]:
+        from specwood.engine.parallel import _build_draft
+        from specwood.models.transformer import build_model
+
+        parts = {"stage": build_model(spec["config"], spec["weights"], spec["dtype"], spec["device"], layers=layers,
+                                      max_positions=spec["max_positions"])}
+        spec["weights"] = None
+        if r == 0:
+            parts.update(tokenizer=spec["tokenizer"], eos_ids=spec["eos_ids"])
+            if spec["draft"] is not None:
+                parts["draft"] = _build_draft(spec["draft"])
+        return parts
+
+    run_rank(rank, world, build, spec["layers"], store, conn if rank == 0 else None, spec["collective_timeout_s"],
+             fingerprint=spec["fingerprint"])
+    os._exit(0)  # gloo's threads must not keep a finished rank alive
+
+
+class PipelineExecutor:
+    """The target's layers split over `stages` local processes; `generate` runs one request at a
+    time in mode "specpipe" (fixed-width (width, topk) trees, one level per step), "pp" (plain
+    pipeline parallelism, one token per full pass) or "specinfer" (PP + SpecInfer: a whole static
+    tree per full pass, `tree` = make_shape options) on the same ranks."""
+
+    def __init__(self, engine: Any, stages: int = 2, *, width: int = 8, topk: int = 4, threads: int | None = None,
+                 start_timeout_s: float = 600.0, collective_timeout_s: float = 600.0):
+        import torch.distributed as dist
+        import torch.multiprocessing as tmp  # registers the shared-memory tensor reducers
+
+        from specwood.engine.parallel import _draft_spec
+
+        target = engine.target
+        check_pipeline_args(stages, width, topk, target.config.n_layers)
+        self.engine, self.stages, self.width, self.topk = engine, stages, width, topk
+        self.layers = stage_ranges(target.config, stages)
+        cores = _available_cores()
+        self.threads = threads or max(1, len(cores) // stages)
+        pin = stages * self.threads <= len(cores)  # one core set per rank when they fit
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=60))
+        on_cuda = target.device.type == "cuda"
+        ctx = tmp.get_context("spawn")
+        self.procs, self.conn = [], None
+        self._finalizer = weakref.finalize(self, _kill_all, self.procs)
+        self.failed: str | None = None
+        try:
+            for r in range(stages):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_rank_entry, args=(child,), daemon=True, name=f"specpipe-rank{r}")
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                draft = None
+                if r == 0 and engine.draft_model is not None:
+                    draft = _draft_spec(engine.draft_model, str(target.device), self.threads)
+                device = f"cuda:{r % torch.cuda.device_count()}" if on_cuda else "cpu"
+                parent.send({
+                    "rank": r, "world": stages, "port": self._store.port, "layers": self.layers,
+                    "config": target.config, "weights": _stage_weights(target, self.layers[r]), "dtype": target.dtype,
+                    "device": device, "max_positions": target.max_positions, "threads": self.threads,
+                    "cores": cores[r * self.threads:(r + 1) * self.threads] if pin else None,
+                    "collective_timeout_s": collective_timeout_s, "fingerprint": engine.target_name or "target",
+                    "draft": draft, "tokenizer": engine.tokenizer if r == 0 else None,
+                    "eos_ids": set(engine.eos_token_ids) if r == 0 else None,
+                })
+                if r == 0:
+                    self.conn = parent
+                else:
+                    parent.close()
+            kind, self.info = self._recv(start_timeout_s, "starting")
+            if kind != "ready":
+                raise PipelineFailure(f"pipeline rank 0 answered {kind!r} while starting")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # --- requests ---
+
+    def generate(self, prompt: Any, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, raw: bool = False,
+                 on_text: Callable[[str], None] | None = None, mode: str = "specpipe", width: int | None = None,
+                 topk: int | None = None, tree: dict[str, Any] | None = None, trace: bool = False,
+                 timeout_s: float = 3600.0) -> GenerationResult:
+        """One request on the pipeline; token-identical to `ar` under greedy decoding."""
+        if self.failed:
+            raise PipelineFailure(f"the pipeline is down ({self.failed}); start a new PipelineExecutor")
+        if mode not in MODES:
+            raise SpecwoodError(f"unknown pipeline mode '{mode}' (use {' or '.join(MODES)})")
+        width, topk = width or self.width, topk or self.topk
+        check_pipeline_args(self.stages, width, topk)
+        if mode in DRAFTED_MODES and self.engine.draft_model is None:
+            raise SpecwoodError(f"mode '{mode}' needs a draft model; load one (--draft NAME|PATH) or use mode 'pp'")
+        n_tree = tree_nodes(tree) if mode == "specinfer" else 0
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            ids = list(prompt)
+        else:
+            ids = self.engine.encode(prompt, raw)
+        if not ids:
+            raise SpecwoodError("the prompt is empty")
+        limit = self.engine.max_context
+        if len(ids) >= limit:
+            raise ContextLengthError(f"prompt has {len(ids)} tokens but the context holds {limit}; shorten the prompt")
+        stop = [stop] if isinstance(stop, str) else stop
+        job = Job(ids, min(max_tokens, limit - len(ids)), params, mode, width, topk, tree, n_tree, trace)
+        self._send(("generate", job, stop))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            kind, payload = self._recv(max(1.0, deadline - time.monotonic()), "generating")
+            if kind == "text":
+                if on_text is not None:
+                    on_text(payload)
+            elif kind == "result":
+                return payload
+            else:
+                raise PipelineFailure(f"pipeline rank 0 sent {kind!r}")
+
+    # --- the children ---
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, EOFError, OSError):
+            self._fail()
+
+    def _recv(self, timeout: float, what: str) -> tuple:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.conn.poll(0.05):
+                    return self.conn.recv()
+            except (EOFError, OSError):
+                self._fail()
+            if any(not p.is_alive() for p in self.procs):
+                self._fail()
+            if time.monotonic() > deadline:
+                self.failed = f"no answer within {timeout:.0f}s while {what}"
+                _kill_all(self.procs)
+                raise PipelineFailure(f"the pipeline gave {self.failed} and was stopped")
+
+    def _fail(self) -> None:
+        """A rank is gone: name it, let the others exit (kill them after GRACE_S), raise."""
+        first = None
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:
+            dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+            if first is None and dead:
+                # the first casualty: one killed by a signal, else the first that exited
+                first = next(((r, p) for r, p in dead if p.exitcode < 0), dead[0])
+            if len(dead) == len(self.procs):
+                break
+            time.sleep(0.05)
+        _kill_all(self.procs)
+        if first is None:
+            self.failed = "lost the connection to pipeline rank 0"
+        else:
+            r, p = first
+            self.failed = f"pipeline rank {r} (pid {p.pid}) {describe_exit(p.exitcode)}"
+        raise PipelineFailure(self.failed)
+
+    def close(self) -> None:
+        if self.conn is not None and not self.failed:
+            try:
+                self.conn.send(("close",))
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            for p in self.procs:
+                p.join(10)
+        self._finalizer()
+
+    def __enter__(self) -> "PipelineExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5)
+
+
+def generate_pipeline(engine: Any, prompt: Any, *, stages: int = 2, width: int = 8, topk: int = 4,
+                      threads: int | None = None, **kwargs: Any) -> GenerationResult:
+    """One request on a pipeline started for it (and stopped after): `specwood generate --executor pipeline`."""
+    with PipelineExecutor(engine, stages, width=width, topk=topk, threads=threads) as ex:
+        return ex.generate(prompt, **kwargs)
+
+
+def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
+    """`specwood generate --executor pipeline --stages M [--width W --topk K] [--pipeline-mode pp|specinfer]`
+    (specinfer: --method names the tree shape, static = SpecInfer's by default; --budget/--depth)."""
+    import json
+    import sys
+
+    mode, topk = args.pipeline_mode, args.topk if args.topk is not None else 4
+    check_pipeline_args(args.stages, args.width, topk)
+    tree = None
+    if mode == "specinfer":
+        from specwood.drafting.shapes import SHAPES
+
+        name = "static" if args.method in ("auto", "specinfer") else args.method
+        if name not in SHAPES or name == "pld":
+            raise SpecwoodError(f"--pipeline-mode specinfer drafts a tree shape ({', '.join(s for s in SHAPES if s != 'pld')}),"
+                                f" not method '{args.method}'")
+        tree = {"name": name, **{k: getattr(args, k) for k in ("budget", "depth", "threshold")
+                                 if getattr(args, k, None) is not None}}
+        tree_nodes(tree)  # bad options fail here, before any process starts
+    elif args.method not in ("auto", "ar", "specpipe"):
+        raise SpecwoodError(f"executor 'pipeline' runs SpecPipe (or plain PP with --pipeline-mode pp), not method "
+                            f"'{args.method}'; drop --method")
+    if mode in DRAFTED_MODES and args.draft in (None, "none"):
+        raise SpecwoodError(f"--pipeline-mode {mode} needs a draft model; pass --draft NAME|PATH or use --pipeline-mode pp")
+    engine = load_engine(args, need_draft=mode in DRAFTED_MODES)
+    prompt: Any = args.prompt
+    if args.system and not args.raw:
+        prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
+    stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = generate_pipeline(engine, prompt, stages=args.stages, width=args.width, topk=topk, mode=mode,
+                               max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                               top_k=args.top_k, seed=args.seed, stop=args.stop, raw=args.raw, on_text=stream,
+                               tree=tree)
+    s = result.stats
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stats": s}))
+    else:
+        print(f"\n[{mode} x{s['stages']} stages] {s['new_tokens']} tokens, {s['tokens_per_s']} tok/s, TTFT "
+              f"{s['ttft_s']:.3f}s, TBT p50 {s['tbt_ms_p50']} ms, steps {s['pipeline_steps']}, hits {s['hits']}, "
+              f"misses {s['misses']}, stall steps {s['stall_steps']}, finish={result.finish_reason}", file=sys.stderr)
+    return 0
