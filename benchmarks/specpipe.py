@@ -64,13 +64,17 @@ def main() -> None:
             for mode, w in runs:
                 res = ex.generate(text, raw=raw, max_tokens=args.max_tokens, mode=mode, width=w)
                 ids = ids or res.token_ids
-                assert res.token_ids == ids, f"{pid}: {mode} w={w} differs from plain PP"
+                if engine.dtype == torch.float32:  # lossless: exactly plain PP's tokens
+                    assert res.token_ids == ids, f"{pid}: {mode} w={w} differs from plain PP"
+                # in bf16 a level of w tokens can round differently from one token (a near-tie
+                # flips), as for every method vs ar: counted, not asserted
+                res.stats["same_as_pp"] = res.token_ids == ids
                 rows[mode if w is None else f"specpipe w={w} k={args.topk}"].append(res.stats)
             print(f"{pid}: done ({len(ids)} tokens)", file=sys.stderr)
     base = statistics.mean(s["tbt_ms_p50"] for s in rows["pp"])
     print(f"\n| method ({args.stages} stages) | TBT p50 ms | vs PP | tok/s | hit rate | stall steps / token | "
-          "busy compute s (per stage) | prune s | transfer s | wait s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "busy compute s (per stage) | prune s | transfer s | wait s | = PP |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, ss in rows.items():
         tbt = statistics.mean(s["tbt_ms_p50"] for s in ss)
         tps = statistics.mean(s["tokens_per_s"] for s in ss)
@@ -80,7 +84,8 @@ def main() -> None:
         agg = lambda key: "/".join(f"{sum(d[key] for d in st):.2f}" for st in per)  # noqa: E731
         comp = "/".join(f"{sum(d['compute_s'] + d['draft_s'] for d in st):.2f}" for st in per)
         print(f"| {name} | {tbt:.1f} | {tbt / base:.2f}x | {tps:.1f} | {hit:.2f} | {stall:.2f} | {comp} | "
-              f"{agg('prune_s')} | {agg('transfer_s')} | {agg('sync_s')} |")
+              f"{agg('prune_s')} | {agg('transfer_s')} | {agg('sync_s')} | "
+              f"{sum(s['same_as_pp'] for s in ss)}/{len(ss)} |")
 
 
 if __name__ == "__main__":

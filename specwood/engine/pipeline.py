@@ -83,15 +83,23 @@ def check_pipeline_args(stages: Any, width: Any, topk: Any, n_layers: int | None
         raise SpecwoodError(f"--stages {stages} is more than the target's {n_layers} layers (use 2..{n_layers})")
 
 
-def stage_ranges(config: Any, stages: int) -> list[range]:
-    """Contiguous layer ranges minimising the largest stage's weight bytes (a CPU decode step reads
-    every weight once), the head counted on the last stage; every stage gets a layer or more."""
+def weight_elements(config: Any) -> tuple[int, int]:
+    """(one layer's matmul weights, the head's), in elements: what a decode step reads."""
     c = config
-    layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim + 3 * c.dim * c.intermediate_size
-    head = c.vocab_size * c.dim
-    n = c.n_layers
+    layer = (c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim
+             + 3 * c.dim * c.intermediate_size)
+    return layer, c.vocab_size * c.dim
+
+
+def stage_ranges(config: Any, stages: int, first_stage_extra: float = 0.0) -> list[range]:
+    """Contiguous layer ranges minimising the largest stage's weight bytes (a CPU decode step reads
+    every weight once), the head counted on the last stage; every stage gets a layer or more.
+    first_stage_extra: more work on rank 0 in the same unit (target weight elements), e.g. the
+    draft model it runs beside its layers."""
+    layer, head = weight_elements(config)
+    n = config.n_layers
     check_pipeline_args(stages, 1, 1, n)
-    cost = lambda a, b: (b - a) * layer + (head if b == n else 0)  # noqa: E731
+    cost = lambda a, b: (b - a) * layer + (head if b == n else 0) + (first_stage_extra if a == 0 else 0)  # noqa: E731
     # best[s][b]: the smallest max-stage cost of layers [0, b) in s stages, and the last cut
     best = [[(float("inf"), 0)] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = (0, 0)

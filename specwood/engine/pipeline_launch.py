@@ -20,7 +20,15 @@ from typing import Any, Callable
 import torch
 
 from specwood.engine.output import GenerationResult
-from specwood.engine.pipeline import DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes
+from specwood.engine.pipeline import (
+    DRAFTED_MODES,
+    MODES,
+    Job,
+    check_pipeline_args,
+    stage_ranges,
+    tree_nodes,
+    weight_elements,
+)
 from specwood.engine.processes import describe_exit
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.sampling import SamplingParams
@@ -113,7 +121,7 @@ class PipelineExecutor:
         target = engine.target
         check_pipeline_args(stages, width, topk, target.config.n_layers)
         self.engine, self.stages, self.width, self.topk = engine, stages, width, topk
-        self.layers = stage_ranges(target.config, stages)
+        self.layers = stage_ranges(target.config, stages, draft_load(engine))
         cores = _available_cores()
         self.threads = threads or max(1, len(cores) // stages)
         pin = stages * self.threads <= len(cores)  # one core set per rank when they fit
@@ -321,3 +329,57 @@ def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
               f"{s['ttft_s']:.3f}s, TBT p50 {s['tbt_ms_p50']} ms, steps {s['pipeline_steps']}, hits {s['hits']}, "
               f"misses {s['misses']}, stall steps {s['stall_steps']}, finish={result.finish_reason}", file=sys.stderr)
     return 0
+
+
+
+def draft_load(engine: Any) -> float:
+    """The draft model rank 0 runs beside its layers, in stage_ranges' unit (target weight
+    elements): the target's total times a draft forward's time over a target forward's, both
+    timed here (one token at a short context; the ratio is what matters)."""
+    from specwood.engine.parallel import time_forward
+
+    draft, target = engine.draft_model, engine.target
+    if draft is None:
+        return 0.0
+    layer, head = weight_elements(target.config)
+    total = target.config.n_layers * layer + head
+    return total * time_forward(draft, 64, 3) / time_forward(target, 64, 3)
+
+
+# the method names the pipeline executor runs: Engine.generate(method=..., executor="pipeline") and the
+# bench's NAME@pipeline; a tree shape name runs PP + SpecInfer with that shape
+PIPELINE_METHODS = {"specpipe": "specpipe", "auto": "specpipe", "pp": "pp", "ar": "pp", "specinfer": "specinfer"}
+
+
+def pipeline_mode(method: str, budget: int | None = None, depth: int | None = None,
+                  threshold: float | None = None) -> tuple[str, dict[str, Any] | None]:
+    """A method name on the pipeline executor -> (mode, specinfer tree options)."""
+    from specwood.drafting.shapes import SHAPES
+
+    if method in PIPELINE_METHODS:
+        mode = PIPELINE_METHODS[method]
+        name = "static"
+    elif method in SHAPES and method != "pld":
+        mode, name = "specinfer", method
+    else:
+        raise SpecwoodError(f"the pipeline executor runs {', '.join(PIPELINE_METHODS)} or a tree shape for "
+                            f"PP + SpecInfer ({', '.join(s for s in SHAPES if s != 'pld')}), not method '{method}'")
+    if mode != "specinfer":
+        return mode, None
+    tree = {"name": name, **{k: v for k, v in (("budget", budget), ("depth", depth), ("threshold", threshold))
+                             if v is not None}}
+    tree_nodes(tree)
+    return mode, tree
+
+
+def generate_on_pipeline(engine: Any, executor: Any, prompt: Any, *, method: str = "specpipe", stages: int = 2,
+                         width: int | None = None, topk: int | None = None, threads: int | None = None,
+                         budget: int | None = None, depth: int | None = None, threshold: float | None = None,
+                         **kwargs: Any) -> GenerationResult:
+    """`Engine.generate(..., executor="pipeline" | a PipelineExecutor)`: one request on the pipeline
+    (a string starts one for the call with `stages`, `width`, `topk`, `threads`, and stops it after)."""
+    mode, tree = pipeline_mode(method, budget, depth, threshold)
+    if isinstance(executor, PipelineExecutor):
+        return executor.generate(prompt, mode=mode, width=width, topk=topk, tree=tree, **kwargs)
+    return generate_pipeline(engine, prompt, stages=stages, width=width or 8, topk=topk or 4, threads=threads,
+                             mode=mode, tree=tree, **kwargs)
