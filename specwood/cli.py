@@ -22,6 +22,8 @@ def needs_draft(method: str) -> bool:
     if method in HF_DRAFTS:
         return HF_DRAFTS[method]
     name, executor = split_executor(method)
+    if executor == "pipeline":  # every pipeline method but plain PP drafts (engine/pipeline_launch.py)
+        return name not in ("pp", "ar")
     return executor == "parallel" or get_method(name).loads_draft
 
 

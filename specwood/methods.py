@@ -61,8 +61,9 @@ def split_executor(method: str) -> tuple[str, str | None]:
     way to put both executors in one run); a bare name gets None: the method decides."""
     name, _, executor = str(method).partition("@")
     executor = executor.strip().lower() or None
-    if executor not in (None, "sequential", "parallel"):
-        raise SpecwoodError(f"unknown executor '{executor}' in '{method}' (use NAME@parallel or NAME@sequential)")
+    if executor not in (None, "sequential", "parallel", "pipeline"):
+        raise SpecwoodError(f"unknown executor '{executor}' in '{method}' (use NAME@parallel, NAME@pipeline or "
+                            "NAME@sequential)")
     return name.strip(), executor
 
 

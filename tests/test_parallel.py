@@ -408,7 +408,7 @@ def test_bad_input_is_one_clear_error(tiny_pair, engine):
         ex.generate(PROMPTS[0], max_tokens=4, raw=True, budget=0)
     assert ex.worker_pid is None
     with pytest.raises(SpecwoodError, match="unknown executor"):
-        engine.generate(PROMPTS[0], max_tokens=4, executor="pipeline")
+        engine.generate(PROMPTS[0], max_tokens=4, executor="warp-drive")
     with pytest.raises(SpecwoodError, match="pass draft_threads to ParallelExecutor"):
         generate_parallel(engine, ex, PROMPTS[0], draft_threads=1)
 

@@ -652,3 +652,18 @@ def test_cli_local_plans_once_then_reuses(tiny_engine, monkeypatch, tmp_path, ca
         plan_key_for(engine, method)))
     assert args.func(args) == 0
     assert "re-measuring" in capsys.readouterr().err
+
+
+def test_plan_key_names_the_weight_modes():
+    from types import SimpleNamespace
+
+    from specwood.planner.store import weight_mode_name
+
+    def engine(target_mode, draft_mode=None):
+        draft = SimpleNamespace(weight_mode=draft_mode) if draft_mode else None
+        return SimpleNamespace(dtype=torch.bfloat16, target=SimpleNamespace(weight_mode=target_mode), draft_model=draft)
+
+    assert weight_mode_name(engine("bf16")) == "bf16"
+    assert weight_mode_name(engine("bf16", "int4")) == "bf16/draft-int4"  # int4 and bf16 drafts differ in T_d
+    assert weight_mode_name(engine("int8", "int8")) == "bf16+int8/draft-int8"
+    assert weight_mode_name(engine("bf16", "bf16")) == "bf16"

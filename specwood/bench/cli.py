@@ -42,7 +42,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(default: ar,auto)")
     add_sampling_args(p, max_tokens=128)
     add_model_args(p)
-    add_executor_args(p)
+    add_executor_args(p, pipeline=True)
     p.add_argument("--limit", type=int, default=None,
                    help="at most N prompts, picked round-robin over categories")
     p.add_argument("--categories", type=_csv, default=None, help="comma-separated categories to keep")
@@ -77,6 +77,18 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             executor_options = {"draft_device": check_draft_device(args.draft_device),
                                 "draft_threads": check_draft_threads(args.draft_threads, args.device),
                                 "draft_dtype": args.draft_dtype}
+        if args.executor == "pipeline":  # --executor pipeline: SpecPipe, PP, PP + SpecInfer on the same stages
+            methods = [m if "@" in m else f"{m}@pipeline" for m in methods]
+        if any(split_executor(m)[1] == "pipeline" for m in methods):
+            from specwood.engine.pipeline import check_pipeline_args
+            from specwood.engine.pipeline_launch import pipeline_mode
+
+            for m in methods:
+                if split_executor(m)[1] == "pipeline":
+                    pipeline_mode(split_executor(m)[0], args.budget, args.depth, args.threshold)
+            check_pipeline_args(args.stages, args.width, args.topk if args.topk is not None else 4)
+            executor_options = {**(executor_options or {}), "pipeline": {
+                "stages": args.stages, "width": args.width, "topk": args.topk if args.topk is not None else 4}}
         sampling = normalise_sampling({"temperature": args.temperature, "top_p": args.top_p,
                                        "top_k": args.top_k, "seed": args.seed})
         if any(m in HF_METHODS for m in methods):

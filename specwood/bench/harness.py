@@ -232,6 +232,7 @@ class _Runner:
         self.max_tokens = max_tokens
         self.executor_options = executor_options or {}
         self.parallel: Any = None  # one DuoDecoding executor (draft worker) for every 'm@parallel'
+        self.pipeline: Any = None  # one pipeline (SpecPipe) executor for every 'm@pipeline'
         hf_methods = [m for m in methods if m in HF_METHODS]
         self.hf = HFBaseline(engine, hf_methods) if hf_methods else None
         self.llamacpp = LlamaCppBaseline(engine) if any(m in LLAMACPP_METHODS for m in methods) else None
@@ -249,12 +250,18 @@ class _Runner:
         if executor == "parallel" and self.parallel is None:
             from specwood.engine.parallel import ParallelExecutor
 
-            self.parallel = ParallelExecutor(self.engine, **self.executor_options)
+            self.parallel = ParallelExecutor(self.engine, **{k: v for k, v in self.executor_options.items()
+                                                             if k != "pipeline"})
+        if executor == "pipeline" and self.pipeline is None:
+            from specwood.engine.pipeline_launch import PipelineExecutor
+
+            self.pipeline = PipelineExecutor(self.engine, **self.executor_options.get("pipeline", {}))
         t0 = time.perf_counter()
         res = self.engine.generate(content, max_tokens=max_tokens, method=name, raw=raw,
                                    temperature=self.sampling["temperature"], top_p=self.sampling["top_p"],
                                    top_k=self.sampling["top_k"], seed=self.sampling["seed"],
-                                   executor=self.parallel if executor == "parallel" else executor, **opts)
+                                   executor={"parallel": self.parallel, "pipeline": self.pipeline}.get(
+                                       executor, executor), **opts)
         wall = time.perf_counter() - t0
         stats = getattr(res, "stats", None) or {}
         return {
@@ -304,6 +311,8 @@ class _Runner:
     def close(self) -> None:
         if self.parallel is not None:
             self.parallel.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def warmup(self, method: str) -> None:
         """One short untimed generation: first-call allocations, kernel selection, lazy init.

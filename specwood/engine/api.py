@@ -199,11 +199,20 @@ class Engine:
         executor="parallel" (or a ParallelExecutor) runs DuoDecoding instead: method "duo" with
         the draft model in a worker process (options draft_device, draft_threads; see
         specwood.engine.parallel). executor=None lets the method choose: "auto" runs on the
-        parallel executor where the stored plan measured it fastest, everything else sequentially."""
+        parallel executor where the stored plan measured it fastest, everything else sequentially.
+        executor="pipeline" (or a PipelineExecutor) splits the target over pipeline stages (options
+        stages, width, topk, threads; specwood.engine.pipeline_launch): method "specpipe" (or auto),
+        "pp" (or ar), "specinfer" (or a tree shape name, with budget/depth)."""
         if executor is None:
             executor = self._executor_for(method, prompt, raw, method_options)
             if executor == "parallel":
                 method_options = {}  # auto's own options do not apply to duo
+        if (isinstance(executor, str) and executor == "pipeline") or type(executor).__name__ == "PipelineExecutor":
+            from specwood.engine.pipeline_launch import generate_on_pipeline  # SpecPipe, PP, PP + SpecInfer
+
+            return generate_on_pipeline(self, executor, prompt, max_tokens=max_tokens, temperature=temperature,
+                                        top_p=top_p, top_k=top_k, seed=seed, stop=stop, method=method, raw=raw,
+                                        on_text=on_text, **method_options)
         if not (isinstance(executor, str) and executor == "sequential"):
             from specwood.engine.parallel import generate_parallel
 

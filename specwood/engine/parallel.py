@@ -1084,7 +1084,7 @@ def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) ->
     elif executor == "parallel":
         ex = engine_executor(engine, **options)
     else:
-        raise SpecwoodError(f"unknown executor {executor!r} (use 'sequential' or 'parallel')")
+        raise SpecwoodError(f"unknown executor {executor!r} (use 'sequential', 'parallel' or 'pipeline')")
     return ex.generate(prompt, **kwargs)
 
 

@@ -301,8 +301,8 @@ def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
 
         name = "static" if args.method in ("auto", "specinfer") else args.method
         if name not in SHAPES or name == "pld":
-            raise SpecwoodError(f"--pipeline-mode specinfer drafts a tree shape ({', '.join(s for s in SHAPES if s != 'pld')}),"
-                                f" not method '{args.method}'")
+            shapes = ", ".join(s for s in SHAPES if s != "pld")
+            raise SpecwoodError(f"--pipeline-mode specinfer drafts a tree shape ({shapes}), not method '{args.method}'")
         tree = {"name": name, **{k: getattr(args, k) for k in ("budget", "depth", "threshold")
                                  if getattr(args, k, None) is not None}}
         tree_nodes(tree)  # bad options fail here, before any process starts
@@ -310,7 +310,8 @@ def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
         raise SpecwoodError(f"executor 'pipeline' runs SpecPipe (or plain PP with --pipeline-mode pp), not method "
                             f"'{args.method}'; drop --method")
     if mode in DRAFTED_MODES and args.draft in (None, "none"):
-        raise SpecwoodError(f"--pipeline-mode {mode} needs a draft model; pass --draft NAME|PATH or use --pipeline-mode pp")
+        raise SpecwoodError(f"--pipeline-mode {mode} needs a draft model; pass --draft NAME|PATH or use "
+                            "--pipeline-mode pp")
     engine = load_engine(args, need_draft=mode in DRAFTED_MODES)
     prompt: Any = args.prompt
     if args.system and not args.raw:

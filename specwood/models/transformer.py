@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specwood.errors import ContextLengthError, ModelFileError
+from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
 from specwood.models.cache import KVCache, Rows
 from specwood.models.config import ModelConfig
 from specwood.models.rope import apply_rope, rope_tables
@@ -95,6 +95,125 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def int8_available() -> bool:
+    return hasattr(torch, "_int_mm")
+
+
+def qlinear_available() -> bool:
+    """oneDNN's quantised linear with prepacked weights (x86 CPU builds of torch)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+            and hasattr(torch.ops.onednn, "qlinear_pointwise"))
+
+
+def quantize_weight_int8(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float weight -> (int8 [N, K], fp32 scales [N]): symmetric per output channel, levels
+    -127..127. Converted in chunks of rows, so a vocabulary-sized head never exists in fp32 whole."""
+    n = w.shape[0]
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scales = torch.empty(n, dtype=torch.float32, device=w.device)
+    for a in range(0, n, chunk):
+        wf = w[a:a + chunk].float()
+        s = wf.abs().amax(1).clamp(min=1e-12) / 127
+        q[a:a + chunk] = torch.round(wf / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scales[a:a + chunk] = s
+    return q, scales
+
+
+def _row_scales(x: torch.Tensor) -> torch.Tensor:
+    # abs().amax() in the input dtype is exact and much faster than vector_norm(inf, dtype=fp32)
+    return x.abs().amax(-1, keepdim=True).float().div_(127.0).clamp_(min=1e-30)
+
+
+def quantize_rows_int8(x: torch.Tensor, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row (per-token) symmetric int8: x [M, K] float -> (int8 [M, K], fp32 scales [M, 1]),
+    x ~ q * scale, q in -127..127 (round half up). With `offset` the codes are returned as uint8
+    q + 128 (what oneDNN's fast u8 x s8 kernels take, with zero point 128).
+
+    Each row's result depends on that row alone: a token's quantisation is the same whatever
+    else is in the batch, which keeps the int8 weight mode lossless against its own
+    autoregressive output. (Every step is a max or one correctly rounded elementwise operation,
+    so vectorised and scalar loops, and the split across threads, cannot change a value.) Few
+    ops on purpose: at a few rows each costs more in dispatch than in arithmetic."""
+    scale = _row_scales(x)
+    # |x / scale| <= 127 up to one rounding; + 128.5 and truncation = round half up, + 128
+    u = torch.div(x, scale).add_(128.5).to(torch.uint8)
+    return (u, scale) if offset else (u.bitwise_xor_(0x80).view(torch.int8), scale)  # u - 128, bitwise
+
+
+class Int8Linear(nn.Module):
+    """W8A8 Linear: int8 weights (symmetric, per output channel, quantised once at load; no float
+    copy is kept) times per-token dynamically quantised activations, multiplied exactly in
+    integers, then rescaled by activation scale x weight scale. Two kernels:
+
+    * "qlinear": oneDNN's quantised linear (torch.ops.onednn.qlinear_pointwise) on a weight
+      prepacked once, uint8 activations with zero point 128 (the VNNI u8 x s8 instruction; an int8
+      input falls to oneDNN's reference kernel) and activation scale 1 -- the per-token scales are
+      applied after, since the op only takes one activation scale per call. Fastest here from 2 rows.
+    * "int_mm": torch._int_mm (int8 x int8 -> int32) on the plain [N, K] weight (any device).
+
+    Lossy against the float weights (about 8 bits for each of the two operands), but row-exact:
+    the integer products are exact and every other step is elementwise per row, so a token's
+    output does not depend on the other rows of the batch -- verifying a tree in one forward
+    gives each node exactly what a one-token forward along its path would give (the rest of the
+    model, attention above all, has to be row-exact too for bit-identical logits). Activations in
+    and out are in the model dtype (bf16 or fp32).
+    """
+
+    # torch._int_mm on CUDA wants more than 16 rows and K, N in multiples of 8; the CPU kernel takes any shape
+    CUDA_MIN_ROWS = 17
+
+    def __init__(self, linear: nn.Module, kernel: str | None = None):
+        super().__init__()
+        w = linear.weight.data if isinstance(linear.weight, torch.Tensor) else linear.weight
+        n, k = w.shape
+        q, scales = quantize_weight_int8(w)
+        self.in_features, self.out_features = k, n
+        if kernel is None:
+            kernel = "qlinear" if q.device.type == "cpu" and qlinear_available() else "int_mm"
+        if kernel not in ("qlinear", "int_mm"):
+            raise ValueError(f"unknown int8 kernel {kernel!r}")
+        self.kernel = kernel
+        if kernel == "qlinear":
+            self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # the one copy: [K, N] blocked
+            self.register_buffer("zero_points", torch.zeros(n, dtype=torch.int64), persistent=False)
+            self.qweight = None
+        else:
+            self.register_buffer("qweight", q, persistent=False)  # _int_mm reads its transposed view
+        self.register_buffer("scales", scales, persistent=False)
+        bias = getattr(linear, "bias", None)
+        self.register_buffer("bias", bias.data.float().clone() if bias is not None else None, persistent=False)
+
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 codes [N, K] (a copy when prepacked)."""
+        return self.qweight if self.qweight is not None else self.packed.to_dense().t().contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised weight (fp32, a fresh copy), e.g. to build a reference model; the
+        forward never needs it."""
+        return self.int8_weight().float() * self.scales[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features) if x.dim() != 2 else x
+        if self.kernel == "qlinear":
+            u, xs = quantize_rows_int8(flat, offset=True)
+            # acc * 1.0 * weight scale, in fp32 (the activation scale 1 keeps it exact per row)
+            out = torch.ops.onednn.qlinear_pointwise(u, 1.0, 128, self.packed, self.scales, self.zero_points, None,
+                                                     1.0, 0, torch.float32, "none", [], "").mul_(xs)
+        else:
+            q, xs = quantize_rows_int8(flat)
+            m = q.shape[0]
+            if q.is_cuda and m < self.CUDA_MIN_ROWS:
+                acc = torch._int_mm(F.pad(q, (0, 0, 0, self.CUDA_MIN_ROWS - m)), self.qweight.t())[:m]
+            else:
+                acc = torch._int_mm(q, self.qweight.t())
+            out = torch.mul(acc, xs).mul_(self.scales)  # int32 x fp32 -> fp32; then the weight scales
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        out = out.to(x.dtype)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 class RMSNorm(nn.Module):
@@ -271,6 +390,31 @@ class Transformer(nn.Module):
                     swapped = True
         return swapped
 
+    def quantize_int8(self, head: bool = False, kernel: str | None = None) -> bool:
+        """Swap every Linear of the layers (and the vocabulary head too with `head`) for an
+        Int8Linear (W8A8); True if anything was swapped. The activations keep the model's dtype
+        around the linears. Lossy against the float weights, but row-exact (see Int8Linear): the
+        linears never make a tree's logits differ from one-token forwards along its paths."""
+        if not int8_available():
+            return False
+        swapped = False
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear and (head or child is not self.output):
+                    setattr(module, name, Int8Linear(child, kernel))
+                    swapped = True
+        return swapped
+
+    @property
+    def weight_mode(self) -> str:
+        """How the linears hold their weights: int8, int4, or the model dtype (bf16/fp32)."""
+        kinds = {type(m) for m in self.layers.modules()}
+        if Int8Linear in kinds:
+            return "int8"
+        if Int4Linear in kinds:
+            return "int4"
+        return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(self.dtype, str(self.dtype))
+
     # --- weights in canonical (loader) names ---------------------------------------------------
 
     def load_canonical(self, sd: dict[str, torch.Tensor]) -> None:
@@ -332,9 +476,14 @@ class Transformer(nn.Module):
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu", layers: range | None = None,
-                max_positions: int | None = None, pack: bool = True, int4: bool = False) -> Transformer:
+                max_positions: int | None = None, pack: bool = True, int4: bool = False, int8: bool = False,
+                int8_head: bool = False) -> Transformer:
     """Instantiate (without random init) and load canonical weights; bf16 on a CPU gets packed
-    weights (see PackedLinear) unless `pack` is False, or int4 weights with `int4` (drafts)."""
+    weights (see PackedLinear) unless `pack` is False, int4 weights with `int4` (drafts), or W8A8
+    int8 layer linears with `int8` (`dtype` is then the activations' dtype; `int8_head` quantises
+    the vocabulary head too)."""
+    if int8 and int4:
+        raise ValueError("int4 and int8 weights exclude each other")
     with torch.device("meta"):
         model = Transformer(config, layers, max_positions)
     model = model.to(dtype).to_empty(device=device)  # allocate once, in the final dtype
@@ -343,6 +492,9 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     model = model.eval().requires_grad_(False)
     if int4:
         model.quantize_int4()
+    if int8:
+        if not model.quantize_int8(head=int8_head):
+            raise SpecwoodError("int8 weights need torch._int_mm (torch >= 2.2)")
     if pack:
         model.pack_for_cpu()  # whatever int4 left (e.g. odd-sized layers)
     return model

@@ -16,16 +16,8 @@ from specwood.planner.calibration import CALIBRATION_PROMPTS, calibration_set, e
 from specwood.planner.decision import MAX_X, ParallelProfile
 from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat
 from specwood.planner.prior_tree import PriorScores
-from specwood.planner.store import (
-    _DTYPE_NAMES,
-    DEFAULT_METHOD,
-    Plan,
-    PlanKey,
-    load_plan,
-    local_device_id,
-    plan_key_for,
-    save_plan,
-)
+from specwood.planner.store import DEFAULT_METHOD, Plan, load_plan, plan_key_for, save_plan
+
 
 def method_factory(engine: Any, method: str, prior: PriorScores | None = None) -> Callable[[int], tuple[Any, Any]]:
     """budget -> (source, shape) for a method name, or for "prior" from the prior scores. The
@@ -249,9 +241,7 @@ def build_plan(
         notes.append("too few AAT points: using the default AAT curve")
 
     draft_prefill = measure_draft_prefill(engine, max(fit_ctx))
-    plan = Plan(key=PlanKey(device_id or local_device_id(engine), str(engine.target_name or "target"),
-                            str(engine.draft_name or "none"),
-                            _DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype)), method),
+    plan = Plan(key=plan_key_for(engine, method, device_id),
                 contexts=sorted(t_v), verify_times=t_v, draft_times=t_d, aat=aat, aat_points=points,
                 aat_by_context=by_ctx, aat_points_by_context=points_by_ctx, x_cap=x_cap,
                 draft_prefill_s=draft_prefill, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,

@@ -338,5 +338,19 @@ _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float1
 
 def plan_key_for(engine: Any, method: str = DEFAULT_METHOD, device: str | None = None) -> PlanKey:
     return PlanKey(device=device or local_device_id(engine), target=str(engine.target_name or "target"),
-                   draft=str(engine.draft_name or "none"), dtype=_DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype)),
-                   method=method)
+                   draft=str(engine.draft_name or "none"), dtype=weight_mode_name(engine), method=method)
+
+
+def weight_mode_name(engine: Any) -> str:
+    """The dtype part of a plan key: the activation dtype, plus the weight mode where the target's
+    linears are quantised (an int8 target times differently from a bf16 one) and the draft's
+    weight mode (int4 and bf16 drafts have different T_d)."""
+    name = _DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype))
+    target_mode = getattr(engine.target, "weight_mode", None)
+    if target_mode in ("int8", "int4"):
+        name = f"{name}+{target_mode}"
+    draft = getattr(engine, "draft_model", None)
+    draft_mode = getattr(draft, "weight_mode", None) if draft is not None else None
+    if draft_mode in ("int8", "int4"):
+        name = f"{name}/draft-{draft_mode}"
+    return name
