@@ -38,6 +38,17 @@ class BiasedVerify:
                                accept_prob=lambda p_x, q_x: min_ratio(p_x, q_x) + self.bias)
 
 
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Qwen2 checkpoint with its tokenizer as an HF folder, for CLI tests."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
+    folder = save_hf_folder(tmp_path_factory.mktemp("m") / "tiny", cfg, random_state_dict(cfg, seed=1))
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def exact_first_two_law(engine, prompt: list[int], params):
     """[V + 1, V + 1]: the target's exact P(first, second) after `prompt` under `params`, with
     EOS as outcome V: after a first EOS the request ends, so that row's mass sits in (V, V)."""

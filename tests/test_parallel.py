@@ -413,16 +413,6 @@ def test_bad_input_is_one_clear_error(tiny_pair, engine):
         generate_parallel(engine, ex, PROMPTS[0], draft_threads=1)
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
-
-    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
-    folder = save_hf_folder(tmp_path_factory.mktemp("m") / "tiny", cfg, random_state_dict(cfg, seed=1))
-    make_tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
 def _cli(*args: str, cache) -> subprocess.CompletedProcess:
     env = dict(os.environ, SPECWOOD_CACHE=str(cache))
     return subprocess.run([sys.executable, "-m", "specwood.cli", *args], capture_output=True, text=True, env=env,

@@ -367,16 +367,6 @@ def test_engine_generate_routes_to_the_pipeline(pair, executors):
     assert res.token_ids == ref and res.stats["stages"] == 3 and res.stats["width"] == 2
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
-
-    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
-    folder = save_hf_folder(tmp_path_factory.mktemp("m") / "tiny", cfg, random_state_dict(cfg, seed=1))
-    make_tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
 def test_bench_runs_the_pipeline_methods(tiny_folder, tmp_path):
     import json
 
