@@ -101,16 +101,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return cmd_generate_pipeline(args, load_engine)
     parallel = getattr(args, "executor", None) == "parallel"
     if parallel:  # DuoDecoding (specwood/engine/parallel.py): checks that need no model first
-        from specwood.engine.parallel import check_cli_args
+        from specwood.engine.parallel import check_cli_args, parallel_method
 
-        args.method = check_cli_args(args)
+        args.method = parallel_method(args.method)
+        worker = check_cli_args(args)
     engine = load_engine(args, need_draft=needs_draft(args.method))
     executor: Any = getattr(args, "executor", None)  # None: the method decides (auto follows the plan)
     if parallel:
         from specwood.engine.parallel import ParallelExecutor
 
-        executor = ParallelExecutor(engine, draft_device=args.draft_device, draft_threads=args.draft_threads,
-                                    draft_dtype=args.draft_dtype)
+        executor = ParallelExecutor(engine, **worker)
     prompt: Any = args.prompt
     if args.system and not args.raw:
         prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
@@ -157,9 +157,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # cheap checks first, so a typo or a busy port fails before the model load
     parallel = args.executor == "parallel"
     if parallel:  # DuoDecoding serves method duo in lock-step batches
-        from specwood.engine.parallel import check_cli_args
+        from specwood.engine.parallel import check_cli_args, parallel_method
 
-        args.method = check_cli_args(args)
+        args.method = parallel_method(args.method)
+        worker = check_cli_args(args)
     need_draft = needs_draft(args.method)
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
         if value < 1:
@@ -176,8 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if parallel:
             from specwood.engine.parallel import ParallelExecutor
 
-            executor = ParallelExecutor(engine, draft_device=args.draft_device, draft_threads=args.draft_threads,
-                                        draft_dtype=args.draft_dtype)
+            executor = ParallelExecutor(engine, **worker)
         elif args.method == "auto" and args.plan_in_background:
             planner = start_background_plan(args, engine)
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),

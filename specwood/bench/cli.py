@@ -64,19 +64,15 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         methods = parse_methods(args.methods)
         if args.executor == "parallel":  # --executor parallel: the methods it runs go parallel
             methods = [f"{m}@parallel" if m == "duo" else m for m in methods]
-        executor_options = None
+        executor_options: dict[str, dict[str, Any]] = {}
         if any(split_executor(m)[1] == "parallel" for m in methods):
-            from specwood.engine.parallel import check_draft_device, check_draft_threads, parallel_method
+            from specwood.engine.parallel import check_cli_args, parallel_method
 
             for m in methods:
                 name, executor = split_executor(m)
                 if executor == "parallel":
                     parallel_method(name)
-            if args.draft in (None, "none"):
-                raise SpecwoodError("the parallel executor needs a draft model; pass --draft NAME|PATH (not 'none')")
-            executor_options = {"draft_device": check_draft_device(args.draft_device),
-                                "draft_threads": check_draft_threads(args.draft_threads, args.device),
-                                "draft_dtype": args.draft_dtype}
+            executor_options["parallel"] = check_cli_args(args)
         if args.executor == "pipeline":  # --executor pipeline: SpecPipe, PP, PP + SpecInfer on the same stages
             methods = [m if "@" in m else f"{m}@pipeline" for m in methods]
         if any(split_executor(m)[1] == "pipeline" for m in methods):
@@ -87,8 +83,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                 if split_executor(m)[1] == "pipeline":
                     pipeline_mode(split_executor(m)[0], args.budget, args.depth, args.threshold)
             check_pipeline_args(args.stages, args.width, args.topk if args.topk is not None else 4)
-            executor_options = {**(executor_options or {}), "pipeline": {
-                "stages": args.stages, "width": args.width, "topk": args.topk if args.topk is not None else 4}}
+            executor_options["pipeline"] = {"stages": args.stages, "width": args.width,
+                                            "topk": args.topk if args.topk is not None else 4}
         sampling = normalise_sampling({"temperature": args.temperature, "top_p": args.top_p,
                                        "top_k": args.top_k, "seed": args.seed})
         if any(m in HF_METHODS for m in methods):

@@ -250,8 +250,7 @@ class _Runner:
         if executor == "parallel" and self.parallel is None:
             from specwood.engine.parallel import ParallelExecutor
 
-            self.parallel = ParallelExecutor(self.engine, **{k: v for k, v in self.executor_options.items()
-                                                             if k != "pipeline"})
+            self.parallel = ParallelExecutor(self.engine, **self.executor_options.get("parallel", {}))
         if executor == "pipeline" and self.pipeline is None:
             from specwood.engine.pipeline_launch import PipelineExecutor
 
@@ -376,8 +375,9 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
 
     sampling: temperature/top_p/top_k/seed (greedy by default). method_options: passed to every
     engine method except `ar` (budget, depth, topk, threshold, ...). A method named 'NAME@parallel'
-    runs NAME on the DuoDecoding parallel executor (executor_options: draft_device,
-    draft_threads), so sequential and parallel rows come from the same run. run_info: extra metadata for
+    runs NAME on the DuoDecoding parallel executor and 'NAME@pipeline' on the pipeline executor
+    (executor_options: {"parallel": ParallelExecutor options, "pipeline": PipelineExecutor
+    options}), so rows of every executor come from the same run. run_info: extra metadata for
     run.json (command, target, draft, dtype, device...). Returns the per-(prompt, method) records.
     A generation that raises SpecwoodError is recorded with an `error` and the run goes on; an
     interrupt still writes what finished (run.json says completed: false) and re-raises.

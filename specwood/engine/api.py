@@ -152,7 +152,7 @@ class Engine:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        if _is_token_ids(prompt):
             prompt_ids = prompt
             V = self.target.config.vocab_size
             if not all(isinstance(t, int) and 0 <= t < V for t in prompt_ids):
@@ -204,7 +204,7 @@ class Engine:
         stages, width, topk, threads; specwood.engine.pipeline_launch): method "specpipe" (or auto),
         "pp" (or ar), "specinfer" (or a tree shape name, with budget/depth)."""
         if executor is None:
-            executor = self._executor_for(method, prompt, raw, method_options)
+            executor, prompt = self._executor_for(method, prompt, raw, method_options)
             if executor == "parallel":
                 method_options = {}  # auto's own options do not apply to duo
         if (isinstance(executor, str) and executor == "pipeline") or type(executor).__name__ == "PipelineExecutor":
@@ -224,15 +224,17 @@ class Engine:
                                    **method_options)
         return self.run(request)
 
-    def _executor_for(self, method: str, prompt: Any, raw: bool, options: dict[str, Any]) -> str:
-        """The executor a method picks for this prompt (sequential unless the method chooses)."""
+    def _executor_for(self, method: str, prompt: Any, raw: bool, options: dict[str, Any]) -> tuple[str, Any]:
+        """The executor a method picks for this prompt (sequential unless it chooses: auto follows
+        the plan), and the prompt: as token ids once the choice needed its length, so that
+        new_request does not encode it a second time."""
         from specwood.methods import get_method
 
-        choose = get_method(method).choose_executor
-        if choose is None or self.draft_model is None:
-            return "sequential"
-        is_ids = isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
-        return choose(self, options, len(prompt) if is_ids else len(self.encode(prompt, raw)))
+        choose = get_method(method).choose_executor if self.draft_model is not None else None
+        if choose is None:
+            return "sequential", prompt
+        ids = prompt if _is_token_ids(prompt) else self.encode(prompt, raw)
+        return choose(self, options, len(ids)), ids
 
     def run(self, request: Request) -> GenerationResult:
         """Submit a request to the engine's own scheduler and step until it is done."""
@@ -241,6 +243,11 @@ class Engine:
         if request.error is not None:
             raise request.exception
         return request.result
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    """A prompt given as token ids (a list of ints; an empty list counts, and is refused later)."""
+    return isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
 
 
 def load(

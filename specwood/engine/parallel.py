@@ -127,14 +127,13 @@ def parallel_method(method: str | None) -> str:
                         f"'{method}'; drop --method or use --executor sequential")
 
 
-def check_cli_args(args: Any) -> str:
-    """`specwood generate --executor parallel`: the checks that need no model; the method to run."""
-    method = parallel_method(args.method)
+def check_cli_args(args: Any) -> dict[str, Any]:
+    """`--executor parallel` on generate, bench and serve: the checks that need no model; the
+    worker options for ParallelExecutor(engine, **options)."""
     if args.draft in (None, "none"):
         raise SpecwoodError("executor 'parallel' needs a draft model; pass --draft NAME|PATH (not 'none')")
-    check_draft_device(args.draft_device)
-    args.draft_threads = check_draft_threads(args.draft_threads, args.device)
-    return method
+    return {"draft_device": check_draft_device(args.draft_device),
+            "draft_threads": check_draft_threads(args.draft_threads, args.device), "draft_dtype": args.draft_dtype}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,13 +7,24 @@ import functools
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 from specwood.engine.request import Drafter
 from specwood.errors import SpecwoodError
 from specwood.methods import Method, prepare_method, register
 from specwood.planner.build import get_plan, measure_draft_prefill
-from specwood.planner.store import _DTYPE_NAMES, DEFAULT_METHOD, Plan, PlanWarning, load_plan, plan_key_for, save_plan
+from specwood.planner.store import (
+    _DTYPE_NAMES,
+    DEFAULT_METHOD,
+    Plan,
+    PlanKey,
+    PlanWarning,
+    load_plan,
+    plan_key_for,
+    plan_path,
+    save_plan,
+)
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
@@ -196,7 +207,7 @@ def _auto_executor(engine: Any, options: dict[str, Any], prompt_len: int) -> str
     """auto's executor: parallel (DuoDecoding) where the measured plan found it faster than both
     sequential SD and AR at this context, sequential everywhere else."""
     base = str(options.get("shape") or DEFAULT_METHOD)
-    plan = load_plan(plan_key_for(engine, base))
+    plan = _stored_plan(plan_key_for(engine, base))
     if plan is None or plan.parallel is None or plan.source != "measured":
         return "sequential"
     executor = plan.executor_for(prompt_len)
@@ -209,6 +220,21 @@ def _auto_executor(engine: Any, options: dict[str, Any], prompt_len: int) -> str
 
 
 _told_parallel: list[bool] = []
+_plans_read: dict[Path, tuple[tuple[int, int], Plan | None]] = {}
+
+
+def _stored_plan(key: PlanKey) -> Plan | None:
+    """load_plan for a per-request decision: the file is parsed again only when it changed."""
+    path = plan_path(key)
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    stamp = (st.st_mtime_ns, st.st_size)
+    seen = _plans_read.get(path)
+    if seen is None or seen[0] != stamp:
+        seen = _plans_read[path] = (stamp, load_plan(key, path))
+    return seen[1]
 
 
 def _no_source(model: Any) -> None:
