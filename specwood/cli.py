@@ -38,10 +38,22 @@ def add_executor_args(p: argparse.ArgumentParser, pipeline: bool = False) -> Non
                         "but one beside a GPU target, half of them beside a CPU target); the target gets the rest")
     if pipeline:  # SpecPipe (specwood/engine/pipeline.py); --topk is shared with the method options
         p.add_argument("--stages", type=int, default=2, help="pipeline executor: target stages, one process each")
-        p.add_argument("--width", type=int, default=8, help="pipeline executor: tree width w (nodes per level)")
+        p.add_argument("--width", type=width_arg, default="auto",
+                       help="pipeline executor: tree width w (nodes per level); auto (default) = the planner's "
+                            "argmin of E(T) = t(w) + (1 - P(w))(m - 1)t(w), measured once and stored")
         p.add_argument("--pipeline-mode", choices=["specpipe", "pp", "specinfer"], default="specpipe",
                        help="pipeline executor: specpipe (one tree level per step), pp (plain, no speculation) or "
                             "specinfer (PP + a whole static tree per pass; --method picks the shape, default static)")
+
+
+def width_arg(value: str) -> int | str:
+    """--width: a number, or auto."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {value!r}") from None
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +69,32 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto = int4 weights on CPUs (drafts never change the output, only the speed), else --dtype")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
+    add_backend_args(p)
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    from specwood.engine.backends import BACKEND_CHOICES
+
+    p.add_argument("--backend", default="torch", choices=BACKEND_CHOICES,
+                   help="the target's runtime: torch (default), llama.cpp (llama-cpp-python on the GGUF file as it "
+                        "is, CPU, one request at a time) or auto (llama.cpp for a GGUF when it is installed)")
+    p.add_argument("--draft-backend", default="torch", choices=BACKEND_CHOICES, help="the draft's runtime (as --backend)")
+
+
+def check_backend_args(args: argparse.Namespace) -> None:
+    """Resolve --backend/--draft-backend and refuse unsupported combinations before any model loads."""
+    from specwood.engine.backends import check_backends, resolve_backend
+
+    draft = None if args.draft in (None, "none") else args.draft
+    if draft == "auto":
+        from specwood.models.registry import DEFAULT_TARGET, default_draft_for
+
+        draft = default_draft_for(str(args.target or DEFAULT_TARGET))
+    backend = resolve_backend(getattr(args, "backend", "torch"), args.target)
+    draft_backend = resolve_backend(getattr(args, "draft_backend", "torch"), draft) if draft else "torch"
+    check_backends(backend, draft_backend, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
+                   executor=getattr(args, "executor", None))
+    args.backend, args.draft_backend = backend, draft_backend
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -71,7 +109,7 @@ def add_method_args(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--method", default=default,
                    help="auto (default: the planner's choice of AR or dyspec and its tree size for this hardware; "
                         "the first run profiles for a few minutes), ar, chain, static, sequoia, eagle, dyspec, "
-                        "dyspec-threshold, pld, early-exit, prior, duo")
+                        "dyspec-threshold, pld, early-exit (experimental: no trained exit adapter, slower than ar), prior, duo")
     add_method_options(p)
 
 
@@ -91,10 +129,12 @@ def load_engine(args: argparse.Namespace, need_draft: bool = True):
 
     draft = None if (args.draft in (None, "none") or not need_draft) else args.draft
     return specwood.load(args.target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-                         max_context=args.max_context)
+                         max_context=args.max_context, backend=getattr(args, "backend", "torch"),
+                         draft_backend=getattr(args, "draft_backend", "torch"))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_backend_args(args)
     if getattr(args, "executor", None) == "pipeline":
         from specwood.engine.pipeline_launch import cmd_generate_pipeline
 
@@ -155,13 +195,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specwood.serve.app import DEFAULT_MAX_CONTEXT, bind_socket, serve
 
     # cheap checks first, so a typo or a busy port fails before the model load
+    check_backend_args(args)
     parallel = args.executor == "parallel"
     if parallel:  # DuoDecoding serves method duo in lock-step batches
         from specwood.engine.parallel import check_cli_args, parallel_method
 
         args.method = parallel_method(args.method)
         worker = check_cli_args(args)
-    need_draft = needs_draft(args.method)
+    pipeline = None
+    if args.executor == "pipeline":  # SpecPipe-DB: requests join and leave between pipeline steps
+        from specwood.engine.pipeline_launch import check_serve_args
+
+        args.method, pipeline = check_serve_args(args)
+    need_draft = needs_draft(f"{args.method}@pipeline" if pipeline else args.method)
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
         if value < 1:
             raise SpecwoodError(f"{flag} must be >= 1, got {value}")
@@ -178,6 +224,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from specwood.engine.parallel import ParallelExecutor
 
             executor = ParallelExecutor(engine, **worker)
+        elif pipeline is not None:
+            from specwood.engine.pipeline_launch import PipelineExecutor
+
+            executor = PipelineExecutor(engine, max_lanes=args.max_batch, **pipeline)
         elif args.method == "auto" and args.plan_in_background:
             planner = start_background_plan(args, engine)
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
@@ -199,7 +249,8 @@ def start_background_plan(args: argparse.Namespace, engine: Any):
     from specwood.planner.store import DEFAULT_METHOD
     from specwood.planner.store import plans_dir
 
-    if engine.draft_model is None or load_plan(plan_key_for(engine, DEFAULT_METHOD)) is not None:
+    if (engine.draft_model is None or engine.backend != "torch"  # `specwood plan` measures torch models
+            or load_plan(plan_key_for(engine, DEFAULT_METHOD)) is not None):
         return None
     cmd = [sys.executable, "-m", "specwood.cli", "plan", "--method", DEFAULT_METHOD, "--quick",
            "--dtype", args.dtype, "--torch-device", args.device, "--no-plots"]
@@ -250,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot before new ones get 503 (default 64)")
-    add_executor_args(s)
+    add_executor_args(s, pipeline=True)
     s.add_argument("--no-plan-in-background", dest="plan_in_background", action="store_false",
                    help="with --method auto and no measured plan, do not measure one in a niced child process "
                         "(auto serves from the starter plan meanwhile and switches when it is stored)")

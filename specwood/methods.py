@@ -56,14 +56,26 @@ def get_method(name: str) -> Method:
     return _REGISTRY[key]
 
 
+def split_backend(method: str) -> tuple[str, str | None]:
+    """'dyspec@llama.cpp' -> ('dyspec', 'llama.cpp'): a method and the backend its models run on
+    (the bench's way to put rows of both backends in one run); None: the engine's own backends."""
+    from specwood.engine.backends import BACKENDS
+
+    name, sep, backend = str(method).rpartition("@")
+    if sep and backend.strip().lower() in BACKENDS:
+        return name.strip(), backend.strip().lower()
+    return str(method).strip(), None
+
+
 def split_executor(method: str) -> tuple[str, str | None]:
     """'duo@parallel' -> ('duo', 'parallel'): a method and the executor it runs on (the bench's
-    way to put both executors in one run); a bare name gets None: the method decides."""
-    name, _, executor = str(method).partition("@")
+    way to put both executors in one run); a bare name gets None: the method decides. A backend
+    suffix (split_backend) is dropped."""
+    name, _, executor = split_backend(method)[0].partition("@")
     executor = executor.strip().lower() or None
     if executor not in (None, "sequential", "parallel", "pipeline"):
         raise SpecwoodError(f"unknown executor '{executor}' in '{method}' (use NAME@parallel, NAME@pipeline or "
-                            "NAME@sequential)")
+                            "NAME@sequential; NAME@llama.cpp or NAME@torch picks the backend)")
     return name.strip(), executor
 
 
@@ -150,7 +162,8 @@ def _prepare_early_exit(engine: Any, options: dict[str, Any]) -> DrafterFactory:
 register(Method("ar", "plain autoregressive decoding (the baseline)", False, (), _prepare_ar))
 for _name, _opts in SHAPE_OPTIONS.items():
     register(_shape_method(_name, _name != "pld", _opts))
-register(Method("early-exit", "the target's first layers + its head draft a chain", False,
+register(Method("early-exit", "experimental: the target's first layers + its head draft a chain (no trained exit "
+                "adapter: AAT ~1.0, slower than ar)", False,
                 ("exit_layer", "shape", "budget", "depth", "topk", "threshold", "branching", "acceptance"),
                 _prepare_early_exit))
 

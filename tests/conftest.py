@@ -21,6 +21,17 @@ def one_torch_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture()
+def llama_cpp_required() -> None:
+    """The llama.cpp tests fail (not skip) without the `llamacpp` extra, saying how to install it."""
+    from specwood.models.llamacpp import INSTALL_FIX
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pytest.fail(f"llama-cpp-python is not installed; install the extra: {INSTALL_FIX}", pytrace=False)
+
+
 class BiasedVerify:
     """A deliberately wrong sampling verifier: accepts drafted tokens `bias` too often. It counts
     its calls, so a refactor that stops routing through specwood.engine.step.verify cannot make a

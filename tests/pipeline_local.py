@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from specwood.engine.pipeline import PipelineRank, stage_ranges
-from specwood.engine.pipeline_state import Level, Verdict
 from specwood.models.transformer import build_model
 
 
@@ -39,14 +38,13 @@ class LocalComm:
     def header(self, values: list[int] | None = None) -> list[int]:
         return list(self._bcast(values, 0))
 
-    def level(self, level: Level | None, hdr: list[int]) -> Level:
-        return self._bcast(level, 0)
+    def longs(self, values: Any, rows: int, cols: int, root: int = 0) -> list[list[int]]:
+        out = self._bcast(values, root)
+        assert len(out) == rows and all(len(v) == cols for v in out), (self.rank, rows, cols, out)
+        return [list(v) for v in out]
 
     def obj(self, value: Any = None) -> Any:
         return self._bcast(value, 0)
-
-    def verdict(self, v: Verdict | None, step: int) -> Verdict:
-        return self._bcast(v, self.last)
 
     def transfer(self, step: int, send_ids: list[int], send_x: torch.Tensor | None,
                  expect_ids: list[int]) -> torch.Tensor | None:
@@ -73,13 +71,14 @@ def split_target(target: Any, stages: int) -> list[Any]:
 
 
 def run_local(target: Any, draft: Any, tokenizer: Any, eos_ids: set[int], jobs: list[Any], stages: int,
-              on_step: Any = None) -> tuple[list[Any], list[PipelineRank]]:
-    """Run `jobs` (Job, stop) one after another on an in-process pipeline; results and the ranks."""
+              on_step: Any = None, concurrent: int = 1, max_lanes: int = 8) -> tuple[list[Any], list[PipelineRank]]:
+    """Run `jobs` (Job, stop) on an in-process pipeline, `concurrent` at a time (SpecPipe-DB: a
+    group's requests share every step); results and the ranks."""
     board = Board(stages)
     parts = split_target(target, stages)
     ranks = [PipelineRank(LocalComm(board, r), parts[r], draft=draft if r == 0 else None,
                           tokenizer=tokenizer if r == 0 else None, eos_ids=eos_ids if r == 0 else None,
-                          on_step=on_step) for r in range(stages)]
+                          on_step=on_step, max_lanes=max_lanes) for r in range(stages)]
     results: list[Any] = []
     errors: list[BaseException] = []
 
@@ -87,8 +86,8 @@ def run_local(target: Any, draft: Any, tokenizer: Any, eos_ids: set[int], jobs: 
         try:
             with torch.inference_mode():
                 if r == 0:
-                    for job, stop in jobs:
-                        results.append(ranks[0].generate(job, stop))
+                    for i in range(0, len(jobs), concurrent):
+                        results.extend(ranks[0].generate_many(jobs[i:i + concurrent]))
                     ranks[0].comm.header([4, 0, 0, 0, 0])
                 else:
                     ranks[r].follow()

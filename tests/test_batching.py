@@ -534,3 +534,33 @@ def test_bad_token_id_prompts_are_a_specwood_error(tiny_engine, prompt):
     with pytest.raises(SpecwoodError):
         tiny_engine.new_request(prompt, max_tokens=4, scheduler=sched)
     assert_pools_free(sched)
+
+
+def test_static_shape_forwards_equal_eager_for_every_method(tiny_engine, monkeypatch):
+    """The CUDA-graph path's padding (batch and tokens to power-of-two buckets, masks to the full
+    row) run eagerly on the CPU: every method's greedy output is unchanged (graphs on CUDA replay
+    exactly these forwards; tests/test_cuda.py runs them captured)."""
+    from specwood.models.cuda_graphs import GraphedForward
+
+    engine = tiny_engine
+    store_auto_plan(engine)
+    rnd = random.Random(99)
+    names = method_names()
+    jobs = [Job(m, random_prompt(rnd, rnd.randint(2, 50)), max_tokens=rnd.randint(6, 24), start_step=i // 3)
+            for i, m in enumerate(names)]
+    refs = [j.reference(engine).token_ids for j in jobs]
+    made: list[GraphedForward] = []
+
+    def static_pool(self, model):
+        cache = model.new_cache(self.row_len, self.max_batch)
+        cache.graphs = GraphedForward(model, cache, capture=False)
+        made.append(cache.graphs)
+        return cache
+
+    monkeypatch.setattr(Scheduler, "_pool", static_pool)
+    sched = Scheduler(engine.target, max_batch=5, prefill_chunk_tokens=16)
+    run_jobs(engine, sched, jobs)
+    for j, ref in zip(jobs, refs):
+        assert j.request.error is None and j.request.result.token_ids == ref, j.method
+    assert len(made) >= 2 and all(g._static for g in made), "the static path did not run for target and draft"
+    assert_pools_free(sched)

@@ -70,6 +70,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def stat_engine():
+    return make_stat_engine()
+
+
+def make_stat_engine() -> Engine:
     target = make_tiny_model(vocab_size=V, seed=3)
     draft = perturbed_copy(target, 0.3, seed=4)
     engine = Engine(target, make_tiny_tokenizer(), draft=draft, target_name="tiny32", draft_name="tiny32-draft")

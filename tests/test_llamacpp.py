@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from specwood.errors import ModelFileError, SpecwoodError
-from specwood.models.llamacpp import INSTALL_FIX, LlamaCppModel, greedy_decode, import_llama_cpp
+from specwood.models.llamacpp import LlamaCppModel, greedy_decode, import_llama_cpp
 from specwood.models.testing import byte_level_tokens, random_state_dict, random_tiny_config, write_gguf
 from specwood.tree.token_tree import TokenTree
 
+pytestmark = pytest.mark.usefixtures("llama_cpp_required")
 VOCAB = 264  # the tiny tokenizer's ids: 256 bytes, <|endoftext|> 256, <|im_start|> 257, <|im_end|> 258
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
@@ -23,14 +24,6 @@ PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 def close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-3) -> bool:
     """Equal to rounding: fp32 weights, but an f16 KV cache written by batches of different sizes."""
     return float((a - b).abs().max()) <= rel * max(1.0, float(b.abs().max()))
-
-
-@pytest.fixture(autouse=True)
-def _require_llama_cpp() -> None:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        pytest.fail(f"llama-cpp-python is not installed; install the extra: {INSTALL_FIX}", pytrace=False)
 
 
 @pytest.fixture(scope="module")

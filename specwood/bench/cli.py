@@ -8,16 +8,18 @@ import sys
 from typing import Any
 
 from specwood.cli import (
+    HF_DRAFTS,
     add_executor_args,
     add_method_options,
     add_model_args,
     add_sampling_args,
+    check_backend_args,
     load_engine,
     method_options,
     needs_draft,
 )
 from specwood.errors import SpecwoodError
-from specwood.methods import split_executor
+from specwood.methods import split_backend, split_executor
 
 DEFAULT_OUT = "bench-out"
 
@@ -53,6 +55,24 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _check_method_backends(methods: list[str], args: argparse.Namespace) -> None:
+    """'NAME@llama.cpp' rows need llama-cpp-python and the sequential executor; the Hugging Face
+    baselines read the torch target."""
+    from specwood.bench.hf_baseline import HF_METHODS
+    from specwood.engine.backends import check_backends, resolve_backend
+
+    if args.backend != "torch" and any(m in HF_METHODS for m in methods):
+        raise SpecwoodError("the Hugging Face baselines (hf, hf-pld, hf-assisted) run the torch target; drop them "
+                            "or use --backend torch (NAME@llama.cpp rows can run beside them)")
+    for m in methods:
+        name, backend = split_backend(m)
+        if backend is not None:
+            resolve_backend(backend, None)  # the missing extra: one line with the pip command
+        executor = split_executor(name)[1] or args.executor
+        check_backends(backend or args.backend, backend or args.draft_backend,
+                       executor=None if name in HF_DRAFTS else executor)
+
+
 def run_bench_cli(args: argparse.Namespace) -> int:
     """0 on success, 1 if some generations failed, 2 on a usage/model error, 130 on Ctrl-C."""
     from specwood.bench.harness import normalise_sampling, parse_methods, run_bench
@@ -62,6 +82,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     try:
         # cheap checks first so a typo fails before a multi-GB model load
         methods = parse_methods(args.methods)
+        check_backend_args(args)
+        _check_method_backends(methods, args)
         if args.executor == "parallel":  # --executor parallel: the methods it runs go parallel
             methods = [f"{m}@parallel" if m == "duo" else m for m in methods]
         executor_options: dict[str, dict[str, Any]] = {}

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from specwood.methods import options_for, split_executor
+from specwood.methods import options_for, split_backend, split_executor
 from specwood.bench import report as _report
 from specwood.bench.hf_baseline import HF_METHODS, HFBaseline
 from specwood.bench.llamacpp_baseline import LLAMACPP_METHODS, LlamaCppBaseline
@@ -236,6 +236,21 @@ class _Runner:
         hf_methods = [m for m in methods if m in HF_METHODS]
         self.hf = HFBaseline(engine, hf_methods) if hf_methods else None
         self.llamacpp = LlamaCppBaseline(engine) if any(m in LLAMACPP_METHODS for m in methods) else None
+        self.engines: dict[str, Any] = {}  # 'NAME@BACKEND' rows: the same models on that backend
+
+    def engine_for(self, backend: str | None) -> Any:
+        """The engine of a 'NAME@BACKEND' row: target and draft on BACKEND (loaded once, at warm-up)."""
+        e = self.engine
+        if backend is None or (e.backend == backend and (e.draft_backend or backend) == backend):
+            return e
+        if backend not in self.engines:
+            import specwood
+            from specwood.engine.backends import DEFAULT_LLAMACPP_CTX
+
+            ctx = min(e.max_context, DEFAULT_LLAMACPP_CTX) if backend == "llama.cpp" else e.max_context
+            self.engines[backend] = specwood.load(e.target_name, e.draft_name, backend=backend, draft_backend=backend,
+                                                  max_context=ctx, progress=False)
+        return self.engines[backend]
 
     def generate(self, method: str, content: Any, raw: bool, max_tokens: int) -> dict[str, Any]:
         if method in HF_METHODS:
@@ -245,6 +260,8 @@ class _Runner:
             assert self.llamacpp is not None
             return self.llamacpp.generate(method, content, raw, max_tokens, self.sampling)
         # each engine method gets the pass-through options it takes
+        method, backend = split_backend(method)
+        engine = self.engine_for(backend)
         name, executor = split_executor(method)
         opts = options_for(name, self.method_options)
         if executor == "parallel" and self.parallel is None:
@@ -256,7 +273,7 @@ class _Runner:
 
             self.pipeline = PipelineExecutor(self.engine, **self.executor_options.get("pipeline", {}))
         t0 = time.perf_counter()
-        res = self.engine.generate(content, max_tokens=max_tokens, method=name, raw=raw,
+        res = engine.generate(content, max_tokens=max_tokens, method=name, raw=raw,
                                    temperature=self.sampling["temperature"], top_p=self.sampling["top_p"],
                                    top_k=self.sampling["top_k"], seed=self.sampling["seed"],
                                    executor={"parallel": self.parallel, "pipeline": self.pipeline}.get(
@@ -338,11 +355,12 @@ def _progress(total: int, enabled: bool) -> Any:
 
 def _mark_agreement(records: list[dict[str, Any]], eos: Sequence[int]) -> None:
     """matches_ar on every non-ar record: greedy outputs must be token-identical to ar (lossless)."""
-    ar = {r["id"]: r for r in records if r["method"] == AR and _report.ok(r)}
+    methods = _report.ordered_unique(r["method"] for r in records)
     for r in records:
-        if r["method"] != AR and _report.ok(r) and r["id"] in ar:
-            r["matches_ar"] = (_report._strip_eos(r["token_ids"], eos)
-                               == _report._strip_eos(ar[r["id"]]["token_ids"], eos))
+        base = _report.ar_for(r["method"], methods)  # 'NAME@BACKEND' rows: that backend's own ar
+        ar = next((a for a in records if a["method"] == base and a["id"] == r["id"] and _report.ok(a)), None)
+        if r["method"] != base and _report.ok(r) and ar is not None:
+            r["matches_ar"] = (_report._strip_eos(r["token_ids"], eos) == _report._strip_eos(ar["token_ids"], eos))
 
 
 def write_outputs(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -400,6 +418,8 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
     runner = _Runner(engine, methods, sampling, method_options, max_tokens, executor_options)
     if runner.llamacpp is not None:
         meta["llama.cpp"] = runner.llamacpp.settings()
+    meta["backend"] = getattr(engine, "backend", "torch")  # of rows without an @BACKEND suffix
+    meta["draft_backend"] = getattr(engine, "draft_backend", None)
     records: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     meta["completed"] = False

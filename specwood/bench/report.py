@@ -62,6 +62,13 @@ def _strip_eos(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
     return ids
 
 
+def ar_for(method: str, methods: Sequence[str]) -> str:
+    """The ar row a method's output must equal: 'ar@B' for a 'NAME@B' row when it ran, else 'ar'."""
+    name, _, backend = str(method).rpartition("@")
+    own = f"{AR}@{backend}"
+    return own if name and own in methods else AR
+
+
 def agreement(records: Sequence[dict[str, Any]], method: str, category: str | None = None,
               baseline: str = AR, eos: Sequence[int] = ()) -> tuple[int, int] | None:
     """(prompts whose tokens equal the baseline's, prompts compared); a trailing EOS is ignored
@@ -107,8 +114,8 @@ def summary_rows(records: Sequence[dict[str, Any]], *, greedy: bool = True,
             for base in BASELINES:
                 if base in methods:
                     row[f"vs_{base}"] = speedup(records, m, base, c)
-            if greedy and AR in methods and m != AR:
-                row["same_as_ar"] = agreement(records, m, c, eos=eos)
+            if greedy and ar_for(m, methods) in methods and m != ar_for(m, methods):
+                row["same_as_ar"] = agreement(records, m, c, baseline=ar_for(m, methods), eos=eos)
             rows.append(row)
     return rows
 

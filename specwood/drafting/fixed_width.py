@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from specwood.engine.pipeline_state import Level, StageKV, TreeMirror, Verdict
+from specwood.engine.pipeline_state import Level, StageKV, TreeMirror, Verdict, run_levels
 
 
 class FixedWidthSource:
-    def __init__(self, model: torch.nn.Module, width: int, topk: int, max_len: int):
+    """One request's token source. `kv`: its row of the draft's cache (`KVPool.acquire`), or a
+    private cache of `max_len` slots."""
+
+    def __init__(self, model: torch.nn.Module, width: int, topk: int, max_len: int, kv: StageKV | None = None):
         if width < 1 or topk < 1:
             raise ValueError(f"tree width and top-k must be >= 1, got w={width}, k={topk}")
-        self.kv = StageKV(model, max_len)
+        self.kv = kv if kv is not None else StageKV.alone(model, max_len)
         self.width, self.topk = width, topk
         self.cands: dict[int, tuple[list[int], list[float]]] = {}  # node -> its top-k (tokens, log-probs)
         self.cum: dict[int, float] = {}  # node -> log-prob of its path below the verified root
@@ -29,7 +32,10 @@ class FixedWidthSource:
 
     def run(self, level: Level, mirror: TreeMirror) -> None:
         """Draft over the level that entered stage 1 this step (before the verdict arrives)."""
-        logits = self.kv.run(level, torch.tensor(level.tokens), mirror, "last" if level.verified else "all")
+        draft_levels([(self, level, mirror)])
+
+    def absorb(self, level: Level, logits: torch.Tensor) -> None:
+        """Keep the top-k of the draft's logits over `level` (last node of a verified chain, else every node)."""
         top = logits.float().log_softmax(-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
         nodes = level.ids[-1:] if level.verified else level.ids
         for x, toks, lps in zip(nodes, top.indices.tolist(), top.values.tolist()):
@@ -55,3 +61,11 @@ class FixedWidthSource:
         for x, (c, _, _, _) in zip(ids, best):
             self.cum[x] = c
         return Level(ids, [s[2] for s in best], [s[3] for s in best], mirror.position[frontier[0]] + 1, False)
+
+
+def draft_levels(runs: list[tuple[FixedWidthSource, Level, TreeMirror]]) -> None:
+    """Several requests' new levels through the draft in one batched forward (their rows of one cache)."""
+    outs = run_levels([(src.kv, level, torch.tensor(level.tokens), mirror, "last" if level.verified else "all")
+                       for src, level, mirror in runs])
+    for (src, level, _), logits in zip(runs, outs):
+        src.absorb(level, logits)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Container
 
 import torch
 from torch import nn
@@ -151,20 +152,28 @@ class ModelDraftSource:
         """
         tokens = [tree.tokens[0]] + [tree.tokens[i] for i in accepted]
         seen = self.seen if self.seen is not None else tree
-        kept: list[int] = []
-        node: int | None = 0
-        for k, token in enumerate(tokens):
-            if k:
-                node = next((c for c in seen.children(node) if seen.tokens[c] == token), None)
-            if node is None or node not in self.slot_of:
-                break
-            kept.append(self.slot_of[node])
+        kept = [self.slot_of[n] for n in processed_path(seen, tokens, self.slot_of)]
         if self.pending:  # nothing of this tree was processed: the old pending tokens still wait
             self.pending += tokens
         else:
             self.cache.compact(kept, self.length, self.row)
             self.pending = tokens[len(kept):]
         self.slot_of, self.node_logits, self.seen = {}, {}, None
+
+
+def processed_path(seen: TokenTree, tokens: list[int], processed: Container[int]) -> list[int]:
+    """The nodes of the drafted tree `seen` along the accepted `tokens` (root first), as far as
+    the draft has processed them. The verified tree may be a pruned copy of the drafted one
+    (eagle reranks), so the path is followed by tokens; siblings carry distinct tokens."""
+    path: list[int] = []
+    node: int | None = 0
+    for k, token in enumerate(tokens):
+        if k:
+            node = next((c for c in seen.children(node) if seen.tokens[c] == token), None)
+        if node is None or node not in processed:
+            break
+        path.append(node)
+    return path
 
 
 def forward_draft_calls(calls: list[tuple[ModelDraftSource, TokenTree, list[int]]]) -> list[torch.Tensor]:
@@ -192,6 +201,9 @@ def forward_draft_calls(calls: list[tuple[ModelDraftSource, TokenTree, list[int]
 
 def early_exit_model(target: Transformer, n_layers: int) -> Transformer:
     """The target's first `n_layers` blocks plus its final norm and head, sharing the weights."""
+    if not isinstance(target, Transformer):
+        raise SpecwoodError("early-exit drafts with the target's own first layers, which needs the torch "
+                            "backend for the target (--backend torch)")
     if not (target.is_first and target.is_last):
         raise SpecwoodError("early-exit drafting needs the whole target model on one device")
     if not 1 <= n_layers < target.config.n_layers:

@@ -115,11 +115,31 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     @property
+    def backend(self) -> str:
+        """The target's runtime: 'torch' or 'llama.cpp' (specwood.engine.backends)."""
+        return getattr(self.target, "backend", "torch")
+
+    @property
+    def draft_backend(self) -> str | None:
+        return getattr(self.draft_model, "backend", "torch") if self.draft_model is not None else None
+
+    @property
     def scheduler(self) -> Scheduler:
         """The engine's own scheduler for `generate`: one cache row, grown while idle as needed."""
         if self._scheduler is None:
-            self._scheduler = Scheduler(self.target, max_batch=1, row_len=256, growable=True)
+            self._scheduler = self.make_scheduler(max_batch=1, row_len=256, growable=True)
         return self._scheduler
+
+    def make_scheduler(self, *, max_batch: int = 8, row_len: int | None = None, max_queue: int = 64,
+                       growable: bool = False) -> Scheduler:
+        """A scheduler for this engine's target: continuous batching on torch; on a runner-backed
+        target (llama.cpp: one KV sequence) requests take turns, whatever `max_batch` says."""
+        runner = getattr(self.target, "runner", None)
+        if runner is not None:
+            from specwood.engine.runner import RunnerScheduler
+
+            return RunnerScheduler(runner, max_queue=max_queue)
+        return Scheduler(self.target, max_batch=max_batch, row_len=row_len, max_queue=max_queue, growable=growable)
 
     def prepare(self, method: str, options: dict[str, Any] | None = None) -> "DrafterFactory":
         """Validate a method and its options once (`auto` loads its plan here)."""
@@ -207,6 +227,11 @@ class Engine:
             executor, prompt = self._executor_for(method, prompt, raw, method_options)
             if executor == "parallel":
                 method_options = {}  # auto's own options do not apply to duo
+        if not (isinstance(executor, str) and executor == "sequential"):
+            from specwood.engine.backends import check_backends
+
+            name = executor if isinstance(executor, str) else "pipeline" if "Pipeline" in type(executor).__name__ else "parallel"
+            check_backends(self.backend, self.draft_backend or "torch", executor=name)
         if (isinstance(executor, str) and executor == "pipeline") or type(executor).__name__ == "PipelineExecutor":
             from specwood.engine.pipeline_launch import generate_on_pipeline  # SpecPipe, PP, PP + SpecInfer
 
@@ -259,6 +284,8 @@ def load(
     device: str = "cpu",
     max_context: int | None = None,
     progress: bool = True,
+    backend: str = "torch",
+    draft_backend: str = "torch",
 ) -> Engine:
     """Load a target model (a registry name, a .gguf file or a Hugging Face folder) and a draft.
 
@@ -269,23 +296,37 @@ def load(
     is W8A8: int8 weights and per-token int8 activations in the linears of the layers (see
     Int8Linear), activations in the "auto" dtype elsewhere; lossy against the float model, but
     every method stays token-identical to "ar" in that mode.
+
+    backend / draft_backend: "torch" (default), "llama.cpp" (llama-cpp-python runs the GGUF file
+    as it is, on the CPU; a llama.cpp target decodes one request at a time) or "auto" (llama.cpp
+    for a GGUF model when llama-cpp-python is installed, else torch); see specwood.engine.backends.
     """
+    from specwood.engine.backends import LlamaCppDraft, LlamaCppTarget, check_backends, resolve_backend
     from specwood.models.loader import load_checkpoint, load_tokenizer
     from specwood.models.registry import DEFAULT_TARGET, default_draft_for
 
     device = check_device(device)
-    int8 = dtype == "int8"
-    torch_dtype = resolve_dtype("auto" if int8 else dtype, device)
     target = str(target or DEFAULT_TARGET)
     if draft == "auto":
         draft = default_draft_for(target)
-    cfg, sd, path = load_checkpoint(target, dtype=torch_dtype)
-    positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
-    model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8)
-    del sd
-    tokenizer = load_tokenizer(path)
-    draft_model = None
-    if draft is not None:
+    backend = resolve_backend(backend, target)
+    draft_backend = resolve_backend(draft_backend, draft) if draft is not None else "torch"
+    check_backends(backend, draft_backend, dtype=dtype, draft_dtype=draft_dtype, device=device)
+    int8 = dtype == "int8"
+    torch_dtype = resolve_dtype("auto" if int8 else dtype, device)
+    if backend == "llama.cpp":
+        model: Any = LlamaCppTarget(target, max_context)
+        positions = model.max_positions
+    else:
+        cfg, sd, _ = load_checkpoint(target, dtype=torch_dtype)
+        positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
+        model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8)
+        del sd
+    tokenizer = load_tokenizer(target)
+    draft_model: Any = None
+    if draft is not None and draft_backend == "llama.cpp":
+        draft_model = LlamaCppDraft(str(draft), max_context or positions)
+    elif draft is not None:
         int4 = draft_dtype == "int4" or (draft_dtype == "auto" and device == "cpu" and int4_available())
         dint8 = draft_dtype == "int8"
         ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8")

@@ -57,7 +57,7 @@ import torch
 
 from specwood.drafting.multi_sequence import MultiSequenceShape, make_multi_sequence, sequence_end
 from specwood.engine.processes import describe_exit
-from specwood.engine.request import Drafter, Request, State
+from specwood.engine.request import Drafter, QueueCounts, Request, State
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.tree.token_tree import TokenTree
 
@@ -1091,7 +1091,7 @@ def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) ->
 # serving on the parallel executor
 
 
-class ParallelScheduler:
+class ParallelScheduler(QueueCounts):
     """The server's scheduler on the parallel executor (`specwood serve --executor parallel`):
     queued requests run in lock-step batches of up to `max_batch` on one draft worker. A batch
     runs to completion and newcomers wait for the next one (no continuous admission on this
@@ -1112,18 +1112,6 @@ class ParallelScheduler:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def idle(self) -> bool:
-        return not self.running and not self.waiting
 
     def room_for(self, prompt_len: int, max_tokens: int) -> int:
         return self.executor.room_for(prompt_len, max_tokens)

@@ -1,7 +1,7 @@
 """The pipeline executor (SpecPipe, seed paper 002): the target split into stages, one
 torch.distributed rank per stage, fed ONE speculative tree level per pipeline step.
 
-Rank 0 is the first stage and also owns the request and the token source (the draft model runs
+Rank 0 is the first stage and also owns the requests and the token source (the draft model runs
 in-process on rank 0 in this version); the last rank holds the final norm and head and verifies.
 A pipeline step (paper, Algorithm 1):
 
@@ -17,6 +17,13 @@ A pipeline step (paper, Algorithm 1):
    from the surviving bottom nodes (fixed width w of top-k children, `drafting/fixed_width.py`).
 A miss (the token is not a candidate) empties the pipeline and the verified token refills it from
 stage 1: a stall of m - 1 steps. The prompt enters as verified chunks, so prefill is pipelined too.
+
+SpecPipe-DB (dynamic batching): several requests are in flight at once, each a `Lane` with its own
+KV row on every stage (`KVPool`), tree mirror, token source and verdicts. A step packs every lane's
+level on a stage into ONE padded forward (`run_levels`; the draft's new levels likewise), the last
+stage verifies one token per lane, every lane is pruned on its own, and all survivors travel in one
+transfer. Requests join (up to `max_lanes`) and leave between steps (`submit`, `step`), so another
+request's levels fill the bubbles a miss leaves.
 Mode "pp" is plain pipeline parallelism on the same ranks: no draft, one token per full pass.
 Mode "specinfer" is PP + SpecInfer-style speculation on the same ranks: rank 0 drafts a whole static
 tree (any tree shape of `drafting/shapes.py`, SpecInfer's <1,1,3,1,1,1,1,1> by default) from the
@@ -31,21 +38,23 @@ spawns the M ranks itself on 127.0.0.1 (`specwood generate --executor pipeline -
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from specwood.drafting.fixed_width import FixedWidthSource
+from specwood.drafting.fixed_width import FixedWidthSource, draft_levels
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.drafting.shapes import make_shape, prune
 from specwood.engine.output import GenerationResult, OutputStream
-from specwood.engine.pipeline_comm import (CMD_EXIT, CMD_LEVEL, CMD_NOOP, CMD_REQUEST, CMD_STOP, Comm, Monitor,
-                                           die, init_group, is_comm_error)
-from specwood.engine.pipeline_state import EMPTY, HIT, MISS, NONE, TREE, Level, StageKV, TreeMirror, Verdict
+from specwood.engine.pipeline_comm import CMD_EXIT, CMD_NOOP, CMD_STEP, Comm, Monitor, die, init_group, is_comm_error
+from specwood.engine.pipeline_state import (EMPTY, HIT, MISS, NONE, TREE, KVPool, Level, StageKV, TreeMirror, Verdict,
+                                            run_levels)
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
@@ -74,7 +83,10 @@ def tree_nodes(tree: dict[str, Any] | None) -> int:
 
 
 def check_pipeline_args(stages: Any, width: Any, topk: Any, n_layers: int | None = None) -> None:
+    """Bad --stages / --width / --topk as one clear SpecwoodError (width "auto": the planner picks it)."""
     for name, value in (("--stages", stages), ("--width", width), ("--topk", topk)):
+        if name == "--width" and value == "auto":
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SpecwoodError(f"{name} must be a positive integer, got {value!r}")
     if stages < 2:
@@ -120,7 +132,7 @@ def stage_ranges(config: Any, stages: int, first_stage_extra: float = 0.0) -> li
 
 @dataclass
 class Job:
-    """One request as every rank sees it (rank 0 broadcasts it at the start)."""
+    """One request as every rank sees it (rank 0 broadcasts it when the request joins)."""
 
     prompt: list[int]
     max_tokens: int
@@ -168,218 +180,413 @@ class Counts:
     accepted: int = 0  # specinfer: drafted tokens accepted
 
 
+class Lane:
+    """One request in flight, as one rank sees it: its row of the stage's KV cache, its mirror
+    of the speculative tree, the level each stage holds; on rank 0 also its output stream, its
+    token source and its counts; on the last rank its sampler."""
+
+    def __init__(self, lane_id: int, job: Job, world: int):
+        self.id, self.job = lane_id, job
+        self.kv: StageKV | None = None  # its cache row, taken when it joins
+        self.mirror = TreeMirror()
+        self.held: list[Level | None] = [None] * world
+        self.inbox: torch.Tensor | None = None  # hidden states of held[rank], from the previous stage
+        self.stats = RankStats()
+        self.gen: torch.Generator | None = None  # last rank, sampling
+        self.tree_meta: Any = None  # last rank, specinfer sampling: the drafted tree's child distributions
+        # rank 0
+        self.stream: OutputStream | None = None
+        self.counts = Counts()
+        self.draft: FixedWidthSource | None = None
+        self.trees: list[Any] | None = None  # specinfer: [draft source, shape, generator, started]
+        self.tree: TokenTree | None = None  # specinfer: the drafted tree in flight
+        self.chunks = [job.prompt[i:i + PROMPT_CHUNK] for i in range(0, len(job.prompt), PROMPT_CHUNK)]
+        self.next_id = self.pos = 0
+        self.v = Verdict(NONE)  # the latest verdict
+        self.emitted: list[int] = []  # the tokens the latest verdict settled
+        self.limit = len(job.prompt) + job.max_tokens - 2  # the last input position any token needs
+        self.result: GenerationResult | None = None  # finished: it leaves at the next step
+        self.cancelled = False
+        self.on_done: Callable[[GenerationResult], None] | None = None
+
+
 class PipelineRank:
-    """One stage's rank: its layers' KV (`StageKV`), and on rank 0 the draft, tokenizer and requests."""
+    """One stage's rank: its layers' KV rows (one per request in flight, `KVPool`), the lanes;
+    on rank 0 also the draft, tokenizer, the queue of requests and the step loop's driver.
+
+    SpecPipe-DB: every request in flight is a `Lane`; one pipeline step packs every lane's level
+    of each stage into ONE padded forward per stage (and every new level into one draft forward on
+    rank 0), verifies one token per lane, prunes per lane, and ships every lane's survivors in one
+    transfer. Requests join (up to `max_lanes`) and leave between steps."""
 
     def __init__(self, comm: Any, stage: torch.nn.Module, *, draft: torch.nn.Module | None = None,
                  tokenizer: Any = None, eos_ids: set[int] | None = None,
-                 on_step: Callable[["PipelineRank", int], None] | None = None):
+                 on_step: Callable[["PipelineRank", int], None] | None = None, max_lanes: int = 8):
         self.comm, self.rank, self.world = comm, comm.rank, comm.world
         self.last = self.world - 1
         self.stage = stage
-        self.kv = StageKV(stage, 64)
-        self.draft = FixedWidthSource(draft, 1, 1, 64) if draft is not None else None
+        self.pool = KVPool(stage)
         self.draft_model = draft
+        self.draft_pool = KVPool(draft) if draft is not None else None
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids or ())
         self.on_step = on_step  # tests: inspect every rank's state after each step
-        self.mirror = TreeMirror()
-        self.held: list[Level | None] = []
+        self.max_lanes = max_lanes
+        self.lanes: dict[int, Lane] = {}  # in flight, in table order
+        self.waiting: deque[tuple[Lane, list[str] | None, Callable[[str], None] | None]] = deque()
+        self.step_no = 0
+        self._ids = itertools.count()
 
-    # --- the request loop ---
+    # --- rank 0: requests in, results out ---
 
-    def serve(self, conn: Any) -> None:
-        """Rank 0 under the launcher: requests arrive on `conn`; replies go back on it."""
-        while True:
-            try:
-                if not conn.poll(KEEPALIVE_S):
-                    self.comm.header([CMD_NOOP, 0, 0, 0, 0])
-                    continue
-                msg = conn.recv()
-            except (EOFError, OSError):
-                msg = ("close",)  # the launcher is gone
-            if msg[0] == "close":
-                self.comm.header([CMD_EXIT, 0, 0, 0, 0])
+    def submit(self, job: Job, stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
+               on_done: Callable[[GenerationResult], None] | None = None, lane_id: int | None = None) -> int:
+        """Queue a request; it joins the pipeline at a step with a free lane. Returns its lane id."""
+        if job.mode not in MODES:
+            raise SpecwoodError(f"unknown pipeline mode '{job.mode}' (use {' or '.join(MODES)})")
+        if job.mode in DRAFTED_MODES and self.draft_model is None:
+            raise SpecwoodError(f"mode '{job.mode}' needs a draft model on rank 0 (or use mode 'pp')")
+        check_pipeline_args(self.world, job.width, job.topk)
+        lane_id = next(self._ids) if lane_id is None else lane_id
+        if lane_id in self.lanes or any(w[0].id == lane_id for w in self.waiting):
+            raise RuntimeError(f"lane {lane_id} submitted twice")
+        lane = Lane(lane_id, job, self.world)
+        lane.on_done = on_done
+        self.waiting.append((lane, stop, on_text))
+        return lane_id
+
+    def cancel(self, lane_id: int) -> None:
+        """Drop a request: queued, it ends now; in flight, it leaves at the next step."""
+        for item in list(self.waiting):
+            if item[0].id == lane_id:
+                self.waiting.remove(item)
+                lane = item[0]
+                lane.stream = OutputStream(self.tokenizer, len(lane.job.prompt), lane.job.max_tokens, self.eos_ids)
+                lane.stream.finish_reason = "cancelled"
+                if lane.on_done is not None:
+                    lane.on_done(self._finish(lane))
                 return
-            _, job, stop = msg
-            result = self.generate(job, stop, on_text=lambda s: conn.send(("text", s)))
-            conn.send(("result", result))
+        if lane_id in self.lanes:
+            self.lanes[lane_id].cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.lanes or self.waiting)
+
+    def generate_many(self, jobs: list[tuple[Job, list[str] | None]],
+                      on_text: Callable[[str], None] | None = None) -> list[GenerationResult]:
+        """Rank 0: run several requests at once (up to `max_lanes` in flight) until all are done."""
+        results: dict[int, GenerationResult] = {}
+        for i, (job, stop) in enumerate(jobs):
+            self.submit(job, stop, on_text if len(jobs) == 1 else None,
+                        lambda res, i=i: results.__setitem__(i, res))
+        while len(results) < len(jobs):
+            self.step()
+        return [results[i] for i in range(len(jobs))]
 
     def generate(self, job: Job, stop: list[str] | None = None,
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
         """Rank 0: run one request on every rank."""
-        if job.mode in DRAFTED_MODES and self.draft is None:
-            raise SpecwoodError(f"mode '{job.mode}' needs a draft model on rank 0 (or use mode 'pp')")
-        self.comm.header([CMD_REQUEST, 0, 0, 0, 0])
-        self.comm.obj(job)
-        stream = OutputStream(self.tokenizer, len(job.prompt), job.max_tokens, self.eos_ids, stop, on_text)
-        counts, stats = self.decode(job, stream)
-        per_rank = self.comm.gather(stats.as_dict())
-        extra = {"executor": "pipeline", "stages": self.world, "pipeline_steps": stats.steps,
-                 "hits": counts.hits, "misses": counts.misses, "empty_verdicts": counts.empty,
-                 "stall_steps": counts.stall_steps, "per_stage": per_rank}
+        return self.generate_many([(job, stop)], on_text)[0]
+
+    def serve(self, conn: Any) -> None:
+        """Rank 0 under the launcher: requests arrive on `conn` at any time and join between
+        steps; text, results and per-request errors go back on it, tagged with the request's id."""
+        while True:
+            try:
+                if not self.busy and not conn.poll(KEEPALIVE_S):
+                    self.comm.header([CMD_NOOP, 0, 0, 0, 0])
+                    continue
+                msgs = []
+                while conn.poll(0):
+                    msgs.append(conn.recv())
+            except (EOFError, OSError):
+                msgs = [("close",)]  # the launcher is gone
+            for msg in msgs:
+                if msg[0] == "close":
+                    self.comm.header([CMD_EXIT, 0, 0, 0, 0])
+                    return
+                if msg[0] == "cancel":
+                    self.cancel(msg[1])
+                    continue
+                _, rid, job, stop = msg
+                try:
+                    self.submit(job, stop, lambda s, rid=rid: conn.send(("text", rid, s)),
+                                lambda res, rid=rid: conn.send(("result", rid, res)), lane_id=rid)
+                except SpecwoodError as e:
+                    conn.send(("error", rid, str(e)))
+            if self.busy:
+                self.step()
+
+    def step(self) -> None:
+        """Rank 0: one pipeline step for everything in flight (admitting queued requests first)."""
+        t = time.perf_counter()
+        joins, rows, nodes = self._plan()
+        hdr = [CMD_STEP, self.step_no, len(joins), len(rows), len(nodes[0])]
+        plan_s = time.perf_counter() - t
+        for lane in self.lanes.values():
+            lane.stats.draft_s += plan_s  # choosing levels: the token source's work
+        t0 = time.perf_counter()
+        self._step(self.comm.header(hdr), t0, joins, rows, nodes)
+
+    def _plan(self) -> tuple[list[tuple[int, Job]], list[list[int]], list[list[int]]]:
+        """Rank 0: admit queued requests, then each lane's level entering stage 1 (none for a lane
+        that leaves). Returns the joins, the lane table and the nodes entering."""
+        joins = []
+        while self.waiting and len(self.lanes) < self.max_lanes:
+            lane, stop, on_text = self.waiting.popleft()
+            job = lane.job
+            self._join(lane)
+            lane.stream = OutputStream(self.tokenizer, len(job.prompt), job.max_tokens, self.eos_ids, stop, on_text)
+            joins.append((lane.id, job))
+        rows, nodes = [], [[], [], []]
+        for lane in self.lanes.values():
+            if lane.cancelled and lane.result is None:
+                lane.stream.finish_reason = "cancelled"
+                lane.result = self._finish(lane)
+            level = self._entering(lane) if lane.result is None else None
+            kind = 2 if level is not None and level.tree else int(level is not None and level.verified)
+            rows.append([lane.id, int(lane.result is not None), kind, level.position if level else 0,
+                         len(level) if level else 0])
+            if level is not None:
+                for col, values in enumerate((level.ids, level.parents, level.tokens)):
+                    nodes[col].extend(values)
+        return joins, rows, nodes
+
+    def _entering(self, lane: Lane) -> Level | None:
+        """Rank 0: the lane's next level: a prompt chunk, a refill from the verified token (a
+        whole tree, specinfer), or the next fixed-width level from the draft."""
+        level, m = None, lane.mirror
+        if lane.chunks:
+            chunk = lane.chunks.pop(0)
+            level = Level(list(range(lane.next_id, lane.next_id + len(chunk))), [-1] * len(chunk), chunk, lane.pos, True)
+            lane.pos += len(chunk)
+        elif m.root is None and lane.v.kind in (MISS, EMPTY, TREE):  # refill from the verified token
+            if lane.trees is not None:  # specinfer: a whole tree rooted at it
+                level, lane.tree = self._draft_tree(lane)
+            else:
+                level = Level([lane.next_id], [-1], [lane.v.token], lane.v.position, True)
+        elif lane.draft is not None:
+            level = lane.draft.next_level(m, lane.next_id)
+            if level is not None and level.position > lane.limit:
+                level = None
+        if level is None and all(h is None for h in lane.held):
+            raise RuntimeError(f"the pipeline ran dry before request {lane.id} finished")
+        lane.next_id += len(level) if level is not None else 0
+        return level
+
+    def _finish(self, lane: Lane) -> GenerationResult:
+        """Rank 0: the request's result (its per-stage stats are added when it leaves)."""
+        job, c = lane.job, lane.counts
+        extra = {"executor": "pipeline", "stages": self.world, "pipeline_steps": lane.stats.steps,
+                 "hits": c.hits, "misses": c.misses, "empty_verdicts": c.empty, "stall_steps": c.stall_steps}
         if job.mode == "specpipe":
-            extra.update(width=job.width, topk=job.topk,
-                         hit_rate=round(counts.hits / max(1, counts.hits + counts.misses), 4),
-                         mean_level_nodes=round(sum(counts.level_nodes) / max(1, len(counts.level_nodes)), 2))
+            extra.update(width=job.width, topk=job.topk, hit_rate=round(c.hits / max(1, c.hits + c.misses), 4),
+                         mean_level_nodes=round(sum(c.level_nodes) / max(1, len(c.level_nodes)), 2))
         elif job.mode == "specinfer":
-            extra.update(tree=dict(job.tree or DEFAULT_TREE), trees=counts.trees, accepted=counts.accepted,
-                         mean_accepted_tokens=round((counts.accepted + counts.trees) / max(1, counts.trees), 3))
-        return stream.finish(job.mode, extra)
+            extra.update(tree=dict(job.tree or DEFAULT_TREE), trees=c.trees, accepted=c.accepted,
+                         mean_accepted_tokens=round((c.accepted + c.trees) / max(1, c.trees), 3))
+        return lane.stream.finish(job.mode, extra)
+
+    # --- every rank ---
 
     def follow(self) -> None:
         """Ranks > 0: obey rank 0 until it says exit."""
         while True:
-            cmd = self.comm.header()[0]
-            if cmd == CMD_EXIT:
-                return
-            if cmd == CMD_REQUEST:
-                self.decode(self.comm.obj(), None)
-                self.comm.gather(self._stats.as_dict())
-            elif cmd != CMD_NOOP:
-                raise RuntimeError(f"protocol: command {cmd} from rank 0 between requests")
-
-    def decode(self, job: Job, stream: OutputStream | None) -> tuple[Counts, RankStats]:
-        """The pipeline steps of one request (every rank runs this loop in lock step)."""
-        r, last, comm = self.rank, self.last, self.comm
-        self.kv.reset(job.cache_len(self.world))
-        draft = self.draft if (r == 0 and job.mode == "specpipe") else None
-        if draft is not None:
-            draft.reset(job.cache_len(self.world), job.width, job.topk)
-        self._trees = self._tree_drafter(job) if (r == 0 and job.mode == "specinfer") else None
-        tree: TokenTree | None = None  # rank 0, specinfer: the drafted tree in flight
-        gen = job.params.generator(self.stage.device) if r == last and not job.params.greedy else None
-        self.mirror, self.held = TreeMirror(), [None] * self.world
-        mirror = self.mirror
-        stats, counts = RankStats(), Counts()
-        self._stats = stats
-        chunks = [job.prompt[i:i + PROMPT_CHUNK] for i in range(0, len(job.prompt), PROMPT_CHUNK)]
-        limit = len(job.prompt) + job.max_tokens - 2  # the last input position any token needs
-        next_id, pos, v, inbox, step = 0, 0, Verdict(NONE), None, 0
-        while True:
             t0 = time.perf_counter()
-            level, hdr, t_tree = None, None, 0.0
-            if r == 0:
-                if stream.finished:
-                    hdr = [CMD_STOP, step, 0, 0, 0]
-                else:
-                    if chunks:
-                        chunk = chunks.pop(0)
-                        level = Level(list(range(next_id, next_id + len(chunk))), [-1] * len(chunk), chunk, pos, True)
-                        pos += len(chunk)
-                    elif mirror.root is None and v.kind in (MISS, EMPTY, TREE):  # refill from the verified token
-                        if self._trees is not None:  # specinfer: a whole tree rooted at it
-                            level, tree = self._draft_tree(job, v, next_id, limit, stream)
-                            t_tree = time.perf_counter() - t0
-                        else:
-                            level = Level([next_id], [-1], [v.token], v.position, True)
-                    elif draft is not None:
-                        level = draft.next_level(mirror, next_id)
-                        if level is not None and level.position > limit:
-                            level = None
-                    if level is None and all(h is None for h in self.held):
-                        raise RuntimeError("the pipeline ran dry before the request finished")
-                    next_id += len(level) if level is not None else 0
-                    kind = 2 if level is not None and level.tree else int(level is not None and level.verified)
-                    hdr = [CMD_LEVEL, step, kind, level.position, len(level)] if level else \
-                        [CMD_LEVEL, step, 0, 0, 0]
-            hdr = comm.header(hdr)
-            if hdr[0] == CMD_STOP:
-                break
-            if hdr[0] != CMD_LEVEL or hdr[1] != step:
-                raise RuntimeError(f"protocol: header {hdr} during step {step}")
-            level = comm.level(level, hdr) if hdr[4] else None
-            if level is not None and level.tree and not job.params.greedy:
-                # the draft distributions the verifier needs for sampled children (last stage)
-                meta = (tree.child_rule, tree.without_replacement, tree.child_dists) if r == 0 else None
-                self._tree_meta = comm.obj(meta)
-            if level is not None:
-                mirror.add(level)
-            self.held[0] = level
-            t1 = time.perf_counter()
-            stats.sync_s += t1 - t0 - t_tree
-            stats.draft_s += t_tree
+            hdr = self.comm.header()
+            if hdr[0] == CMD_EXIT:
+                return
+            if hdr[0] == CMD_STEP:
+                self._step(hdr, t0)
+            elif hdr[0] != CMD_NOOP:
+                raise RuntimeError(f"protocol: command {hdr[0]} from rank 0")
 
-            # node-wise computation
-            mine, out = self.held[r], None
+    def _join(self, lane: Lane) -> None:
+        """A request enters: its cache rows, and on rank 0 its token source, on the last rank its sampler."""
+        job, r = lane.job, self.rank
+        lane.kv = self.pool.acquire(job.cache_len(self.world))
+        if r == 0 and job.mode == "specpipe":
+            lane.draft = FixedWidthSource(self.draft_model, job.width, job.topk, 0,
+                                          kv=self.draft_pool.acquire(job.cache_len(self.world)))
+        if r == 0 and job.mode == "specinfer":
+            lane.trees = self._tree_drafter(job)
+        if r == self.last and not job.params.greedy:
+            lane.gen = job.params.generator(self.stage.device)
+        self.lanes[lane.id] = lane
+
+    def _leave(self, leaving: list[Lane]) -> None:
+        """Requests leave (every rank): their per-stage stats to rank 0, their cache rows freed."""
+        per_rank = self.comm.gather({lane.id: lane.stats.as_dict() for lane in leaving})
+        for lane in leaving:
+            self.pool.release(lane.kv)
+            if lane.draft is not None:
+                self.draft_pool.release(lane.draft.kv)
+            del self.lanes[lane.id]
+            if self.rank == 0:
+                lane.result.stats["per_stage"] = [stats[lane.id] for stats in per_rank]
+                if lane.on_done is not None:
+                    lane.on_done(lane.result)
+
+    def _step(self, hdr: list[int], t0: float, joins: list[tuple[int, Job]] | None = None,
+              rows: list[list[int]] | None = None, nodes: list[list[int]] | None = None) -> None:
+        """One pipeline step on this rank (paper, Algorithm 1, for every lane at once); rank 0
+        passes what it planned, the others receive it."""
+        r, last, comm = self.rank, self.last, self.comm
+        _, step, n_joins, n_rows, n_nodes = hdr
+        if step != self.step_no:
+            raise RuntimeError(f"protocol: step {step} from rank 0, this rank is at step {self.step_no}")
+        if n_joins:
+            joined = comm.obj(joins)
+            if r != 0:
+                for lane_id, job in joined:
+                    self._join(Lane(lane_id, job, self.world))
+        table = comm.longs(rows, n_rows, 5) if n_rows else []
+        ids, parents, tokens = comm.longs(nodes, 3, n_nodes) if n_nodes else ([], [], [])
+        if [row[0] for row in table] != list(self.lanes):
+            raise RuntimeError(f"protocol: lane table {[row[0] for row in table]} at step {step}, this rank has "
+                               f"{list(self.lanes)}")
+        leaving = [self.lanes[row[0]] for row in table if row[1]]
+        if leaving:
+            self._leave(leaving)
+        active, entered, off = [], {}, 0
+        for lane_id, _, kind, position, n in (row for row in table if not row[1]):
+            lane = self.lanes[lane_id]
+            active.append(lane)
+            level = None
+            if n:
+                level = Level(ids[off:off + n], parents[off:off + n], tokens[off:off + n], position, kind == 1,
+                              tree=kind == 2)
+                off += n
+                lane.mirror.add(level)
+                entered[lane_id] = level
+            lane.held[0] = level
+        sampled_trees = [lane for lane in active if lane.id in entered and entered[lane.id].tree
+                         and not lane.job.params.greedy]
+        if sampled_trees:  # the draft distributions the verifier needs for sampled children (last stage)
+            metas = comm.obj({lane.id: (lane.tree.child_rule, lane.tree.without_replacement, lane.tree.child_dists)
+                              for lane in sampled_trees} if r == 0 else None)
+            for lane in sampled_trees:
+                lane.tree_meta = metas[lane.id]
+        t1 = time.perf_counter()
+
+        # node-wise computation: every lane's level on this stage in one forward
+        runs, outs = [], {}
+        for lane in active:
+            mine = lane.held[r]
             if mine is not None:
-                x = torch.tensor(mine.tokens) if r == 0 else inbox
-                out = self.kv.run(mine, x, mirror, ("all" if mine.tree else "last") if r == last else "none")
-                stats.busy_steps += 1
-                stats.nodes += len(mine)
-            t2 = time.perf_counter()
-            stats.compute_s += t2 - t1
-            if draft is not None and level is not None:
-                with torch.inference_mode():
-                    draft.run(level, mirror)
-                if not level.verified:
-                    counts.level_nodes.append(len(level))
-            t3 = time.perf_counter()
-            stats.draft_s += t3 - t2
+                x = torch.tensor(mine.tokens) if r == 0 else lane.inbox
+                mode = ("all" if mine.tree else "last") if r == last else "none"
+                runs.append((lane.kv, mine, x, lane.mirror, mode))
+        for (kv, mine, _, _, _), out in zip(runs, run_levels(runs)):
+            outs[kv.row] = out
+        t2 = time.perf_counter()
+        drafting = [(lane.draft, entered[lane.id], lane.mirror) for lane in active
+                    if lane.draft is not None and lane.id in entered]
+        if drafting:
+            draft_levels(drafting)
+            for lane in active:
+                if lane.draft is not None and lane.id in entered and not entered[lane.id].verified:
+                    lane.counts.level_nodes.append(len(entered[lane.id]))
+        t3 = time.perf_counter()
 
-            # verification of one token (last stage), broadcast to all
-            mine_v = None
-            if r == last:
-                mine_v = Verdict(NONE)
+        # verification of one token per lane (last stage), broadcast to all
+        mine_v = None
+        if r == last:
+            mine_v = []
+            for lane in active:
+                v, mine = Verdict(NONE), lane.held[last]
                 if mine is not None and mine.tree:
-                    mine_v = self._verify_tree(mine, out, job.params, gen)
-                elif mine is not None and mine.ids[-1] == mirror.root:
-                    mine_v = self._verify(out[-1], job.params, gen)
-            v = comm.verdict(mine_v, step)
-            t4 = time.perf_counter()
-            stats.sync_s += t4 - t3
+                    v = self._verify_tree(lane, mine, outs[lane.kv.row])
+                elif mine is not None and mine.ids[-1] == lane.mirror.root:
+                    v = self._verify(lane, outs[lane.kv.row][-1])
+                mine_v.append([step, v.kind, v.token, v.node, v.position])
+        verdicts = comm.longs(mine_v, len(active), 5, root=last) if active else []
+        t4 = time.perf_counter()
 
-            # pruning propagation
+        # pruning propagation, per lane
+        send_keys, send_x, expect_keys, expect_n = [], [], [], []
+        for lane, (got_step, *v) in zip(active, verdicts):
+            if got_step != step:
+                raise RuntimeError(f"protocol: verdict of step {got_step} from rank {last} during step {step}")
+            lane.v = v = Verdict(*v)
+            mirror = lane.mirror
             path = mirror.path(v.node) if v.kind == TREE else None  # the accepted path, root first
-            emitted = [mirror.token[x] for x in path[1:]] + [v.token] if path is not None else [v.token]
+            lane.emitted = [mirror.token[x] for x in path[1:]] + [v.token] if path is not None else [v.token]
             mirror.apply(v)
-            if self.held[last] is not None:
-                mirror.consumed(self.held[last].ids)
+            if lane.held[last] is not None:
+                mirror.consumed(lane.held[last].ids)
             if path is not None:
-                self.kv.commit_path(path)
-                if self._trees is not None:
-                    self._trees[0].commit(tree, [x - path[0] for x in path[1:]], v.token)
+                lane.kv.commit_path(path)
+                if lane.trees is not None:
+                    lane.trees[0].commit(lane.tree, [x - path[0] for x in path[1:]], v.token)
             else:
-                self.kv.prune(v, mirror)
-            if draft is not None:
-                draft.prune(v, mirror)
+                lane.kv.prune(v, mirror)
+            if lane.draft is not None:
+                lane.draft.prune(v, mirror)
             alive = mirror.alive()
             nxt: list[Level | None] = [None]
-            for h in self.held[:-1]:
+            for h in lane.held[:-1]:
                 h = h.keep(alive) if h is not None else None
                 nxt.append(h if h is not None and len(h) else None)
-            t5 = time.perf_counter()
-            stats.prune_s += t5 - t4
-
-            # inter-node transmission
-            send_ids, send_x = [], None
+            mine = lane.held[r]
             if r < last and nxt[r + 1] is not None:
                 index = {x: i for i, x in enumerate(mine.ids)}
-                send_ids = nxt[r + 1].ids
-                send_x = out[[index[x] for x in send_ids]]
-            inbox = comm.transfer(step, send_ids, send_x, nxt[r].ids if r > 0 and nxt[r] is not None else [])
-            self.held = nxt
-            t6 = time.perf_counter()
-            stats.transfer_s += t6 - t5
-            stats.steps += 1
-            if job.trace:
-                stats.trace.append([t0, t1, t2, t3, t4, t5, t6])
+                send_keys += [lane_key(lane.id, x) for x in nxt[r + 1].ids]
+                send_x.append(outs[lane.kv.row][[index[x] for x in nxt[r + 1].ids]])
+            if r > 0:
+                got = nxt[r].ids if nxt[r] is not None else []
+                expect_keys += [lane_key(lane.id, x) for x in got]
+                expect_n.append(len(got))
+            lane.held = nxt
+        t5 = time.perf_counter()
 
+        # inter-node transmission: every lane's survivors in one message
+        inbox = comm.transfer(step, send_keys, torch.cat(send_x) if send_x else None, expect_keys)
+        if r > 0:
+            parts = inbox.split(expect_n) if inbox is not None else [None] * len(active)
+            for lane, n, x in zip(active, expect_n, parts):
+                lane.inbox = x.to(self.stage.device) if n else None
+        t6 = time.perf_counter()
+
+        for lane in active:
+            s = lane.stats
+            s.steps += 1
+            s.sync_s += (t1 - t0) + (t4 - t3)
+            s.compute_s += t2 - t1
+            s.draft_s += t3 - t2
+            s.prune_s += t5 - t4
+            s.transfer_s += t6 - t5
+            if lane.kv.row in outs:
+                s.busy_steps += 1
+                s.nodes += len(outs[lane.kv.row])
+            if lane.job.trace:
+                s.trace.append([t0, t1, t2, t3, t4, t5, t6])
             if r == 0:
-                if v.kind == TREE:
-                    stream.push_step(emitted)
-                    counts.trees += 1
-                    counts.accepted += len(emitted) - 1
-                elif v.kind != NONE:
-                    stream.push_step([v.token])
-                    counts.hits += v.kind == HIT
-                    counts.misses += v.kind == MISS
-                    counts.empty += v.kind == EMPTY
-                elif stream.t_first is not None:
-                    counts.stall_steps += 1
-            if self.on_step is not None:
-                self.on_step(self, step)
-            step += 1
-        return counts, stats
+                self._emit(lane)
+        self.step_no += 1
+        if self.on_step is not None:
+            self.on_step(self, step)
+
+    def _emit(self, lane: Lane) -> None:
+        """Rank 0: the lane's verified token(s) of this step into its stream."""
+        v, c, stream = lane.v, lane.counts, lane.stream
+        if lane.result is not None:
+            return
+        if v.kind == TREE:
+            stream.push_step(lane.emitted)
+            c.trees += 1
+            c.accepted += len(lane.emitted) - 1
+        elif v.kind != NONE:
+            stream.push_step([v.token])
+            c.hits += v.kind == HIT
+            c.misses += v.kind == MISS
+            c.empty += v.kind == EMPTY
+        elif stream.t_first is not None:
+            c.stall_steps += 1
+        if stream.finished:
+            lane.result = self._finish(lane)
+
+    # --- PP + SpecInfer: whole trees ---
 
     def _tree_drafter(self, job: Job) -> list[Any]:
         """Rank 0, specinfer: [draft source (prompt not yet in), shape, generator, started]."""
@@ -394,44 +601,45 @@ class PipelineRank:
                 gen.manual_seed((job.params.seed * 1000003 + 12345) % (1 << 62))
         return [ModelDraftSource(self.draft_model, extra_slots=job.tree_nodes + 2), shape, gen, False]
 
-    def _draft_tree(self, job: Job, v: Verdict, first_id: int, limit: int,
-                    stream: OutputStream) -> tuple[Level, TokenTree]:
+    def _draft_tree(self, lane: Lane) -> tuple[Level, TokenTree]:
         """Rank 0, specinfer: a whole tree rooted at the verified token, as one level."""
-        src, shape, gen, started = self._trees
+        job, v = lane.job, lane.v
+        src, shape, gen, started = lane.trees
         if not started:
             src.start(job.prompt, job.max_tokens)
-            self._trees[3] = True
-        tree = shape.build(job.prompt + stream.token_ids[:-1], v.token, src, job.params, gen)
-        room = limit - v.position  # deeper nodes would only feed tokens past max_tokens
+            lane.trees[3] = True
+        tree = shape.build(job.prompt + lane.stream.token_ids[:-1], v.token, src, job.params, gen)
+        room = lane.limit - v.position  # deeper nodes would only feed tokens past max_tokens
         if tree.max_depth > room:
             tree = prune(tree, {i for i in range(1, len(tree)) if tree.depths[i] <= room})
+        first_id = lane.next_id
         ids = list(range(first_id, first_id + len(tree)))
         parents = [-1] + [first_id + p for p in tree.parents[1:]]
         return Level(ids, parents, list(tree.tokens), v.position, False, tree=True), tree
 
-    def _verify_tree(self, level: Level, logits: torch.Tensor, params: SamplingParams,
-                     gen: torch.Generator | None) -> Verdict:
+    def _verify_tree(self, lane: Lane, level: Level, logits: torch.Tensor) -> Verdict:
         """A whole tree (logits [n, V], row i after node i) through the shared verifier."""
+        params = lane.job.params
         index = {x: i for i, x in enumerate(level.ids)}
-        rule, wor, dists = ("selected", True, {}) if params.greedy else self._tree_meta
+        rule, wor, dists = ("selected", True, {}) if params.greedy else lane.tree_meta
         tree = TokenTree(list(level.tokens), [index.get(p, -1) for p in level.parents], level.depths(),
                          [1.0] * len(level), dict(dists), rule, wor)
-        verdict = verify(tree, logits, params, gen)
+        verdict = verify(tree, logits, params, lane.gen)
         node = level.ids[verdict.accepted[-1]] if verdict.accepted else level.ids[0]
         return Verdict(TREE, int(verdict.next_token), node, level.position + len(verdict.accepted) + 1)
 
-    def _verify(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> Verdict:
+    def _verify(self, lane: Lane, logits: torch.Tensor) -> Verdict:
         """The token after the root, from the root's logits [V]; a HIT if it is one of the root's
         drafted children. A one-level tree through the shared verifier (its children were chosen
         deterministically by the draft: the "selected" rule keeps sampling lossless)."""
-        m = self.mirror
+        m = lane.mirror
         root, kids = m.root, m.children(m.root)
         tree = TokenTree.with_root(m.token[root], "selected")
         for k in kids:
             tree.add_node(0, m.token[k])
         # every row is the root's: only the first decision is used (a deeper one is never reached
         # in a one-level tree; an accepted child just re-reads the root's row)
-        verdict = verify(tree, logits.reshape(1, -1).expand(len(tree), -1), params, gen)
+        verdict = verify(tree, logits.reshape(1, -1).expand(len(tree), -1), lane.job.params, lane.gen)
         position = m.position[root] + 1
         if verdict.accepted:
             node = kids[verdict.accepted[0] - 1]
@@ -439,12 +647,21 @@ class PipelineRank:
         return Verdict(MISS if kids else EMPTY, int(verdict.next_token), -1, position)
 
 
+def lane_key(lane_id: int, node: int) -> int:
+    """One int naming a request's node (what the transfer's checksum covers)."""
+    return (lane_id << 32) | node
+
+
 # ---------------------------------------------------------------------------------------------
 # a rank's process (spawned by the launcher, or started by torchrun)
 
 
-def pick_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def pick_backend(device: torch.device, world: int) -> tuple[str, torch.device]:
+    """(process-group backend, where communicated tensors live): NCCL on CUDA when every rank has
+    a GPU of its own (NCCL refuses two ranks on one GPU); otherwise gloo, over host memory."""
+    if device.type == "cuda" and torch.cuda.device_count() >= world:
+        return "nccl", device
+    return "gloo", torch.device("cpu")
 
 
 def run_rank(rank: int, world: int, build: Callable[[int, range], dict[str, Any]], layers: list[range],
@@ -459,10 +676,11 @@ def run_rank(rank: int, world: int, build: Callable[[int, range], dict[str, Any]
         parts = build(rank, layers[rank])
         stage = parts["stage"]
         dev = stage.device
-        store = init_group(rank, world, pick_backend(dev), store, collective_timeout_s)
+        backend, comm_dev = pick_backend(dev, world)
+        store = init_group(rank, world, backend, store, collective_timeout_s)
         monitor = Monitor(store, rank, world)
         monitor.start()
-        comm = Comm(rank, world, dev, stage.config.dim, stage.dtype)
+        comm = Comm(rank, world, comm_dev, stage.config.dim, stage.dtype)
         seen = comm.gather((fingerprint, stage.config.name, stage.config.n_layers, list(stage.layer_range)))
         bad = comm.obj(_disagreement(seen, layers) if rank == 0 else None)
         if bad:
@@ -471,7 +689,7 @@ def run_rank(rank: int, world: int, build: Callable[[int, range], dict[str, Any]
             monitor.close()
             os._exit(2)
         node = PipelineRank(comm, stage, draft=parts.get("draft"), tokenizer=parts.get("tokenizer"),
-                            eos_ids=parts.get("eos_ids"))
+                            eos_ids=parts.get("eos_ids"), max_lanes=parts.get("max_lanes", 8))
         result = None
         with torch.inference_mode():
             if rank == 0 and conn is not None:

@@ -2,11 +2,13 @@
 messages, and liveness (a dead or failed rank ends every other rank with one line naming it).
 
 Messages, all int64 except hidden states:
-  header    broadcast from rank 0: [cmd, step, kind, position, n] (kind 0 = a tree level, 1 = a
-            verified chain, 2 = a whole tree); n > 0 is followed by a broadcast of [3, n] (node
-            ids, parent ids, tokens) - the level entering stage 1
-  verdict   broadcast from the last rank: [step, kind, token, node, position]
-  transfer  rank i -> i+1 every step: [step, n, checksum of node ids], then hidden [n, dim]
+  header    broadcast from rank 0: [cmd, step, joins, lanes, nodes]; a step (CMD_STEP) goes on with
+            the joining requests (an object broadcast of [(lane, Job)], if joins), the lane table
+            [lanes, 5] (lane, leaves, kind, position, n; kind 0 = a tree level, 1 = a verified
+            chain, 2 = a whole tree) and the nodes entering stage 1, [3, nodes] (node ids, parent
+            ids, tokens), every lane's n in table order
+  verdicts  broadcast from the last rank: [lanes, 5] of (step, kind, token, node, position)
+  transfer  rank i -> i+1 every step: [step, n, checksum of row keys], then hidden [n, dim]
 Every receiver checks the step and what it expected, so ranks that disagree fail loudly.
 
 Liveness: every rank bumps a counter in the rendezvous store (the launcher's TCPStore, or
@@ -27,12 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from specwood.engine.pipeline_state import Level, Verdict
 
 HEARTBEAT_S = 0.5
 STALE_S = 10.0  # a rank silent this long is dead (or hung): well inside the 30 s the others get
 KEY = "specpipe/"
-CMD_NOOP, CMD_LEVEL, CMD_REQUEST, CMD_STOP, CMD_EXIT = 0, 1, 2, 3, 4
+CMD_NOOP, CMD_STEP, CMD_EXIT = 0, 1, 4
 
 _report_lock = threading.Lock()
 
@@ -157,29 +158,21 @@ class Comm:
         dist.broadcast(t, 0)
         return t.tolist()
 
-    def level(self, level: Level | None, hdr: list[int]) -> Level:
-        _, _, verified, position, n = hdr
-        t = self._long([level.ids, level.parents, level.tokens] if level is not None else None, 3 * n).reshape(3, n)
-        dist.broadcast(t, 0)
-        ids, parents, tokens = t.tolist()
-        return Level(ids, parents, tokens, position, verified == 1, tree=verified == 2)
+    def longs(self, values: list[list[int]] | None, rows: int, cols: int, root: int = 0) -> list[list[int]]:
+        """A [rows, cols] int64 table broadcast from `root` (the others pass None)."""
+        t = self._long(values, rows * cols).reshape(rows, cols)
+        dist.broadcast(t, root)
+        return t.tolist()
 
     def obj(self, value: Any = None) -> Any:
         box = [value]
         dist.broadcast_object_list(box, 0)
         return box[0]
 
-    def verdict(self, v: Verdict | None, step: int) -> Verdict:
-        t = self._long([step, v.kind, v.token, v.node, v.position] if v is not None else None, 5)
-        dist.broadcast(t, self.last)
-        got_step, kind, token, node, position = t.tolist()
-        if got_step != step:
-            raise RuntimeError(f"protocol: verdict of step {got_step} from rank {self.last} during step {step}")
-        return Verdict(kind, token, node, position)
-
     def transfer(self, step: int, send_ids: list[int], send_x: torch.Tensor | None,
                  expect_ids: list[int]) -> torch.Tensor | None:
-        """Hidden states of the surviving nodes to the next stage; those of the previous one in."""
+        """Hidden states of the surviving nodes to the next stage; those of the previous one in.
+        The ids are any keys naming the rows (request and node), checked on arrival."""
         pending = []
         if self.rank < self.last:
             pending.append(dist.isend(self._long([step, len(send_ids), checksum(send_ids)], 3), self.rank + 1))

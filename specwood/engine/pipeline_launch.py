@@ -11,8 +11,10 @@ that have not after GRACE_S are killed, so nothing is left behind. Ranks also di
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import signal
+import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -95,7 +97,7 @@ def _rank_entry(conn: Any) -> None:
                                       max_positions=spec["max_positions"])}
         spec["weights"] = None
         if r == 0:
-            parts.update(tokenizer=spec["tokenizer"], eos_ids=spec["eos_ids"])
+            parts.update(tokenizer=spec["tokenizer"], eos_ids=spec["eos_ids"], max_lanes=spec["max_lanes"])
             if spec["draft"] is not None:
                 parts["draft"] = _build_draft(spec["draft"])
         return parts
@@ -105,25 +107,69 @@ def _rank_entry(conn: Any) -> None:
     os._exit(0)  # gloo's threads must not keep a finished rank alive
 
 
-class PipelineExecutor:
-    """The target's layers split over `stages` local processes; `generate` runs one request at a
-    time in mode "specpipe" (fixed-width (width, topk) trees, one level per step), "pp" (plain
-    pipeline parallelism, one token per full pass) or "specinfer" (PP + SpecInfer: a whole static
-    tree per full pass, `tree` = make_shape options) on the same ranks."""
+class PipelineRequest:
+    """A request submitted to a `PipelineExecutor`: `wait()` for its result; its text streams to
+    `on_text` (from the executor's reader thread) as rank 0 verifies tokens."""
 
-    def __init__(self, engine: Any, stages: int = 2, *, width: int = 8, topk: int = 4, threads: int | None = None,
-                 start_timeout_s: float = 600.0, collective_timeout_s: float = 600.0):
+    def __init__(self, rid: int, on_text: Callable[[str], None] | None,
+                 on_finish: Callable[["PipelineRequest"], None] | None):
+        self.id, self.on_text, self.on_finish = rid, on_text, on_finish
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def _end(self, result: GenerationResult | None, error: BaseException | None = None) -> None:
+        if self.done.is_set():
+            return
+        self.result, self.error = result, error
+        self.done.set()
+        if self.on_finish is not None:
+            try:
+                self.on_finish(self)
+            except Exception:  # noqa: BLE001 - a consumer's callback must not stop the reader
+                pass
+
+    def wait(self, timeout: float | None = None) -> GenerationResult:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"pipeline request {self.id} gave no result within {timeout:.0f}s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class PipelineExecutor:
+    """The target's layers split over `stages` local processes. Requests run in mode "specpipe"
+    (fixed-width (width, topk) trees, one level per step), "pp" (plain pipeline parallelism, one
+    token per full pass) or "specinfer" (PP + SpecInfer: a whole static tree per full pass, `tree`
+    = make_shape options) on the same ranks. `generate` runs one request; `submit` /
+    `generate_many` put several in flight at once (SpecPipe-DB: up to `max_lanes` share every
+    pipeline step; more wait in rank 0's queue and join as others leave). `width` None or "auto":
+    the planner's choice by E(T) from a quick measurement (or the stored one), `width_choice`."""
+
+    def __init__(self, engine: Any, stages: int = 2, *, width: int | str | None = 8, topk: int = 4,
+                 threads: int | None = None, max_lanes: int = 8, start_timeout_s: float = 600.0,
+                 collective_timeout_s: float = 600.0):
         import torch.distributed as dist
         import torch.multiprocessing as tmp  # registers the shared-memory tensor reducers
 
         from specwood.engine.parallel import _draft_spec
 
         target = engine.target
-        check_pipeline_args(stages, width, topk, target.config.n_layers)
-        self.engine, self.stages, self.width, self.topk = engine, stages, width, topk
-        self.layers = stage_ranges(target.config, stages, draft_load(engine))
+        if not isinstance(max_lanes, int) or isinstance(max_lanes, bool) or max_lanes < 1:
+            raise SpecwoodError(f"max_lanes (--max-batch) must be a positive integer, got {max_lanes!r}")
+        check_pipeline_args(stages, 1 if width in (None, "auto") else width, topk, target.config.n_layers)
         cores = _available_cores()
         self.threads = threads or max(1, len(cores) // stages)
+        self.width_choice: dict[str, Any] | None = None
+        if width in (None, "auto") and engine.draft_model is None:
+            width = 8  # plain PP only: no tree to size
+        elif width in (None, "auto"):
+            from specwood.planner.pipeline_sim import choose_width
+
+            self.width_choice = choose_width(engine, stages, topk, threads=self.threads)
+            width = self.width_choice["width"]
+        self.engine, self.stages, self.width, self.topk, self.max_lanes = engine, stages, width, topk, max_lanes
+        self.layers = stage_ranges(target.config, stages, draft_load(engine))
         pin = stages * self.threads <= len(cores)  # one core set per rank when they fit
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=60))
@@ -132,6 +178,14 @@ class PipelineExecutor:
         self.procs, self.conn = [], None
         self._finalizer = weakref.finalize(self, _kill_all, self.procs)
         self.failed: str | None = None
+        self._pending: dict[int, PipelineRequest] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # the pending table
+        self._send_lock = threading.Lock()  # the pipe's send side (never held with _lock: rank 0 may be
+        # blocked sending to the reader while we send to it)
+        self._fail_lock = threading.Lock()
+        self._closing = False
+        self._reader: threading.Thread | None = None
         try:
             for r in range(stages):
                 parent, child = ctx.Pipe()
@@ -150,7 +204,7 @@ class PipelineExecutor:
                     "cores": cores[r * self.threads:(r + 1) * self.threads] if pin else None,
                     "collective_timeout_s": collective_timeout_s, "fingerprint": engine.target_name or "target",
                     "draft": draft, "tokenizer": engine.tokenizer if r == 0 else None,
-                    "eos_ids": set(engine.eos_token_ids) if r == 0 else None,
+                    "eos_ids": set(engine.eos_token_ids) if r == 0 else None, "max_lanes": max_lanes,
                 })
                 if r == 0:
                     self.conn = parent
@@ -162,6 +216,8 @@ class PipelineExecutor:
         except BaseException:
             self.close()
             raise
+        self._reader = threading.Thread(target=self._read, name="specpipe-reader", daemon=True)
+        self._reader.start()
 
     @property
     def pids(self) -> list[int]:
@@ -169,12 +225,13 @@ class PipelineExecutor:
 
     # --- requests ---
 
-    def generate(self, prompt: Any, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, raw: bool = False,
-                 on_text: Callable[[str], None] | None = None, mode: str = "specpipe", width: int | None = None,
-                 topk: int | None = None, tree: dict[str, Any] | None = None, trace: bool = False,
-                 timeout_s: float = 3600.0) -> GenerationResult:
-        """One request on the pipeline; token-identical to `ar` under greedy decoding."""
+    def submit(self, prompt: Any, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, raw: bool = False,
+               on_text: Callable[[str], None] | None = None, mode: str = "specpipe", width: int | None = None,
+               topk: int | None = None, tree: dict[str, Any] | None = None, trace: bool = False,
+               on_finish: Callable[[PipelineRequest], None] | None = None) -> PipelineRequest:
+        """Put one request in flight (it joins the pipeline at its next step, or when a lane frees
+        up); bad input raises here. Greedy output is token-identical to `ar`."""
         if self.failed:
             raise PipelineFailure(f"the pipeline is down ({self.failed}); start a new PipelineExecutor")
         if mode not in MODES:
@@ -198,27 +255,93 @@ class PipelineExecutor:
             raise ContextLengthError(f"prompt has {len(ids)} tokens but the context holds {limit}; shorten the prompt")
         stop = [stop] if isinstance(stop, str) else stop
         job = Job(ids, min(max_tokens, limit - len(ids)), params, mode, width, topk, tree, n_tree, trace)
-        self._send(("generate", job, stop))
+        req = PipelineRequest(next(self._ids), on_text, on_finish)
+        with self._lock:
+            self._pending[req.id] = req
+        self._send(("submit", req.id, job, stop))
+        return req
+
+    def generate(self, prompt: Any, *, timeout_s: float = 3600.0, **kwargs: Any) -> GenerationResult:
+        """One request on the pipeline (the arguments of `submit`)."""
+        return self._wait(self.submit(prompt, **kwargs), timeout_s)
+
+    def generate_many(self, prompts: list[Any], *, timeout_s: float = 3600.0, **kwargs: Any) -> list[GenerationResult]:
+        """Several requests in flight at once (SpecPipe-DB); each prompt may be a dict of its own
+        `submit` arguments (with "prompt"), the keyword arguments are shared. Results in order."""
+        reqs = []
+        for p in prompts:
+            own = dict(p) if isinstance(p, dict) else {"prompt": p}
+            reqs.append(self.submit(own.pop("prompt"), **{**kwargs, **own}))
         deadline = time.monotonic() + timeout_s
-        while True:
-            kind, payload = self._recv(max(1.0, deadline - time.monotonic()), "generating")
-            if kind == "text":
-                if on_text is not None:
-                    on_text(payload)
-            elif kind == "result":
-                return payload
-            else:
-                raise PipelineFailure(f"pipeline rank 0 sent {kind!r}")
+        return [self._wait(r, max(1.0, deadline - time.monotonic())) for r in reqs]
+
+    def cancel(self, req: PipelineRequest) -> None:
+        """Drop a request (it ends with finish_reason "cancelled")."""
+        if not req.done.is_set() and not self.failed:
+            self._send(("cancel", req.id))
+
+    def _wait(self, req: PipelineRequest, timeout: float) -> GenerationResult:
+        try:
+            result = req.wait(timeout)
+        except TimeoutError:
+            self.failed = f"no answer within {timeout:.0f}s"
+            _kill_all(self.procs)
+            raise PipelineFailure(f"the pipeline gave {self.failed} and was stopped") from None
+        if self.width_choice is not None and result.stats.get("method") == "specpipe":
+            result.stats["width_choice"] = self.width_choice
+        return result
 
     # --- the children ---
 
+    def _read(self) -> None:
+        """The reader thread: rank 0's messages to their requests; a dead rank fails them all."""
+        while not self._closing:
+            try:
+                msg = self.conn.recv() if self.conn.poll(0.05) else None
+            except (EOFError, OSError):
+                msg = None
+                if not self._closing:
+                    self._fail_all()
+                    return
+            if msg is None:
+                if not self._closing and any(not p.is_alive() for p in self.procs):
+                    self._fail_all()
+                    return
+                continue
+            kind, rid, payload = msg
+            with self._lock:
+                req = self._pending.get(rid) if kind == "text" else self._pending.pop(rid, None)
+            if req is None:
+                continue
+            if kind == "text":
+                if req.on_text is not None:
+                    try:
+                        req.on_text(payload)
+                    except Exception:  # noqa: BLE001
+                        pass
+            elif kind == "result":
+                req._end(payload)
+            else:  # "error": this request's bad input, caught on rank 0
+                req._end(None, SpecwoodError(payload))
+
+    def _fail_all(self) -> None:
+        try:
+            self._fail()
+        except PipelineFailure as e:
+            with self._lock:
+                pending, self._pending = list(self._pending.values()), {}
+            for req in pending:
+                req._end(None, e)
+
     def _send(self, msg: tuple) -> None:
         try:
-            self.conn.send(msg)
+            with self._send_lock:
+                self.conn.send(msg)
         except (BrokenPipeError, EOFError, OSError):
             self._fail()
 
     def _recv(self, timeout: float, what: str) -> tuple:
+        """Before the reader thread runs (starting): rank 0's next message."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -235,25 +358,31 @@ class PipelineExecutor:
 
     def _fail(self) -> None:
         """A rank is gone: name it, let the others exit (kill them after GRACE_S), raise."""
-        first = None
-        deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline:
-            dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
-            if first is None and dead:
-                # the first casualty: one killed by a signal, else the first that exited
-                first = next(((r, p) for r, p in dead if p.exitcode < 0), dead[0])
-            if len(dead) == len(self.procs):
-                break
-            time.sleep(0.05)
-        _kill_all(self.procs)
-        if first is None:
-            self.failed = "lost the connection to pipeline rank 0"
-        else:
-            r, p = first
-            self.failed = f"pipeline rank {r} (pid {p.pid}) {describe_exit(p.exitcode)}"
-        raise PipelineFailure(self.failed)
+        with self._fail_lock:  # the reader and a sender may both notice: one waits, both raise
+            if self.failed:
+                raise PipelineFailure(self.failed)
+            first = None
+            deadline = time.monotonic() + GRACE_S
+            while time.monotonic() < deadline:
+                dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
+                if first is None and dead:
+                    # the first casualty: one killed by a signal, else the first that exited
+                    first = next(((r, p) for r, p in dead if p.exitcode < 0), dead[0])
+                if len(dead) == len(self.procs):
+                    break
+                time.sleep(0.05)
+            _kill_all(self.procs)
+            if first is None:
+                self.failed = "lost the connection to pipeline rank 0"
+            else:
+                r, p = first
+                self.failed = f"pipeline rank {r} (pid {p.pid}) {describe_exit(p.exitcode)}"
+            raise PipelineFailure(self.failed)
 
     def close(self) -> None:
+        self._closing = True
+        if self._reader is not None:
+            self._reader.join(5)
         if self.conn is not None and not self.failed:
             try:
                 self.conn.send(("close",))
@@ -262,14 +391,16 @@ class PipelineExecutor:
             for p in self.procs:
                 p.join(10)
         self._finalizer()
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for req in pending:
+            req._end(None, PipelineFailure("the pipeline was closed"))
 
     def __enter__(self) -> "PipelineExecutor":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
 
 
 def _kill_all(procs: list[Any]) -> None:
@@ -280,19 +411,17 @@ def _kill_all(procs: list[Any]) -> None:
         p.join(5)
 
 
-def generate_pipeline(engine: Any, prompt: Any, *, stages: int = 2, width: int = 8, topk: int = 4,
+def generate_pipeline(engine: Any, prompt: Any, *, stages: int = 2, width: int | str | None = 8, topk: int = 4,
                       threads: int | None = None, **kwargs: Any) -> GenerationResult:
     """One request on a pipeline started for it (and stopped after): `specwood generate --executor pipeline`."""
     with PipelineExecutor(engine, stages, width=width, topk=topk, threads=threads) as ex:
         return ex.generate(prompt, **kwargs)
 
 
-def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
-    """`specwood generate --executor pipeline --stages M [--width W --topk K] [--pipeline-mode pp|specinfer]`
-    (specinfer: --method names the tree shape, static = SpecInfer's by default; --budget/--depth)."""
-    import json
-    import sys
-
+def cli_mode(args: Any) -> tuple[str, dict[str, Any] | None, int]:
+    """The pipeline mode of `generate|serve --executor pipeline` (--pipeline-mode; specinfer: --method
+    names the tree shape, static = SpecInfer's by default; --budget/--depth), its tree and top-k.
+    Checks that need no model, so bad input fails before anything loads."""
     mode, topk = args.pipeline_mode, args.topk if args.topk is not None else 4
     check_pipeline_args(args.stages, args.width, topk)
     tree = None
@@ -312,12 +441,34 @@ def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
     if mode in DRAFTED_MODES and args.draft in (None, "none"):
         raise SpecwoodError(f"--pipeline-mode {mode} needs a draft model; pass --draft NAME|PATH or use "
                             "--pipeline-mode pp")
+    return mode, tree, topk
+
+
+def check_serve_args(args: Any) -> tuple[str, dict[str, Any]]:
+    """`specwood serve --executor pipeline`: the server's default method (a name `pipeline_mode`
+    knows) and the PipelineExecutor's options."""
+    mode, tree, topk = cli_mode(args)
+    method = tree["name"] if tree is not None else mode
+    return method, {"stages": args.stages, "width": cli_width(args, mode), "topk": topk}
+
+
+def cli_width(args: Any, mode: str) -> int | str:
+    """--width, where "auto" is only measured for SpecPipe (the other modes do not use it)."""
+    return args.width if mode == "specpipe" or args.width != "auto" else 8
+
+
+def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
+    """`specwood generate --executor pipeline --stages M [--width W|auto --topk K] [--pipeline-mode pp|specinfer]`."""
+    import json
+    import sys
+
+    mode, tree, topk = cli_mode(args)
     engine = load_engine(args, need_draft=mode in DRAFTED_MODES)
     prompt: Any = args.prompt
     if args.system and not args.raw:
         prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = generate_pipeline(engine, prompt, stages=args.stages, width=args.width, topk=topk, mode=mode,
+    result = generate_pipeline(engine, prompt, stages=args.stages, width=cli_width(args, mode), topk=topk, mode=mode,
                                max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                top_k=args.top_k, seed=args.seed, stop=args.stop, raw=args.raw, on_text=stream,
                                tree=tree)
@@ -326,7 +477,8 @@ def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "stats": s}))
     else:
-        print(f"\n[{mode} x{s['stages']} stages] {s['new_tokens']} tokens, {s['tokens_per_s']} tok/s, TTFT "
+        w = f" w={s['width']}" + (" (auto)" if "width_choice" in s else "") if mode == "specpipe" else ""
+        print(f"\n[{mode}{w} x{s['stages']} stages] {s['new_tokens']} tokens, {s['tokens_per_s']} tok/s, TTFT "
               f"{s['ttft_s']:.3f}s, TBT p50 {s['tbt_ms_p50']} ms, steps {s['pipeline_steps']}, hits {s['hits']}, "
               f"misses {s['misses']}, stall steps {s['stall_steps']}, finish={result.finish_reason}", file=sys.stderr)
     return 0
@@ -344,6 +496,8 @@ def draft_load(engine: Any) -> float:
         return 0.0
     layer, head = weight_elements(target.config)
     total = target.config.n_layers * layer + head
+    for model in (draft, target):  # warm-up: a freshly loaded model's first forwards page its weights in
+        time_forward(model, 64, 1)
     return total * time_forward(draft, 64, 3) / time_forward(target, 64, 3)
 
 

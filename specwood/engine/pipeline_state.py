@@ -6,8 +6,9 @@ the last stage), so every rank's `TreeMirror` and view of what each stage holds 
 without shipping the tree around: only a new level's (ids, parents, tokens) are broadcast, the
 "snapshot of M" of the paper. `StageKV` is used by the target's stages and by the draft alike.
 
-Cache layout of a stage (one KVCache row): slots [0, committed) hold verified tokens, slot ==
-position; then the speculative nodes this stage has computed, densely, in the order `spec`.
+Cache layout of a stage: one KVCache row per request in flight (`KVPool`, SpecPipe-DB packs the
+rows of several requests into one forward with `run_levels`); in a row, slots [0, committed) hold
+verified tokens, slot == position; then the speculative nodes this stage has computed, densely, in the order `spec`.
 Pruning to the verified node's subtree keeps the verified node's KV (moved to slot `committed`)
 and its descendants', and drops the rest (SpecPipe Fig. 8: row ∨ col of the verified node).
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specwood.models.batch import RowInput, forward_rows
 from specwood.models.cache import KVCache
 
 # verdict kinds (the last stage's answer each step)
@@ -172,27 +174,53 @@ class TreeMirror:
                     d.pop(x, None)
 
 
-class StageKV:
-    """One model's (or stage's) KV cache under SpecPipe: a committed prefix and the speculative
-    nodes computed so far; `run` computes a level, `prune` follows a verdict."""
+class KVPool:
+    """One model's (or stage's) KV cache shared by the requests in flight, a row each; it grows
+    (in place) when a request needs more rows or a longer row than it has."""
 
-    def __init__(self, model: torch.nn.Module, max_len: int):
+    def __init__(self, model: torch.nn.Module, max_len: int = 64, rows: int = 1):
         self.model = model
-        self.cache: KVCache = model.new_cache(max_len, 1)
+        self.cache: KVCache = model.new_cache(max_len, rows)
+
+    def acquire(self, max_len: int) -> "StageKV":
+        if not self.cache.free_rows or self.cache.max_len < max_len:
+            self.cache.grow(max_len, self.cache.rows + (0 if self.cache.free_rows else 1))
+        return StageKV(self.model, self.cache, self.cache.allocate())
+
+    def release(self, kv: "StageKV") -> None:
+        self.cache.release(kv.row)
+
+
+class StageKV:
+    """One request's row of a model's (or stage's) KV cache under SpecPipe: a committed prefix
+    and the speculative nodes computed so far; `run` computes a level (`run_levels`: several
+    requests' levels in one forward), `prune` follows a verdict."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, row: int = 0):
+        self.model, self.cache, self.row = model, cache, row
         self.committed = 0
         self.spec: list[int] = []  # node ids at slots committed, committed+1, …
 
+    @classmethod
+    def alone(cls, model: torch.nn.Module, max_len: int) -> "StageKV":
+        """A private one-row cache (a request run on its own)."""
+        return cls(model, model.new_cache(max_len, 1))
+
     def reset(self, max_len: int) -> None:
         if self.cache.max_len < max_len:
-            self.cache = self.model.new_cache(max_len, 1)
-        self.cache.reset()
+            self.cache.grow(max_len, self.cache.rows)
+        self.cache.lengths[self.row] = 0
         self.committed, self.spec = 0, []
 
     def run(self, level: Level, x: torch.Tensor, mirror: TreeMirror, logits: str = "none") -> torch.Tensor:
         """Compute `level` (token ids [n] on a first stage, else hidden states [n, dim]) over the
         cached prefix and the nodes' ancestors. Returns hidden states [n, dim], or logits for the
         last node ("last", [1, V]) or every node ("all", [n, V]) on a last stage."""
-        n, dev = len(level), self.model.device
+        return run_levels([(self, level, x, mirror, logits)])[0]
+
+    def plan(self, level: Level, x: torch.Tensor, mirror: TreeMirror, logits: str) -> tuple[RowInput, bool]:
+        """This row's part of a batched forward over `level`, and whether it is a verified chain."""
+        n = len(level)
         # a verified chain, or a node verified while in flight (what the last stage computes)
         chain = not level.tree and (level.verified or (n == 1 and level.ids[0] in mirror.verified))
         if level.tree:
@@ -219,16 +247,17 @@ class StageKV:
                     mask[i, col[a]] = True  # KeyError here = an ancestor this stage never computed
                 mask[i, start + i] = True
         self.cache.check_room(start + n)
-        slots = torch.arange(start, start + n, device=dev)
-        rows = torch.tensor([n - 1], device=dev) if logits == "last" else None  # "all": every row
-        out = self.model(x.unsqueeze(0).to(dev), torch.tensor(level.positions(), device=dev), mask.to(dev),
-                         self.cache, slots, output_rows=rows)[0]
+        outputs = torch.tensor([n - 1]) if logits == "last" else torch.arange(n)  # "none": ignored
+        return RowInput(self.row, x, torch.tensor(level.positions()), torch.arange(start, start + n), mask,
+                        outputs), chain
+
+    def advance(self, level: Level, chain: bool) -> None:
+        """After the forward: the level's nodes are in the cache."""
         if chain:
-            self.committed += n
+            self.committed += len(level)
         else:
             self.spec.extend(level.ids)
-        self.cache.length = self.committed + len(self.spec)
-        return out
+        self.cache.lengths[self.row] = self.committed + len(self.spec)
 
     def prune(self, v: Verdict, mirror: TreeMirror) -> None:
         """Keep the verified node (its KV becomes committed) and its subtree; drop the rest.
@@ -239,7 +268,7 @@ class StageKV:
         head = [v.node] if v.kind == HIT and v.node in slot else []
         kept = [x for x in self.spec if x in mirror.position and x not in head]
         # compaction moves the verified node to slot `committed`, its subtree right after it
-        self.cache.compact([slot[x] for x in head + kept], self.committed)
+        self.cache.compact([slot[x] for x in head + kept], self.committed, self.row)
         self.committed += len(head)
         self.spec = kept
 
@@ -249,6 +278,24 @@ class StageKV:
         missing = [x for x in path if x not in slot]
         if missing:
             raise RuntimeError(f"protocol: accepted nodes {missing} were never computed on this stage")
-        self.cache.compact([slot[x] for x in path], self.committed)
+        self.cache.compact([slot[x] for x in path], self.committed, self.row)
         self.committed += len(path)
         self.spec = []
+
+
+# one row of `run_levels`: (the row's StageKV, the level, its input [n] ids or [n, dim] hidden states,
+# the request's mirror, which logits: "none" / "last" / "all")
+LevelRun = tuple[StageKV, Level, torch.Tensor, TreeMirror, str]
+
+
+def run_levels(runs: list[LevelRun]) -> list[torch.Tensor]:
+    """Several requests' levels through one model in ONE padded forward (SpecPipe-DB: every
+    request in flight on a stage computes together), each on its own cache row."""
+    if not runs:
+        return []
+    planned = [kv.plan(level, x, mirror, logits) for kv, level, x, mirror, logits in runs]
+    kv0 = runs[0][0]
+    out = forward_rows(kv0.model, kv0.cache, [p for p, _ in planned])
+    for (kv, level, _, _, _), (_, chain) in zip(runs, planned):
+        kv.advance(level, chain)
+    return out

@@ -190,3 +190,22 @@ class Request:
                 self.on_finish(self)
             except Exception:  # noqa: BLE001 - a consumer's callback must not stop the executor
                 pass
+
+
+class QueueCounts:
+    """What the server reads off any scheduler: requests queued and running (`waiting`, `running`)."""
+
+    waiting: Any
+    running: Any
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting

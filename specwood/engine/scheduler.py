@@ -17,13 +17,16 @@ from typing import Callable
 import torch
 
 from specwood.drafting.model_source import ModelDraftSource
-from specwood.engine.request import Request, State
+from specwood.engine.request import QueueCounts, Request, State
 from specwood.engine.step import StepRecord, commit, draft_trees, plain_tree, target_forward, verify_tree
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.cache import KVCache
+from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
 from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
 from specwood.models.transformer import Transformer
 from specwood.sampling import next_token
+from specwood.tree.token_tree import TokenTree
+from specwood.verify import Verdict
 
 TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
 
@@ -32,21 +35,26 @@ class QueueFullError(SpecwoodError):
     """The scheduler's queue is full: try again later."""
 
 
-class Scheduler:
+class Scheduler(QueueCounts):
     def __init__(self, target: Transformer, *, max_batch: int = 8, row_len: int | None = None,
                  max_queue: int = 64, prefill_chunk_tokens: int = 64, growable: bool = False,
-                 tree_room: int = TREE_ROOM):
-        if max_batch < 1:
-            raise SpecwoodError(f"max_batch must be >= 1, got {max_batch}")
+                 tree_room: int = TREE_ROOM, cuda_graphs: bool | None = None):
+        self._init_queue(max_batch, max_queue)
         self.target = target
-        self.max_batch = max_batch
-        self.max_queue = max_queue
+        self.cuda_graphs = cuda_graphs_wanted() if cuda_graphs is None else cuda_graphs
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.growable = growable  # a private scheduler may re-allocate its pools while idle
         self.tree_room = tree_room  # slots a row keeps beyond prompt + new tokens for a tree
         self.row_len = row_len or min(target.max_positions + tree_room, 4096)
-        self.cache = target.new_cache(self.row_len, max_batch)
+        self.cache = self._pool(target)
         self._draft_pools: dict[int, tuple[Transformer, KVCache]] = {}
+
+    def _init_queue(self, max_batch: int, max_queue: int) -> None:
+        """The admission and driving state every scheduler has, whatever its pools."""
+        if max_batch < 1:
+            raise SpecwoodError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.max_queue = max_queue
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.observers: list[Callable[[StepRecord], None]] = []
@@ -57,10 +65,21 @@ class Scheduler:
 
     # --- pools --------------------------------------------------------------------------------
 
+    def _pool(self, model: Transformer) -> KVCache:
+        """A KV pool of max_batch rows for `model`; on CUDA its decode-sized forwards replay CUDA
+        graphs (one launch per step instead of hundreds)."""
+        cache = model.new_cache(self.row_len, self.max_batch)
+        if self.cuda_graphs and cache.k.device.type == "cuda":
+            cache.graphs = GraphedForward(model, cache)
+        return cache
+
     def draft_source(self, model: Transformer) -> ModelDraftSource:
-        """A draft source for one request, on a row of this scheduler's pool for `model`."""
+        """A draft source for one request, on a row of this scheduler's pool for `model` (a draft on
+        another backend brings its own: llama.cpp contexts)."""
+        if not isinstance(model, Transformer):
+            return model.new_source()
         if id(model) not in self._draft_pools:
-            self._draft_pools[id(model)] = (model, model.new_cache(self.row_len, self.max_batch))
+            self._draft_pools[id(model)] = (model, self._pool(model))
         return ModelDraftSource(model, extra_slots=self.tree_room, pool=self._draft_pools[id(model)][1])
 
     def room_for(self, prompt_len: int, max_tokens: int) -> int:
@@ -76,8 +95,8 @@ class Scheduler:
                 f"the request needs {needed - self.tree_room} context tokens but this server's cache rows hold "
                 f"{self.row_len - self.tree_room}; shorten the prompt or lower max_tokens (or raise --max-context)")
         self.row_len = -(-needed // 256) * 256
-        self.cache = self.target.new_cache(self.row_len, self.max_batch)
-        self._draft_pools = {k: (m, m.new_cache(self.row_len, self.max_batch)) for k, (m, _) in self._draft_pools.items()}
+        self.cache = self._pool(self.target)
+        self._draft_pools = {k: (m, self._pool(m)) for k, (m, _) in self._draft_pools.items()}
 
     # --- admission ----------------------------------------------------------------------------
 
@@ -89,18 +108,6 @@ class Scheduler:
             self.waiting.append(request)
             self._lock.notify()
         return request
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def idle(self) -> bool:
-        return not self.running and not self.waiting
 
     def _admit(self) -> None:
         with self._lock:
@@ -161,7 +168,10 @@ class Scheduler:
                 self._prefill_forward(self.target, self.cache, target_chunks, draft=False)
             groups: dict[int, list] = {}
             for chunk in draft_chunks:
-                groups.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
+                if isinstance(chunk[0].drafter.source, ModelDraftSource):
+                    groups.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
+                else:
+                    self._prefill_own_source(*chunk)
             for chunks in groups.values():
                 src = chunks[0][0].drafter.source
                 self._prefill_forward(src.model, src.cache, chunks, draft=True)
@@ -169,6 +179,14 @@ class Scheduler:
                 n = len(req.prompt_ids)
                 if req.state is State.PREFILL and req.prefilled >= n and (req.draft_prefilled >= n or not req.uses_draft_model):
                     self._first_token(req)
+
+    def _prefill_own_source(self, req: Request, start: int, end: int) -> None:
+        """A draft source that runs its own model (llama.cpp) takes its prompt chunk itself."""
+        try:
+            req.drafter.source.prefill_part(req.prompt_ids, start, end)
+            req.draft_prefilled = end
+        except Exception as e:  # noqa: BLE001
+            self._fail(req, e)
 
     def _prefill_forward(self, model: Transformer, cache: KVCache, chunks: list, draft: bool) -> None:
         def row_of(req: Request) -> int:
@@ -207,8 +225,7 @@ class Scheduler:
         with torch.inference_mode():
             trees = draft_trees(batch, len(batch), failed)
             for req, tree in trees.items():  # no room to speculate: a plain step
-                L = self.cache.lengths[req.row]
-                if L + tree.max_depth >= self.target.max_positions or L + len(tree) > self.cache.max_len:
+                if not self._fits(req, tree):
                     trees[req] = plain_tree(req)
             live = [r for r in batch if r in trees]
             t1 = time.perf_counter()
@@ -221,7 +238,7 @@ class Scheduler:
                 tree = trees[req]
                 try:
                     verdict = verify_tree(req, tree, logits)
-                    tokens = commit(self.cache, req, tree, verdict, t1 - t0, time.perf_counter() - t1)
+                    tokens = self._commit(req, tree, verdict, t1 - t0, time.perf_counter() - t1)
                     drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
                     if req.out.push_step(tokens):
                         self._finish(req)
@@ -235,6 +252,13 @@ class Scheduler:
                 observe(record)
             except Exception:  # noqa: BLE001 - a metrics observer must not stop decoding
                 pass
+
+    def _fits(self, req: Request, tree: TokenTree) -> bool:
+        L = self.cache.lengths[req.row]
+        return L + tree.max_depth < self.target.max_positions and L + len(tree) <= self.cache.max_len
+
+    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, draft_s: float, verify_s: float) -> list[int]:
+        return commit(self.cache, req, tree, verdict, draft_s, verify_s)
 
     def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
         if not live:

@@ -83,13 +83,14 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
 def target_forward(model: Transformer, cache: KVCache, requests: list[Request],
                    trees: dict[Request, TokenTree]) -> list[torch.Tensor]:
     """One forward over every request's tree: logits [len(tree), V] per request."""
-    inputs = []
-    for r in requests:
-        tree, L = trees[r], cache.lengths[r.row]
-        n = len(tree)
-        inputs.append(RowInput(r.row, torch.tensor(tree.tokens), tree.positions(L), torch.arange(L, L + n),
-                               tree.attention_mask(L), torch.arange(n)))
-    return forward_rows(model, cache, inputs)
+    return forward_rows(model, cache, [tree_row(r.row, trees[r], cache.lengths[r.row]) for r in requests])
+
+
+def tree_row(row: int, tree: TokenTree, L: int) -> RowInput:
+    """A tree's part of a target forward: its nodes in slots L.. after the row's L cached tokens."""
+    n = len(tree)
+    return RowInput(row, torch.tensor(tree.tokens), tree.positions(L), torch.arange(L, L + n),
+                    tree.attention_mask(L), torch.arange(n))
 
 
 def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verdict:
@@ -103,8 +104,14 @@ def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, 
            verify_s: float) -> list[int]:
     """Keep the accepted path in the request's cache row and draft source; the emitted tokens."""
     L = cache.lengths[request.row]
+    cache.compact([L + i for i in [0] + verdict.accepted], L, request.row)
+    return advance(request, tree, verdict, draft_s, verify_s)
+
+
+def advance(request: Request, tree: TokenTree, verdict: Verdict, draft_s: float, verify_s: float) -> list[int]:
+    """The target's cache already holds the accepted path: move the draft source, stats, drafter
+    and context on by the verdict; the emitted tokens."""
     path = [0] + verdict.accepted
-    cache.compact([L + i for i in path], L, request.row)
     if request.drafter.source is not None:
         request.drafter.source.commit(tree, verdict.accepted, verdict.next_token)
     if len(tree) > 1 or request.drafter.shape is not None:

@@ -15,31 +15,24 @@ class RowInput:
     """One cache row's part of a batched forward."""
 
     row: int  # the cache row
-    tokens: torch.Tensor  # [n] token ids
+    tokens: torch.Tensor  # [n] token ids (or [n, dim] hidden states into a later pipeline stage)
     positions: torch.Tensor  # [n]
     slots: torch.Tensor  # [n] cache slots the tokens' K/V go to
     mask: torch.Tensor  # [n, s] bool over the row's slots [0, s)
-    outputs: torch.Tensor  # indices (into the n tokens) whose logits are wanted
+    outputs: torch.Tensor  # indices (into the n tokens) whose logits are wanted (a stage without the
+    # head returns every token's hidden state instead)
 
 
-def forward_rows(model: Transformer, cache: KVCache, inputs: list[RowInput]) -> list[torch.Tensor]:
-    """Run every row's tokens in ONE forward; logits [len(outputs), V] per row. Padding tokens
-    write their K/V to the cache's scratch slot and attend to slot 0; nothing reads them."""
-    dev = model.device
-    for x in inputs:
-        cache.check_room(x.mask.shape[1])
-        model.check_positions(int(x.positions.max()))  # host-side tensors: no device sync
-    if len(inputs) == 1:  # no padding: a view of the one row
-        x = inputs[0]
-        out = model(x.tokens[None].to(dev), x.positions.to(dev), x.mask.to(dev), cache, x.slots.to(dev),
-                    output_rows=x.outputs.to(dev), rows=slice(x.row, x.row + 1))
-        return [out[0]]
+def pad_rows(inputs: list[RowInput], scratch_slot: int) -> tuple[torch.Tensor, ...]:
+    """tokens [B, T(, dim)], positions [B, T], slots [B, T] and mask [B, T, S] of the rows padded to
+    the longest; padding tokens go to the scratch slot and attend to slot 0."""
     B = len(inputs)
     T = max(len(x.tokens) for x in inputs)
     S = max(x.mask.shape[1] for x in inputs)
-    tokens = torch.zeros(B, T, dtype=torch.long)
+    first = inputs[0].tokens
+    tokens = torch.zeros((B, T, *first.shape[1:]), dtype=first.dtype, device=first.device)
     positions = torch.zeros(B, T, dtype=torch.long)
-    slots = torch.full((B, T), cache.scratch_slot, dtype=torch.long)
+    slots = torch.full((B, T), scratch_slot, dtype=torch.long)
     mask = torch.zeros(B, T, S, dtype=torch.bool)
     mask[:, :, 0] = True
     for b, x in enumerate(inputs):
@@ -47,9 +40,47 @@ def forward_rows(model: Transformer, cache: KVCache, inputs: list[RowInput]) -> 
         tokens[b, :n], positions[b, :n], slots[b, :n] = x.tokens, x.positions, x.slots
         mask[b, :n] = False
         mask[b, :n, :s] = x.mask
+    return tokens, positions, slots, mask
+
+
+def forward_rows(model: Transformer, cache: KVCache, inputs: list[RowInput]) -> list[torch.Tensor]:
+    """Run every row's tokens in ONE forward; logits [len(outputs), V] per row (hidden states
+    [n, dim] on a pipeline stage without the head). Padding tokens write their K/V to the cache's
+    scratch slot and attend to slot 0; nothing reads them."""
+    dev = model.device
+    for x in inputs:
+        cache.check_room(x.mask.shape[1])
+        model.check_positions(int(x.positions.max()))  # host-side tensors: no device sync
+    graphs = getattr(cache, "graphs", None)
+    if graphs is not None and graphs.fits(len(inputs), max(len(x.tokens) for x in inputs)):
+        return _forward_graphed(model, graphs, inputs)
+    if len(inputs) == 1:  # no padding: a view of the one row
+        x = inputs[0]
+        out = model(x.tokens[None].to(dev), x.positions.to(dev), x.mask.to(dev), cache, x.slots.to(dev),
+                    output_rows=x.outputs.to(dev), rows=slice(x.row, x.row + 1))
+        return [out[0]]
+    tokens, positions, slots, mask = pad_rows(inputs, cache.scratch_slot)
+    rows = torch.tensor([x.row for x in inputs], device=dev)
+    if not getattr(model, "is_last", True):  # hidden states out: each row's own tokens
+        out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev), rows=rows)
+        return [out[b, :len(x.tokens)] for b, x in enumerate(inputs)]
+    out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev),
+                output_rows=_wanted(inputs, dev), rows=rows)
+    return list(out.split([len(x.outputs) for x in inputs]))
+
+
+def _forward_graphed(model: Transformer, graphs, inputs: list[RowInput]) -> list[torch.Tensor]:
+    """The same forward through fixed-shape CUDA graphs (`GraphedForward` pads it to a bucket)."""
+    tokens, positions, slots, mask = pad_rows(inputs, graphs.cache.scratch_slot)
+    hidden = graphs(tokens, positions, mask, slots, [x.row for x in inputs])
+    if not getattr(model, "is_last", True):
+        return [hidden[b, :len(x.tokens)].clone() for b, x in enumerate(inputs)]
+    out = model.head(hidden, _wanted(inputs, hidden.device))
+    return list(out.split([len(x.outputs) for x in inputs]))
+
+
+def _wanted(inputs: list[RowInput], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch row, token) index pairs of the logits each row asked for."""
     sel_b = torch.cat([torch.full((len(x.outputs),), b, dtype=torch.long) for b, x in enumerate(inputs)])
     sel_t = torch.cat([x.outputs.long() for x in inputs])
-    rows = torch.tensor([x.row for x in inputs], device=dev)
-    out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev),
-                output_rows=(sel_b.to(dev), sel_t.to(dev)), rows=rows)
-    return list(out.split([len(x.outputs) for x in inputs]))
+    return sel_b.to(dev), sel_t.to(dev)

@@ -64,6 +64,22 @@ class KVCache:
         self.lengths[row] = 0
         self._free.append(row)
 
+    def grow(self, max_len: int, rows: int) -> None:
+        """Make room for at least `rows` rows of `max_len` slots, in place (the same object, so
+        holders of row numbers stay valid): rows in use keep their entries and lengths."""
+        max_len, rows = max(max_len, self.max_len), max(rows, self.rows)
+        if (max_len, rows) == (self.max_len, self.rows):
+            return
+        L, B, H, _, D = self.k.shape
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros((L, rows, H, max_len + 1, D), dtype=old.dtype, device=old.device)
+            new[:, :B, :, :self.max_len] = old[:, :, :, :self.max_len]
+            setattr(self, name, new)
+        self._free = list(range(rows - 1, B - 1, -1)) + self._free  # old free rows are handed out first
+        self.lengths += [0] * (rows - B)
+        self.rows, self.max_len, self.scratch_slot = rows, max_len, max_len
+
     def check_room(self, needed: int) -> None:
         """Raise a clear error if `needed` slots exceed a row."""
         if needed > self.max_len:

@@ -9,6 +9,13 @@ couples their sequences, which llama.cpp only accepts with a unified KV buffer (
 After verification `commit(path)` keeps the accepted path's cells with seq_rm/seq_keep/seq_cp; no
 token is decoded twice.
 
+Rounding: on quantised files llama.cpp multiplies a batch of rows with other kernels than one row
+(repacked weights from 4 rows, another path from 8), so a tree's logits equal the one-token ones
+only to rounding, and greedy speculative output can leave the backend's own autoregressive output
+where the top two logits are that close. `exact=True` trades speed for identical rounding: no
+weight repacking, flash attention on, and batches split into ubatches of EXACT_UBATCH rows, which
+this CPU's kernels compute exactly as they compute one row (tests/test_llamacpp_backend.py).
+
 Logits come back as float32 torch tensors padded (with -inf) or trimmed to `vocab_size`, the torch
 model's vocabulary (config.vocab_size = rows of token_embd; llama.cpp's n_vocab counts the tokenizer's
 tokens, which can differ).
@@ -28,6 +35,7 @@ from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
 INSTALL_FIX = ("CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'specwood[llamacpp]' "
                "(llama-cpp-python is built from source; GGML_NATIVE uses this CPU's instruction set)")
 _backend_ready = False
+EXACT_UBATCH = 4  # rows per ubatch in exact mode (measured: 1..7 rows round alike, 8 do not)
 
 
 def import_llama_cpp() -> Any:
@@ -60,22 +68,48 @@ def default_threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-class LlamaCppModel:
-    """A llama.cpp context over one GGUF file with prefill / tree forward / commit / rollback."""
+class _LoadedGGUF:
+    """A GGUF file loaded by llama.cpp (the weights), shared by every context made from it."""
 
-    def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_seq_max: int = 16, n_batch: int = 512, vocab_size: int | None = None) -> None:
-        self._model = self._ctx = self._batch = None
+    def __init__(self, path: Path, exact: bool = False) -> None:
         lc = self._lc = import_llama_cpp()
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelFileError(f"{self.path}: no such GGUF file")
+        self.path = path
+        self.exact = exact
+        if not path.is_file():
+            raise ModelFileError(f"{path}: no such GGUF file")
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0  # a CPU backend; llama.cpp's GPU builds are out of scope
-        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
-        if not self._model:
-            raise ModelFileError(f"{self.path}: llama.cpp cannot load this file (not a GGUF model, an architecture "
+        mparams.use_extra_bufts = not exact  # repacked weights: faster batches, other rounding
+        self.handle = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.handle:
+            raise ModelFileError(f"{path}: llama.cpp cannot load this file (not a GGUF model, an architecture "
                                  "or tensor type this llama.cpp build lacks, or a truncated file)")
+
+    def __del__(self) -> None:  # after the last context made from it (each holds a reference)
+        try:
+            if getattr(self, "handle", None):
+                self._lc.llama_model_free(self.handle)
+                self.handle = None
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+
+class LlamaCppModel:
+    """A llama.cpp context over one GGUF file with prefill / tree forward / commit / rollback.
+
+    `weights` shares the loaded file of another runner (`runner.weights`): a second context (its
+    own KV cache) without loading the file again, as each request of a llama.cpp draft needs.
+    `exact`: the same rounding for every batch size (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
+                 n_seq_max: int = 16, n_batch: int = 512, vocab_size: int | None = None,
+                 weights: _LoadedGGUF | None = None, exact: bool = False) -> None:
+        self._ctx = self._batch = None
+        lc = self._lc = import_llama_cpp()
+        self.weights = weights or _LoadedGGUF(Path(path), exact)
+        self.exact = self.weights.exact
+        self.path = self.weights.path
+        self._model = self.weights.handle
         self.n_threads = n_threads or default_threads()
         self.n_ctx = min(n_ctx, lc.llama_model_n_ctx_train(self._model) or n_ctx)
         self.n_seq_max = n_seq_max
@@ -83,6 +117,9 @@ class LlamaCppModel:
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = self.n_ctx
         cparams.n_batch = cparams.n_ubatch = n_batch  # one ubatch per tree: a tree is one forward
+        if self.exact:
+            cparams.n_ubatch = EXACT_UBATCH
+            cparams.flash_attn_type = 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED: the same attention kernel for every batch
         cparams.n_seq_max = n_seq_max
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.kv_unified = True  # coupled sequences (tree nodes shared by several leaves) need it
@@ -102,16 +139,18 @@ class LlamaCppModel:
 
     @classmethod
     def open(cls, name_or_path: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
-             n_seq_max: int = 16, vocab_size: int | None = None) -> "LlamaCppModel":
+             n_seq_max: int = 16, n_batch: int = 512, vocab_size: int | None = None,
+             exact: bool = False) -> "LlamaCppModel":
         """A registry name or .gguf path -> a runner (the model files are assembled as for torch)."""
         import_llama_cpp()  # the missing extra is the likelier mistake: say so before touching files
         return cls(gguf_path(name_or_path), n_ctx=n_ctx, n_threads=n_threads, n_seq_max=n_seq_max,
-                   vocab_size=vocab_size)
+                   n_batch=n_batch, vocab_size=vocab_size, exact=exact)
 
     # --- plumbing ---------------------------------------------------------------------------------
 
-    def _decode(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[Sequence[int]],
-                outputs: Sequence[bool]) -> None:
+    def decode_batch(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[Sequence[int]],
+                     outputs: Sequence[bool]) -> None:
+        """One llama_decode: token i at position pos[i] in sequences seqs[i]; logits where outputs[i]."""
         b = self._batch
         n = len(tokens)
         for i in range(n):
@@ -128,7 +167,7 @@ class LlamaCppModel:
         if rc != 0:
             raise SpecwoodError(f"llama_decode failed with code {rc} on a batch of {n} tokens")
 
-    def _logits(self, rows: int) -> torch.Tensor:
+    def output_logits(self, rows: int) -> torch.Tensor:
         """The last decode's output rows (batch order) as float32 [rows, vocab_size]."""
         ptr = self._lc.llama_get_logits(self._ctx)
         out = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy())
@@ -139,7 +178,7 @@ class LlamaCppModel:
             return torch.cat([out, pad], dim=1)
         return out
 
-    def _room(self, n: int) -> None:
+    def check_room(self, n: int) -> None:
         if self.n_past + n > self.n_ctx:
             raise ContextLengthError(f"{self.n_past} + {n} tokens do not fit the llama.cpp context of {self.n_ctx}")
 
@@ -151,22 +190,22 @@ class LlamaCppModel:
         if not tokens:
             raise SpecwoodError("prefill needs at least one token")
         self._discard_tree()
-        self._room(len(tokens))
+        self.check_room(len(tokens))
         for i in range(0, len(tokens), self.n_batch):
             chunk = tokens[i:i + self.n_batch]
             last = i + len(chunk) == len(tokens)
-            self._decode(chunk, range(self.n_past, self.n_past + len(chunk)), [[0]] * len(chunk),
+            self.decode_batch(chunk, range(self.n_past, self.n_past + len(chunk)), [[0]] * len(chunk),
                          [last and k == len(chunk) - 1 for k in range(len(chunk))])
             self.n_past += len(chunk)
-        return self._logits(1)[0]
+        return self.output_logits(1)[0]
 
     def decode_one(self, token: int) -> torch.Tensor:
         """One plain autoregressive step: append `token`, return the logits after it."""
         self._discard_tree()
-        self._room(1)
-        self._decode([int(token)], [self.n_past], [[0]], [True])
+        self.check_room(1)
+        self.decode_batch([int(token)], [self.n_past], [[0]], [True])
         self.n_past += 1
-        return self._logits(1)[0]
+        return self.output_logits(1)[0]
 
     def forward_tree(self, tree: Any, parents: Sequence[int] | None = None) -> torch.Tensor:
         """Logits after every node of a token tree rooted at position n_past, [n, vocab_size].
@@ -185,7 +224,7 @@ class LlamaCppModel:
         depth = [0] * n
         for i in range(1, n):
             depth[i] = depth[parents[i]] + 1
-        self._room(max(depth) + 1)
+        self.check_room(max(depth) + 1)
         has_child = set(parents[1:])
         leaves = [i for i in range(n) if i not in has_child]
         if len(leaves) > self.n_seq_max:
@@ -198,10 +237,10 @@ class LlamaCppModel:
                 seqs[node].append(s)
                 node = parents[node]
         for s in range(1, len(leaves)):  # every leaf sequence sees the committed prefix
-            self._lc.llama_memory_seq_cp(self._mem, 0, s, -1, -1)
-        self._tree_seqs, self._tree_parents = seqs, parents
-        self._decode(tokens, [self.n_past + d for d in depth], seqs, [True] * n)
-        return self._logits(n)
+            self.share_prefix(0, s)
+        self._tree_seqs, self._tree_parents, self._tree_tokens = seqs, parents, tokens
+        self.decode_batch(tokens, [self.n_past + d for d in depth], seqs, [True] * n)
+        return self.output_logits(n)
 
     def commit(self, path: Sequence[int]) -> None:
         """Keep the KV of the last tree's nodes `path` (root first, each the parent of the next) as
@@ -213,11 +252,27 @@ class LlamaCppModel:
         if (not path or path[0] != 0 or any(not 0 <= p < n for p in path)
                 or any(self._tree_parents[b] != a for a, b in zip(path, path[1:]))):
             raise SpecwoodError(f"nodes {path} are not a root-to-node path of the last tree")
-        end = self.n_past + len(path)
-        seq = self._tree_seqs[path[-1]][0]  # the sequence of some leaf below the last accepted node
+        if self.exact and path != list(range(len(path))):  # decode the path again in order: its cells
+            # then sit in position order, as plain decoding leaves them (attention sums in cell order)
+            tokens = [self._tree_tokens[p] for p in path]
+            self.rollback(self.n_past)
+            self.decode_batch(tokens, range(self.n_past, self.n_past + len(tokens)), [[0]] * len(tokens),
+                              [False] * len(tokens))
+            self.n_past += len(tokens)
+            return
+        # the sequence of some leaf below the last accepted node holds the whole path
+        self.keep_path(self._tree_seqs[path[-1]][0], self.n_past + len(path))
+
+    def share_prefix(self, src: int, dst: int, end: int = -1) -> None:
+        """Add sequence `dst` to the cells of sequence `src` at positions < `end` (all if end < 0)."""
+        self._lc.llama_memory_seq_cp(self._mem, src, dst, -1, end)
+
+    def keep_path(self, seq: int, end: int) -> None:
+        """Make sequence `seq`'s cells at positions < `end` the committed sequence 0 and drop every
+        other cell (the rest of that branch, the other branches, the other sequence ids)."""
         mem, lc = self._mem, self._lc
-        lc.llama_memory_seq_rm(mem, seq, end, -1)  # the rest of that leaf's branch
-        lc.llama_memory_seq_keep(mem, seq)  # drops the other branches and the other sequence ids
+        lc.llama_memory_seq_rm(mem, seq, end, -1)
+        lc.llama_memory_seq_keep(mem, seq)
         if seq != 0:
             lc.llama_memory_seq_cp(mem, seq, 0, -1, -1)
             lc.llama_memory_seq_rm(mem, seq, -1, -1)
@@ -251,9 +306,7 @@ class LlamaCppModel:
         if self._ctx:
             lc.llama_free(self._ctx)
             self._ctx = None
-        if self._model:
-            lc.llama_model_free(self._model)
-            self._model = None
+        self._model = self.weights = None  # the weights are freed with their last context
 
     def __enter__(self) -> "LlamaCppModel":
         return self

@@ -335,6 +335,12 @@ class Transformer(nn.Module):
             index pairs (b [N], t [N]) of a padded batch, giving logits [N, V].
         Returns logits [B, T', V] or [N, V] (fp32) on the last stage, hidden states otherwise.
         """
+        x = self.hidden(tokens, positions, mask, cache, slots, rows)
+        return x if not self.is_last else self.head(x, output_rows)
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
+               cache: KVCache | None = None, slots: torch.Tensor | None = None, rows: Rows = None) -> torch.Tensor:
+        """The embeddings (first stage) and this stage's layers: hidden states [B, T, dim]."""
         T = tokens.shape[1]
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
@@ -350,8 +356,11 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens) if self.is_first else tokens
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, cache, i, slots, rows)
-        if not self.is_last:
-            return x
+        return x
+
+    def head(self, x: torch.Tensor, output_rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> torch.Tensor:
+        """Final norm and vocabulary projection (last stage) of the selected rows, fp32 logits."""
         if isinstance(output_rows, tuple):
             x = x[output_rows[0], output_rows[1]]
         elif output_rows is not None:

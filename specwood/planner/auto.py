@@ -123,6 +123,11 @@ def starter_plan(engine: Any, method: str) -> Plan:
     (where the analytic T_v is least wrong). Each request still adapts AAT to what it sees."""
     from specwood.planner.analytic import build_analytic_plan
 
+    if getattr(engine.target, "runner", None) is not None:
+        key = plan_key_for(engine, method)
+        if key not in _RUNNER_PLANS:  # timed once per process and models
+            _RUNNER_PLANS[key] = runner_starter_plan(engine, method)
+        return _RUNNER_PLANS[key]
     device = "local-cpu" if engine.device.type == "cpu" else "h100"
     plan = build_analytic_plan(device, str(engine.target_name), str(engine.draft_name or "none"), method=method,
                                dtype=_DTYPE_NAMES.get(str(engine.dtype), "bf16"), contexts=(128, 512, 2048),
@@ -130,6 +135,55 @@ def starter_plan(engine: Any, method: str) -> Plan:
     plan.x_cap = 8
     plan.source = "starter"
     plan.notes.append("starter plan: used until `specwood plan` stores a measured one")
+    return plan.refresh()
+
+
+RUNNER_XS = (1, 2, 4, 8, 16)
+_RUNNER_PLANS: dict[PlanKey, Plan] = {}
+
+
+def runner_starter_plan(engine: Any, method: str, ctx: int = 128, repeats: int = 3) -> Plan:
+    """A starter plan for a target on llama.cpp, where no analytic model of our
+    own runtime applies: T_v(x) timed on the target's runner (one tree forward of x tokens after
+    `ctx` tokens), T_d(x) timed with the method's real drafting, AAT(x) from a stored plan of the
+    pair or the default curve. A few seconds at start; if even this says speculation cannot pay
+    (llama.cpp's batch evaluation on a CPU can cost nearly one step per token), auto decodes
+    plainly and says so."""
+    import torch
+
+    from specwood.planner.analytic import stored_aat
+    from specwood.planner.fits import DEFAULT_AAT
+    from specwood.planner.profiler import measure_draft_times, median_time, random_tree
+
+    from specwood.models.llamacpp import LlamaCppModel
+
+    serving = engine.target.runner
+    vocab = engine.target_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    # a context of its own over the same loaded weights: a request may be decoding on the target's
+    runner = LlamaCppModel(serving.weights.path, n_ctx=ctx + max(RUNNER_XS) + 8, n_seq_max=max(RUNNER_XS),
+                           vocab_size=vocab, weights=serving.weights)
+    runner.prefill(torch.randint(0, vocab, (ctx,), generator=g).tolist())
+    tv: dict[int, float] = {}
+    for x in RUNNER_XS:
+        tree = random_tree(x, g, vocab)
+
+        def forward() -> None:
+            runner.forward_tree(tree)
+            runner.rollback(ctx)
+
+        tv[x] = median_time(forward, repeats, warmup=1)
+    runner.close()
+    td = ({x: 0.0 for x in RUNNER_XS} if engine.draft_model is None else
+          measure_draft_times(engine, [method], xs=RUNNER_XS, contexts=(ctx,), repeats=repeats, progress=False)[method][ctx])
+    found = stored_aat(str(engine.target_name), str(engine.draft_name or "none"), method)
+    aat = found[0] if found else DEFAULT_AAT
+    plan = Plan(key=plan_key_for(engine, method), contexts=[ctx], verify_times={ctx: tv}, draft_times={ctx: td},
+                aat=aat, draft_prefill_s=0.0)
+    plan.x_cap = max(RUNNER_XS)
+    plan.source = "starter"
+    plan.notes.append("starter plan for a runner-backed target: T_v and T_d timed at start, "
+                      + (found[1] if found else "default AAT curve"))
     return plan.refresh()
 
 
@@ -152,8 +206,12 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     current = {"plan": plan, "checked": time.monotonic()}
     if plan is None:
         if progress:
-            print(f"[plan] no measured plan for '{base}' on this device yet: starting from an analytic estimate "
-                  f"(run `specwood plan --method {base}` once, ~6 min, to measure one)", file=sys.stderr)
+            if getattr(engine.target, "runner", None) is not None:
+                print(f"[plan] method auto on a {engine.backend} target: planning from T_v and T_d timed at start",
+                      file=sys.stderr)
+            else:
+                print(f"[plan] no measured plan for '{base}' on this device yet: starting from an analytic estimate "
+                      f"(run `specwood plan --method {base}` once, ~6 min, to measure one)", file=sys.stderr)
         plan = current["plan"] = starter_plan(engine, base)
     if all(c.method == "ar" for c in plan.choices) and plan.source == "measured":
         return lambda sources, prompt_len, max_tokens: Drafter(extra_stats=lambda: {"auto": "ar"})

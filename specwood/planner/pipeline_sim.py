@@ -376,6 +376,56 @@ def mean_tbt(stats: Sequence[dict[str, Any]]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# the planner's choice of w for a pipeline about to start
+
+AUTO_WIDTHS = (1, 2, 4, 8, 16)
+
+
+def choose_width(engine: Any, stages: int, topk: int, *, threads: int = 1, widths: Sequence[int] = AUTO_WIDTHS,
+                 tokens: int = 24, n_prompts: int = 2, store: bool = True) -> dict[str, Any]:
+    """`--width auto`: w = argmin E(T) = t(w) + (1 − P(w))·r·t(w) with r = m − 1 (the stall steps a
+    miss costs this runtime), from a quick measurement on this engine: t(w) = the slowest stage's
+    real forward over a w-node level (the draft's forward counted on rank 0, the cores shared as
+    the ranks will share them) and P(w) = the real fixed-width drafting's hit rate on `n_prompts`
+    calibration prompts x `tokens` tokens. Stored under the planner's cache, keyed by the models,
+    stages, k and threads, so a later start reuses it ("source": "stored")."""
+    import json
+    import os
+
+    from specwood.planner.store import plan_key_for, plans_dir
+
+    key = plan_key_for(engine, method=f"specpipe-m{stages}-k{topk}-t{threads}")
+    path = plans_dir() / key.filename().replace(".json", "-width.json")
+    widths = sorted({int(w) for w in widths})
+    if store and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key.to_dict() and data.get("widths") == widths:
+                return {**data["choice"], "source": "stored"}
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass  # unreadable: measure again
+    t0 = time.perf_counter()
+    times = measure_step_times(engine, stages, widths, ctx=64, reps=2, threads=threads)
+    p = measure_hit_rates(engine, widths, topk, stages, tokens=tokens, n_prompts=n_prompts)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    t = {w: step_time(times.specpipe_stage_times(w), cores // threads if cores else None) for w in widths}
+    refill = stages - 1
+    best, e_best = best_width(t.__getitem__, p.__getitem__, stages, widths, refill=refill)
+    choice = {"width": best, "topk": topk, "predicted_tbt_ms": round(e_best * 1e3, 2), "refill_steps": refill,
+              "tbt_ms": {str(w): round(tbt_specpipe(t[w], p[w], stages, refill) * 1e3, 2) for w in widths},
+              "t_ms": {str(w): round(t[w] * 1e3, 2) for w in widths},
+              "p": {str(w): round(p[w], 4) for w in widths},
+              "measure_s": round(time.perf_counter() - t0, 2)}
+    if store:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"key": key.to_dict(), "widths": widths, "choice": choice}, indent=1))
+        except OSError:
+            pass  # a read-only cache: measure again next time
+    return {**choice, "source": "measured"}
+
+
+# ---------------------------------------------------------------------------------------------
 # plots
 
 

@@ -197,11 +197,16 @@ def method_components(engine: Any, shape: str | ShapeFactory, budget: int) -> tu
     draft source that keeps a cache of its own (reused across builds and requests)."""
     from specwood.drafting.model_source import ModelDraftSource
 
+    from specwood.models.transformer import Transformer
+
+    def own_source(model: Any) -> Any:  # a draft on another backend (llama.cpp) makes its own sources
+        return ModelDraftSource(model) if isinstance(model, Transformer) else model.new_source()
+
     if callable(shape):
-        return ModelDraftSource(engine.draft_model) if engine.draft_model is not None else None, shape(budget)
+        return own_source(engine.draft_model) if engine.draft_model is not None else None, shape(budget)
     from specwood.methods import prepare_method
 
-    drafter = prepare_method(engine, shape, {"budget": budget})(ModelDraftSource, 0, 0)
+    drafter = prepare_method(engine, shape, {"budget": budget})(own_source, 0, 0)
     return drafter.source, drafter.shape
 
 

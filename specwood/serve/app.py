@@ -123,7 +123,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     if max_context < 2:
         raise SpecwoodError(f"the scheduler's cache rows ({scheduler.row_len} slots, {tree_room} kept for trees) "
                             "leave no room for a request; build it with row_len = max_context + TREE_ROOM")
-    methods = _Methods(engine, method, options)
+    # an executor's scheduler may bring its own method table (the pipeline's modes)
+    methods = getattr(scheduler, "methods", None) or _Methods(engine, method, options)
     name = model_name or str(engine.target_name or "specwood")
     metrics = ServerMetrics(scheduler, name)
     scheduler.observers.append(metrics.observe_step)
@@ -410,23 +411,29 @@ def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64) -> S
         raise SpecwoodError(f"--max-batch must be >= 1, got {max_batch}")
     if max_queue < 1:
         raise SpecwoodError(f"--max-queue must be >= 1, got {max_queue}")
-    return Scheduler(engine.target, max_batch=max_batch, row_len=int(engine.max_context) + TREE_ROOM,
-                     max_queue=max_queue)
+    return engine.make_scheduler(max_batch=max_batch, row_len=int(engine.max_context) + TREE_ROOM,
+                                 max_queue=max_queue)
 
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
           options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
           sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None) -> None:
     """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line.
-    executor: a ParallelExecutor to serve on (DuoDecoding, lock-step batches), or None for the
+    executor: a ParallelExecutor to serve on (DuoDecoding, lock-step batches), a PipelineExecutor
+    (SpecPipe-DB, requests joining and leaving between pipeline steps), or None for the
     continuous-batching scheduler."""
     import uvicorn
 
     sock = sock or bind_socket(host, port)
-    if executor is not None:
+    if type(executor).__name__ == "PipelineExecutor":  # SpecPipe-DB (specwood/engine/pipeline_serve.py)
+        from specwood.engine.pipeline_serve import PipelineScheduler
+
+        scheduler: Any = PipelineScheduler(executor, max_batch=max_batch, max_queue=max_queue, method=method,
+                                           options=options)
+    elif executor is not None:
         from specwood.engine.parallel import ParallelScheduler
 
-        scheduler: Any = ParallelScheduler(executor, max_batch=max_batch, max_queue=max_queue)
+        scheduler = ParallelScheduler(executor, max_batch=max_batch, max_queue=max_queue)
     else:
         scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
     app = create_app(engine, scheduler, method=method, options=options)

@@ -1,0 +1,150 @@
+"""Which runtime runs each model: `torch` (specwood's own runtime, every feature) or `llama.cpp`
+(llama-cpp-python on the GGUF file as it is; CPU; one request at a time for a target).
+SPECWOOD_LLAMACPP_EXACT=1 runs a llama.cpp target in exact mode (specwood.models.llamacpp).
+
+The target and the draft choose independently (`backend`, `draft_backend`); `auto` picks
+llama.cpp when llama-cpp-python is importable and the model is a GGUF file, else torch. On
+llama.cpp a target is a `LlamaCppTarget` (driven through the ModelRunner seam by a
+RunnerScheduler) and a draft a `LlamaCppDraft` (a pool of llama.cpp contexts that hands each
+request a LlamaCppDraftSource), so tree shapes, draft sources, verifiers and the method registry
+are the same on both backends.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specwood.errors import SpecwoodError
+from specwood.models.config import ModelConfig
+
+BACKENDS = ("torch", "llama.cpp")
+BACKEND_CHOICES = ("torch", "llama.cpp", "auto")
+DEFAULT_LLAMACPP_CTX = 8192  # KV cells per llama.cpp context unless --max-context says otherwise
+TARGET_SEQUENCES = 256  # llama.cpp sequences of a target context: tree leaves per step
+DRAFT_SEQUENCES = 256  # ... of a draft context: branches of a drafted tree
+
+
+def _is_gguf(model: str | os.PathLike[str] | None) -> bool:
+    from specwood.models.registry import DEFAULT_TARGET, REGISTRY
+
+    name = str(model or DEFAULT_TARGET).strip()
+    return name.lower() in REGISTRY or (name.lower().endswith(".gguf") and Path(name).is_file())
+
+
+def llama_cpp_available() -> bool:
+    from specwood.models.llamacpp import import_llama_cpp
+
+    try:
+        import_llama_cpp()
+    except SpecwoodError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str | None, model: str | os.PathLike[str] | None) -> str:
+    """'torch', 'llama.cpp' or 'auto' (llama.cpp for a GGUF model when llama-cpp-python is importable)
+    -> the backend to use; the missing extra is a one-line error (with the pip command)."""
+    b = str(backend or "torch").strip().lower()
+    if b not in BACKEND_CHOICES:
+        raise SpecwoodError(f"unknown backend '{backend}' (use {', '.join(BACKEND_CHOICES)})")
+    if b == "auto":
+        return "llama.cpp" if _is_gguf(model) and llama_cpp_available() else "torch"
+    if b == "llama.cpp":
+        from specwood.models.llamacpp import import_llama_cpp
+
+        import_llama_cpp()
+    return b
+
+
+def check_backends(backend: str, draft_backend: str, *, dtype: Any = "auto", draft_dtype: Any = "auto",
+                   device: str = "cpu", executor: str | None = None) -> None:
+    """Refuse the combinations the llama.cpp backend does not support, in one line each."""
+    for flag, b, dt, which in (("--dtype", backend, dtype, "target"), ("--draft-dtype", draft_backend, draft_dtype, "draft")):
+        if b != "llama.cpp":
+            continue
+        if str(dt) != "auto":
+            raise SpecwoodError(f"{flag} {dt} applies to the torch backend; llama.cpp runs the GGUF's own weight "
+                                f"types (drop {flag}, or use --{'draft-' if which == 'draft' else ''}backend torch)")
+        if not str(device).startswith("cpu"):
+            raise SpecwoodError(f"the llama.cpp backend runs on the CPU; --device {device} needs --backend torch "
+                                "--draft-backend torch")
+    if executor not in (None, "sequential") and "llama.cpp" in (backend, draft_backend):
+        raise SpecwoodError(f"the {executor} executor runs torch models; with --executor {executor} use --backend "
+                            "torch --draft-backend torch (llama.cpp runs the sequential executor)")
+
+
+def gguf_config(name_or_path: str | os.PathLike[str]) -> tuple[ModelConfig, Path]:
+    """The model config from a GGUF file's header (no tensor is read), named as load_checkpoint names it."""
+    from specwood.models.gguf_loader import config_from_gguf, read_gguf_header
+    from specwood.models.llamacpp import gguf_path
+    from specwood.models.registry import REGISTRY
+
+    path = gguf_path(name_or_path)
+    config = config_from_gguf(read_gguf_header(path))
+    if str(name_or_path).strip().lower() in REGISTRY:
+        config.name = str(name_or_path).strip().lower()
+    return config, path
+
+
+def _context_size(config: ModelConfig, max_context: int | None) -> int:
+    return min(max_context or DEFAULT_LLAMACPP_CTX, config.max_position_embeddings)
+
+
+class LlamaCppTarget:
+    """The target on llama.cpp: one context (so a batch of one) and what the engine reads of a model."""
+
+    backend = weight_mode = "llama.cpp"
+
+    def __init__(self, name_or_path: str | os.PathLike[str], max_context: int | None = None,
+                 exact: bool | None = None) -> None:
+        from specwood.models.llamacpp import LlamaCppModel
+
+        if exact is None:  # a diagnostic switch: slower, but tree and one-token logits round alike
+            exact = os.environ.get("SPECWOOD_LLAMACPP_EXACT", "") == "1"
+        self.config, path = gguf_config(name_or_path)
+        self.runner = LlamaCppModel(path, n_ctx=_context_size(self.config, max_context), n_seq_max=TARGET_SEQUENCES,
+                                    vocab_size=self.config.vocab_size, exact=exact)
+        self.max_positions = self.runner.n_ctx
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32  # of the logits; the weights keep the GGUF's types
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class LlamaCppDraft:
+    """The draft on llama.cpp: one load of the GGUF file, a context per running request (borrowed
+    by its LlamaCppDraftSource, given back when the request ends)."""
+
+    backend = weight_mode = "llama.cpp"
+
+    def __init__(self, name_or_path: str | os.PathLike[str], max_context: int | None = None) -> None:
+        from specwood.models.llamacpp import LlamaCppModel
+
+        self.config, path = gguf_config(name_or_path)
+        self.n_ctx = _context_size(self.config, max_context)
+        first = LlamaCppModel(path, n_ctx=self.n_ctx, n_seq_max=DRAFT_SEQUENCES, vocab_size=self.config.vocab_size)
+        self.weights = first.weights
+        self.max_positions = first.n_ctx
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self._free = [first]
+
+    def borrow(self) -> Any:
+        from specwood.models.llamacpp import LlamaCppModel
+
+        if self._free:
+            return self._free.pop()
+        return LlamaCppModel(self.weights.path, n_ctx=self.n_ctx, n_seq_max=DRAFT_SEQUENCES,
+                             vocab_size=self.config.vocab_size, weights=self.weights)
+
+    def give_back(self, ctx: Any) -> None:
+        self._free.append(ctx)
+
+    def new_source(self) -> Any:
+        from specwood.drafting.llamacpp_source import LlamaCppDraftSource
+
+        return LlamaCppDraftSource(self)

@@ -1,0 +1,165 @@
+"""The model-runner seam: what decoding needs from a target model, whatever runs it.
+
+A ModelRunner holds ONE sequence's KV state: `prefill` the prompt, `forward_tree` (logits after
+every node of a token tree rooted right after the committed tokens), `commit` the accepted
+root-to-node path (the rest of the tree is forgotten), `rollback` to a shorter prefix. The
+llama.cpp backend's LlamaCppModel implements it, and so does TorchRunner over our own runtime.
+
+RunnerScheduler drives a runner for the engine and the server: requests one at a time (a runner
+has one sequence), with the batched scheduler's queue, drafting, verification and commit.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from specwood.drafting.model_source import ModelDraftSource
+from specwood.engine.request import Request, State
+from specwood.engine.scheduler import Scheduler
+from specwood.engine.step import advance, tree_row
+from specwood.errors import ContextLengthError
+from specwood.models.batch import forward_rows
+from specwood.models.prefill import prefill_rows
+from specwood.models.transformer import Transformer
+from specwood.tree.token_tree import TokenTree
+from specwood.verify import Verdict
+
+
+class ModelRunner(Protocol):
+    n_ctx: int  # tokens the runner's KV state holds (committed + one tree)
+    n_past: int  # committed tokens
+
+    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append tokens to the committed ones; float32 logits after the last, [V]."""
+
+    def forward_tree(self, tree: TokenTree) -> torch.Tensor:
+        """Logits [len(tree), V] after every node of `tree` (root at position n_past); the tree
+        stays uncommitted until `commit` or `rollback`."""
+
+    def commit(self, path: Sequence[int]) -> None:
+        """Keep the last tree's nodes `path` (root first, parent to child) as committed tokens."""
+
+    def rollback(self, n: int) -> None:
+        """Keep only the first n committed tokens."""
+
+    def reset(self) -> None:
+        """Forget everything."""
+
+
+class TorchRunner:
+    """ModelRunner over our own runtime: a Transformer and a one-row KV cache."""
+
+    def __init__(self, model: Transformer, n_ctx: int) -> None:
+        self.model = model
+        self.n_ctx = min(n_ctx, model.max_positions)
+        self.cache = model.new_cache(self.n_ctx)
+
+    @property
+    def n_past(self) -> int:
+        return self.cache.lengths[0]
+
+    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
+        # prefill_rows writes ids[start:]; the ids before are cached already (their values unused here)
+        start = self.n_past
+        ids = [0] * start + [int(t) for t in tokens]
+        with torch.inference_mode():
+            return prefill_rows(self.model, self.cache, [(0, ids, start, len(ids))])[0].float()
+
+    def forward_tree(self, tree: TokenTree) -> torch.Tensor:
+        with torch.inference_mode():
+            return forward_rows(self.model, self.cache, [tree_row(0, tree, self.n_past)])[0].float()
+
+    def commit(self, path: Sequence[int]) -> None:
+        L = self.n_past
+        self.cache.compact([L + i for i in path], L, 0)
+
+    def rollback(self, n: int) -> None:
+        self.cache.lengths[0] = n
+
+    def reset(self) -> None:
+        self.cache.lengths[0] = 0
+
+
+class RunnerScheduler(Scheduler):
+    """The Scheduler's queue and step on a ModelRunner: one request at a time (the others wait),
+    each step one tree forward, the same drafting (draft_trees), verification (verify_tree) and
+    bookkeeping (advance) as the batched scheduler."""
+
+    def __init__(self, runner: Any, *, max_queue: int = 64) -> None:
+        self._init_queue(1, max_queue)
+        self.runner = runner
+        self.tree_room = 0  # a tree that does not fit next to the context is decoded plainly
+        self.row_len = runner.n_ctx
+        self.growable = False
+
+    def draft_source(self, model: Any) -> Any:
+        # one request at a time: a torch draft gets a one-row cache of its own
+        return ModelDraftSource(model) if isinstance(model, Transformer) else model.new_source()
+
+    def room_for(self, prompt_len: int, max_tokens: int) -> int:
+        return prompt_len + max_tokens
+
+    def ensure_room(self, needed: int) -> None:
+        if needed > self.runner.n_ctx:
+            raise ContextLengthError(f"the request needs {needed} context tokens but the model's context holds "
+                                     f"{self.runner.n_ctx}; shorten the prompt or lower max_tokens (or raise "
+                                     "--max-context)")
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self.waiting and not self.running:
+                req = self.waiting.popleft()
+                if req.cancelled:
+                    self._finish(req, cancelled=True)
+                    continue
+                try:
+                    self.runner.reset()
+                    if req.uses_draft_model:
+                        req.drafter.source.attach(len(req.prompt_ids), req.max_tokens)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(req, e)
+                    continue
+                req.row = 0
+                req.state = State.PREFILL
+                req.t_admitted = time.perf_counter()
+                self.running.append(req)
+
+    def _prefill(self, requests: list[Request], budget: int | None) -> None:
+        """The whole prompt at once (nobody else is decoding), then the draft's."""
+        for req in requests:
+            try:
+                with torch.inference_mode():
+                    req.prefill_logits = self.runner.prefill(req.prompt_ids)
+                    req.prefilled = len(req.prompt_ids)
+                    if req.uses_draft_model:
+                        req.drafter.source.prefill_part(req.prompt_ids, 0, len(req.prompt_ids))
+                        req.draft_prefilled = len(req.prompt_ids)
+            except Exception as e:  # noqa: BLE001
+                self._fail(req, e)
+                continue
+            self._first_token(req)
+
+    def _fits(self, req: Request, tree: TokenTree) -> bool:
+        return self.runner.n_past + len(tree) <= self.runner.n_ctx
+
+    def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
+        outs: list[torch.Tensor | None] = []
+        for req in live:
+            try:
+                outs.append(self.runner.forward_tree(trees[req]))
+            except Exception as e:  # noqa: BLE001
+                failed[req] = e
+                outs.append(None)
+        return outs
+
+    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, draft_s: float, verify_s: float) -> list[int]:
+        self.runner.commit([0] + verdict.accepted)
+        return advance(req, tree, verdict, draft_s, verify_s)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        req.row = None
+        req.drafter.close()
