@@ -460,36 +460,18 @@ def test_specwood_serve_executor_pipeline_command(tiny_folder, tmp_path):
     """`specwood serve --executor pipeline` as a user runs it: ranks spawned, requests served,
     SIGTERM ends the server and every rank."""
     import httpx
-    import re
+
+    from test_server import serve_command
 
     cmd = [sys.executable, "-m", "specwood.cli", "serve", "--executor", "pipeline", "--stages", "2", "--target",
            str(tiny_folder), "--draft", str(tiny_folder), "--dtype", "fp32", "--draft-dtype", "fp32", "--port", "0",
            "--max-batch", "2", "--width", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, SPECWOOD_CACHE=str(tmp_path)), start_new_session=True)
-    lines: list[str] = []
-    try:
-        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-        reader.start()
-        deadline, url = time.monotonic() + 50, None
-        while url is None:
-            assert proc.poll() is None and time.monotonic() < deadline, lines
-            found = [re.search(r"listening on (http://\S+)", ln) for ln in lines]
-            url = next((f.group(1) for f in found if f), None)
-            time.sleep(0.05)
+    with serve_command(cmd, tmp_path, start_timeout_s=50) as (url, _, proc):
         with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
             r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0})
             assert r.status_code == 200, r.text
             stats = r.json()["specwood_stats"]
             assert stats["executor"] == "pipeline" and stats["method"] == "specpipe" and stats["width"] == 2
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
-        reader.join(timeout=5)
-        assert "Traceback" not in "".join(lines)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
     deadline = time.monotonic() + 15  # ranks exit on the launcher's close (or die with it)
     while True:
         left = subprocess.run(["pgrep", "-a", "-s", str(proc.pid)], capture_output=True, text=True).stdout.strip()

@@ -3,6 +3,7 @@ thread, the tiny fp32 model pair behind one continuous-batching scheduler, and c
 the official `openai` package and raw httpx. Nothing is mocked."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -525,6 +526,34 @@ def test_cli_errors_are_one_line(capsys):
             assert len(err) == 1 and err[0].startswith("specwood: error:") and needle in err[0], err
 
 
+@contextlib.contextmanager
+def serve_command(cmd: list[str], cache: Any, start_timeout_s: float = 60, stop_timeout_s: float = 30):
+    """Run a `specwood serve` command line (port 0) in its own process group; yield (its URL from
+    the "listening on" line, the output lines so far, the process). On exit: SIGTERM, a clean exit within
+    `stop_timeout_s` and no traceback in the output; the whole group is killed if it hangs."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, SPECWOOD_CACHE=str(cache)), start_new_session=True)
+    lines: list[str] = []
+    try:
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        deadline, url = time.monotonic() + start_timeout_s, None
+        while url is None:
+            assert proc.poll() is None and time.monotonic() < deadline, lines
+            found = [re.search(r"listening on (http://\S+)", ln) for ln in lines]
+            url = next((f.group(1) for f in found if f), None)
+            time.sleep(0.05)
+        yield url, lines, proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=stop_timeout_s) in (0, -signal.SIGTERM)
+        reader.join(timeout=5)
+        assert "Traceback" not in "".join(lines)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
 def test_specwood_serve_command(tmp_path, tiny_tokenizer):
     """`specwood serve` as a user runs it: a tiny HF folder, port 0, the listening line, SIGTERM."""
     from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
@@ -534,29 +563,9 @@ def test_specwood_serve_command(tmp_path, tiny_tokenizer):
     tiny_tokenizer.save_pretrained(folder)
     cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(folder), "--draft", "none", "--dtype",
            "fp32", "--method", "ar", "--port", "0", "--max-batch", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, SPECWOOD_CACHE=str(tmp_path / "cache")))
-    lines: list[str] = []
-    try:
-        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + 60
-        url = None
-        while url is None:
-            assert proc.poll() is None and time.monotonic() < deadline, lines
-            found = [re.search(r"listening on (http://\S+)", ln) for ln in lines]
-            url = next((f.group(1) for f in found if f), None)
-            time.sleep(0.05)
+    with serve_command(cmd, tmp_path / "cache") as (url, _, _):
         with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
             assert c.get("/health").json()["status"] == "ok"
             assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 128
             r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
-        reader.join(timeout=5)
-        assert "Traceback" not in "".join(lines)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
