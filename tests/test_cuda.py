@@ -99,7 +99,6 @@ def test_cuda_sampling_follows_the_target_law(cuda_stat_engines, method):
 def test_cuda_graphs_replay_and_match_eager(cuda_engine):
     """Decode steps replay CUDA graphs (target and draft pools), with the eager scheduler's output."""
     engine = cuda_engine
-    rnd = random.Random(11)
     outputs = {}
     for graphs in (False, True):
         jobs = [Job(m, random_prompt(rnd := random.Random(11 + i), rnd.randint(2, 40)), max_tokens=20)
