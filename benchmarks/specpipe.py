@@ -1,6 +1,7 @@
 """SpecPipe vs plain pipeline parallelism on the same spawned stages (one process per stage, gloo on
 127.0.0.1), greedy, interleaved per prompt; reports TBT p50 / mean, decode tok/s, hit rate, stalls
-and per-stage compute / prune / transfer / wait times. `ar` (one process) is shown for reference.
+and per-stage compute / prune / transfer / wait times. PP + SpecInfer (a whole static tree per full
+pass, SpecInfer's <1,1,3,1,1,1,1,1> shape by default, `--specinfer-shape`) runs on the same ranks too.
 
     python benchmarks/specpipe.py --tiny                       # tiny random models (seconds)
     python benchmarks/specpipe.py --stages 2 --limit 4 --max-tokens 48 --widths 2,4,8
@@ -43,6 +44,8 @@ def main() -> None:
     ap.add_argument("--widths", default="2,4,8")
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--specinfer-shape", default="static",
+                    help="the PP + SpecInfer baseline's tree shape (static = SpecInfer's); 'none' skips it")
     ap.add_argument("--concurrent", type=int, default=0,
                     help="SpecPipe-DB: this many requests in flight at once vs one after another (first width)")
     ap.add_argument("--rounds", type=int, default=2, help="--concurrent: alternated rounds of each")
@@ -68,31 +71,37 @@ def main() -> None:
               file=sys.stderr)
         ex.generate(prompts[0][1], raw=prompts[0][2], max_tokens=4, mode="pp")  # warm-up
         for pid, text, raw in prompts:
-            runs = [("pp", None)] + [("specpipe", w) for w in widths]
+            runs = [("pp", None)] + [("specinfer", None)] * (args.specinfer_shape != "none")
+            runs += [("specpipe", w) for w in widths]
             ids = None
             for mode, w in runs:
-                res = ex.generate(text, raw=raw, max_tokens=args.max_tokens, mode=mode, width=w)
+                tree = {"name": args.specinfer_shape} if mode == "specinfer" else None
+                res = ex.generate(text, raw=raw, max_tokens=args.max_tokens, mode=mode, width=w, tree=tree)
                 ids = ids or res.token_ids
                 if engine.dtype == torch.float32:  # lossless: exactly plain PP's tokens
                     assert res.token_ids == ids, f"{pid}: {mode} w={w} differs from plain PP"
                 # in bf16 a level of w tokens can round differently from one token (a near-tie
                 # flips), as for every method vs ar: counted, not asserted
                 res.stats["same_as_pp"] = res.token_ids == ids
-                rows[mode if w is None else f"specpipe w={w} k={args.topk}"].append(res.stats)
+                name = {"pp": "pp", "specinfer": f"PP + SpecInfer ({args.specinfer_shape})"}.get(mode)
+                rows[name or f"specpipe w={w} k={args.topk}"].append(res.stats)
             print(f"{pid}: done ({len(ids)} tokens)", file=sys.stderr)
     base = statistics.mean(s["tbt_ms_p50"] for s in rows["pp"])
-    print(f"\n| method ({args.stages} stages) | TBT p50 ms | vs PP | tok/s | hit rate | stall steps / token | "
+    print(f"\n| method ({args.stages} stages) | TBT p50 ms | vs PP | tok/s | hit rate (SpecInfer: AAT) | stall steps / token | "
           "busy compute s (per stage) | prune s | transfer s | wait s | = PP |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, ss in rows.items():
         tbt = statistics.mean(s["tbt_ms_p50"] for s in ss)
         tps = statistics.mean(s["tokens_per_s"] for s in ss)
-        hit = statistics.mean(s.get("hit_rate", 0.0) for s in ss)
+        if "mean_accepted_tokens" in ss[0]:  # PP + SpecInfer: tokens per verified tree, not a hit rate
+            hit = f"AAT {statistics.mean(s['mean_accepted_tokens'] for s in ss):.2f}"
+        else:
+            hit = f"{statistics.mean(s.get('hit_rate', 0.0) for s in ss):.2f}"
         stall = sum(s["stall_steps"] for s in ss) / max(1, sum(s["new_tokens"] for s in ss))
         per = list(zip(*[s["per_stage"] for s in ss]))
         agg = lambda key: "/".join(f"{sum(d[key] for d in st):.2f}" for st in per)  # noqa: E731
         comp = "/".join(f"{sum(d['compute_s'] + d['draft_s'] for d in st):.2f}" for st in per)
-        print(f"| {name} | {tbt:.1f} | {tbt / base:.2f}x | {tps:.1f} | {hit:.2f} | {stall:.2f} | {comp} | "
+        print(f"| {name} | {tbt:.1f} | {tbt / base:.2f}x | {tps:.1f} | {hit} | {stall:.2f} | {comp} | "
               f"{agg('prune_s')} | {agg('transfer_s')} | {agg('sync_s')} | "
               f"{sum(s['same_as_pp'] for s in ss)}/{len(ss)} |")
 

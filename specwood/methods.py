@@ -15,8 +15,9 @@ from specwood.errors import SpecwoodError
 
 # sources(model) -> a draft source for one request on that model (the scheduler's pooled rows)
 SourceFactory = Callable[[Any], Any]
-# new_drafter(sources, prompt_len, max_tokens) -> Drafter, once per request
-DrafterFactory = Callable[[SourceFactory, int, int], Drafter]
+# new_drafter(sources, prompt_len, max_tokens, load) -> Drafter, once per request; load: the
+# requests that will share its decode steps (itself included, `admission_load`)
+DrafterFactory = Callable[[SourceFactory, int, int, int], Drafter]
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def prepare_method(engine: Any, name: str, options: dict[str, Any] | None = None
 
 
 def _prepare_ar(engine: Any, options: dict[str, Any]) -> DrafterFactory:
-    return lambda sources, prompt_len, max_tokens: Drafter()
+    return lambda sources, prompt_len, max_tokens, load=1: Drafter()
 
 
 def _shape_method(name: str, needs_draft: bool, options: tuple[str, ...]) -> Method:
@@ -115,8 +116,8 @@ def _shape_method(name: str, needs_draft: bool, options: tuple[str, ...]) -> Met
 
         shape = make_shape(name, **opts)
         if not needs_draft:
-            return lambda sources, prompt_len, max_tokens: Drafter(None, shape)
-        return lambda sources, prompt_len, max_tokens: Drafter(sources(engine.draft_model), shape)
+            return lambda sources, prompt_len, max_tokens, load=1: Drafter(None, shape)
+        return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(engine.draft_model), shape)
 
     return Method(name, SHAPE_SUMMARIES[name], needs_draft, options, prepare)
 
@@ -156,7 +157,7 @@ def _prepare_early_exit(engine: Any, options: dict[str, Any]) -> DrafterFactory:
         raise SpecwoodError(f"early-exit with shape '{shape_name}' does not use option(s) {', '.join(extra)}")
     model = early_exit_model(engine.target, layer)
     shape = make_shape(shape_name, **options)
-    return lambda sources, prompt_len, max_tokens: Drafter(sources(model), shape)
+    return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(model), shape)
 
 
 register(Method("ar", "plain autoregressive decoding (the baseline)", False, (), _prepare_ar))
@@ -172,7 +173,7 @@ def _prepare_duo(engine: Any, options: dict[str, Any]) -> DrafterFactory:
     from specwood.drafting.multi_sequence import make_multi_sequence
 
     shape = make_multi_sequence(**options)
-    return lambda sources, prompt_len, max_tokens: Drafter(sources(engine.draft_model), shape)
+    return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(engine.draft_model), shape)
 
 
 # DuoDecoding's drafting policy; in-process (draft then verify) here, draft and target at the same

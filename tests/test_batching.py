@@ -319,6 +319,64 @@ class RaisingShape:
         return (yield from self.inner.draft(context, root, params, generator))
 
 
+def test_a_newcomer_sees_the_load_it_joins(tiny_engine):
+    """The drafter factory learns how many requests will share the newcomer's steps (running and
+    queued, itself included, capped by the batch): `auto` weighs the draft's prefill by it."""
+    engine = tiny_engine
+    sched = Scheduler(engine.target, max_batch=4, max_queue=16)
+    seen: list[int] = []
+
+    def factory(sources, prompt_len, max_tokens, load=1):
+        seen.append(load)
+        return Drafter()
+
+    reqs = []
+    for _ in range(6):
+        reqs.append(engine.new_request([3, 4, 5], max_tokens=2, scheduler=sched, prepared=factory))
+        sched.submit(reqs[-1])
+    assert seen == [1, 2, 3, 4, 4, 4] and sched.admission_load == 4
+    sched.run_until_done(reqs)
+    assert sched.idle and sched.admission_load == 1
+
+
+def test_run_here_steps_in_the_calling_thread_until_stopped(tiny_engine):
+    """`specwood serve` decodes on its main thread (run_here) while HTTP threads submit and stop:
+    requests submitted from another thread finish with ar's tokens, start() is then a no-op,
+    stop() from another thread ends the loop, and the scheduler can be started again after."""
+    import threading
+
+    engine = tiny_engine
+    sched = Scheduler(engine.target, max_batch=4, max_queue=16)
+    prompts = [[3, 4, 5], [7, 1, 2, 9]]
+    refs = [engine.generate(p, max_tokens=4).token_ids for p in prompts]
+    results: list = []
+    late: list[Request] = []
+
+    def client() -> None:
+        sched.start()  # the app's lifespan does this: the loop is already running here
+        reqs = [engine.new_request(p, max_tokens=4, scheduler=sched) for p in prompts]
+        for r in reqs:
+            sched.submit(r)
+        for r in reqs:
+            assert r.done.wait(60)
+            results.append(r.result.token_ids)
+        sched.stop()
+        assert sched.num_running == 0
+
+    ran_in: list[threading.Thread] = []
+    worker = threading.Thread(target=client)
+    sched.run_here(then=lambda: (ran_in.append(threading.current_thread()), worker.start()))
+    worker.join(10)
+    assert ran_in == [threading.current_thread()] and not worker.is_alive()
+    assert results == refs
+    assert sched._thread is None  # the loop is released: it can start again
+    sched.start()
+    late.append(engine.new_request([3, 4, 5], max_tokens=2, scheduler=sched))
+    sched.submit(late[0])
+    assert late[0].done.wait(60) and late[0].error is None
+    sched.stop()
+
+
 def test_cache_pools_survive_a_thousand_requests(tiny_engine):
     engine = tiny_engine
     B, N = 8, 1000
@@ -328,7 +386,7 @@ def test_cache_pools_survive_a_thousand_requests(tiny_engine):
     methods = ["ar", "chain", "dyspec", "early-exit", "pld", "eagle"]
     factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in methods}
     chain = make_shape("chain", budget=3)
-    factories["raising"] = lambda sources, n, m: Drafter(sources(engine.draft_model), RaisingShape(chain, 1))
+    factories["raising"] = lambda sources, n, m, load=1: Drafter(sources(engine.draft_model), RaisingShape(chain, 1))
     sched = Scheduler(engine.target, max_batch=B, max_queue=N, prefill_chunk_tokens=16)
     kinds = rnd.choices(["finish", "cancel-waiting", "cancel-decode", "cancel-prefill", "fail"],
                         weights=[60, 12, 15, 6, 7], k=N)
@@ -446,11 +504,11 @@ def test_a_failing_request_fails_alone(tiny_engine, how):
     prompt = random_prompt(rnd, 12)
     chain = make_shape("chain", budget=3)
     if how == "hook":
-        factory = lambda sources, n, m: Drafter(sources(engine.draft_model), chain, hooks=[failing_hook])  # noqa: E731
+        factory = lambda sources, n, m, load=1: Drafter(sources(engine.draft_model), chain, hooks=[failing_hook])  # noqa: E731
     elif how == "prompt":  # the batched prefill fails for it alone (set below, past new_request's checks)
-        factory = lambda sources, n, m: Drafter(sources(engine.draft_model), chain)  # noqa: E731
+        factory = lambda sources, n, m, load=1: Drafter(sources(engine.draft_model), chain)  # noqa: E731
     else:
-        factory = lambda sources, n, m: Drafter(sources(engine.draft_model), BadTreeShape(chain, how))  # noqa: E731
+        factory = lambda sources, n, m, load=1: Drafter(sources(engine.draft_model), BadTreeShape(chain, how))  # noqa: E731
     sched = Scheduler(engine.target, max_batch=8)
     factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in {j.method for j in good}}
     reqs = [j.build(engine, sched, factories) for j in good]

@@ -270,7 +270,7 @@ def test_request_plan_is_interleaved_and_bounded() -> None:
         lt.LoadTest("http://127.0.0.1:1", ps, ["ar", "x"], [1, 2, 4], max_total_requests=10)
     cmd = lt.serve_command(8123, max_batch=8, draft="none", dtype="fp32")
     assert cmd[1:] == ["-m", "specwood.cli", "serve", "--host", "127.0.0.1", "--port", "8123", "--max-batch", "8",
-                       "--draft", "none", "--dtype", "fp32"]
+                       "--no-plan-in-background", "--draft", "none", "--dtype", "fp32"]
 
 
 # ------------------------------------------------------------------------ real HTTP, fake server

@@ -247,6 +247,24 @@ def test_speculation_must_earn_back_the_draft_prefill():
     assert back.draft_prefill_s == 0.001
 
 
+def test_draft_prefill_is_weighed_against_the_load():
+    """Under load a tree saves less machine time per token (the batch already fills the forward),
+    while the draft's prefill costs as much as ever: a prompt worth a draft alone is not worth one
+    in a full batch, and a batch where plain decoding wins never drafts."""
+    plan = cost_plan(AATFit(1.0, 1.0, 0.0))
+    plan.draft_prefill_s = 0.001
+    alone, loaded = plan.decide(128), plan.decide(128, batch=8)
+    assert loaded.method == "sd"
+    save_alone = 64 * (1 / alone.p_ar - 1 / alone.p_eff)
+    save_loaded = 64 * (1 / loaded.p_ar - 1 / loaded.p_eff)
+    assert 0 < save_loaded < save_alone
+    prompt = int((save_alone + save_loaded) / 2 / 0.001)  # its prefill: between the two savings
+    assert plan.speculation_pays(prompt, 64) and plan.speculation_pays(prompt, 64, load=1)
+    assert not plan.speculation_pays(prompt, 64, load=8)
+    assert plan.decide(128, batch=64).method == "ar"
+    assert not plan.speculation_pays(16, 10_000, load=64)
+
+
 def test_plan_uses_the_aat_curve_of_the_nearest_bucket():
     plan = cost_plan(AATFit(1.0, 1.0, 0.0))
     plan.contexts = [128, 1024]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from specwood.engine.output import GenerationResult, OutputStream
-from specwood.engine.request import Request
+from specwood.engine.request import QueueCounts, Request
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.config import ModelConfig
@@ -191,7 +191,8 @@ class Engine:
         if stop is not None and not all(isinstance(s, str) for s in stop):
             raise SpecwoodError("stop must be a string or a list of strings")
         factory = prepared if prepared is not None else self.prepare(method, method_options)
-        drafter = factory(scheduler.draft_source, len(prompt_ids), max_tokens)
+        load = scheduler.admission_load if isinstance(scheduler, QueueCounts) else 1  # an executor: alone
+        drafter = factory(scheduler.draft_source, len(prompt_ids), max_tokens, load)
         out = OutputStream(self.tokenizer, len(prompt_ids), max_tokens, self.eos_token_ids, stop, on_text)
         return Request(prompt_ids, max_tokens, params, drafter, out, method=method, device=self.device,
                        extra_stats=drafter.extra_stats, on_finish=on_finish, request_id=request_id)

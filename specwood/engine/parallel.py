@@ -746,7 +746,7 @@ class ParallelExecutor:
         shape = make_multi_sequence(**options)
         state = _Duo(shape, options.get("budget"))
 
-        def factory(sources: Any, prompt_len: int, max_tokens: int) -> Drafter:
+        def factory(sources: Any, prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
             return Drafter(None, shape)
 
         req = self.engine.new_request(prompt, method=method, scheduler=self, prepared=factory, **kwargs)

@@ -80,7 +80,7 @@ class PipelineScheduler(QueueCounts):
         what `PipelineMethods` gave for its method: (mode, specinfer tree)."""
         _, (mode, tree) = self.methods.cached(method) if prepared is None else (method, prepared)
         req = self.engine.new_request(prompt, method=mode, scheduler=self,
-                                      prepared=lambda sources, prompt_len, max_tokens: Drafter(), **kwargs)
+                                      prepared=lambda sources, prompt_len, max_tokens, load=1: Drafter(), **kwargs)
         req.pipeline = (mode, tree)
         return req
 

@@ -197,6 +197,7 @@ class QueueCounts:
 
     waiting: Any
     running: Any
+    max_batch: int
 
     @property
     def num_waiting(self) -> int:
@@ -209,3 +210,9 @@ class QueueCounts:
     @property
     def idle(self) -> bool:
         return not self.running and not self.waiting
+
+    @property
+    def admission_load(self) -> int:
+        """How many requests a newcomer will share decode steps with, itself included: those
+        running and queued, capped by the batch. `auto` sizes its first decision by it."""
+        return max(1, min(self.max_batch, self.num_running + self.num_waiting + 1))

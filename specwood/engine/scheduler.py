@@ -59,7 +59,8 @@ class Scheduler(QueueCounts):
         self.running: list[Request] = []
         self.observers: list[Callable[[StepRecord], None]] = []
         self._lock = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the thread stepping (`start` or `run_here`)
+        self._loop_done = threading.Event()
         self._stopping = False
         self.steps = 0
 
@@ -309,34 +310,64 @@ class Scheduler(QueueCounts):
             if not self.step() and not self.waiting:
                 break
 
+    THREAD_NAME = "specwood-scheduler"
+
     def start(self) -> None:
-        """Step in a background thread whenever there is work (the server)."""
+        """Step in a background thread whenever there is work (a server in a thread, tests).
+        A no-op while the scheduler is already stepping (`start` or `run_here`)."""
         if self._thread is not None:
             return
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="specwood-scheduler", daemon=True)
+        self._loop_done.clear()
+        self._thread = threading.Thread(target=self._loop, name=self.THREAD_NAME, daemon=True)
         self._thread.start()
 
+    def run_here(self, then: Callable[[], None] | None = None) -> None:
+        """Step in the calling thread whenever there is work, until `stop()`; `then` runs once
+        this thread owns the loop (`specwood serve` starts its HTTP thread there). The server
+        decodes on its main thread because torch's OpenMP team works for the process's main
+        thread without the futex hand-offs a second Python thread's team needs: decode steps
+        measured ~10% slower on a background thread on the 2-core CPU (BENCHMARKS.md §4c)."""
+        if self._thread is not None:
+            raise SpecwoodError("the scheduler is already stepping in another thread")
+        self._stopping = False
+        self._loop_done.clear()
+        self._thread = threading.current_thread()
+        try:
+            if then is not None:
+                then()
+            self._loop()
+        finally:
+            self._thread = None
+
     def stop(self, timeout: float = 10.0) -> None:
+        """End the loop (after the step under way) and fail what is left; waits for it."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        self._loop_done.wait(timeout)
+        if self._thread is thread and thread.name == self.THREAD_NAME:  # `start`'s thread: ends with its loop
+            thread.join(timeout)
             self._thread = None
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and self.idle:
-                    self._lock.wait()
-                if self._stopping:
-                    break
-            try:
-                self.step()
-            except Exception as e:  # noqa: BLE001 - never leave requests waiting on a dead loop
-                for req in list(self.running):
-                    self._fail(req, e)
-        for req in list(self.running) + list(self.waiting):
-            self._fail(req, SpecwoodError("the server is shutting down"))
-        self.waiting.clear()
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and self.idle:
+                        self._lock.wait()
+                    if self._stopping:
+                        break
+                try:
+                    self.step()
+                except Exception as e:  # noqa: BLE001 - never leave requests waiting on a dead loop
+                    for req in list(self.running):
+                        self._fail(req, e)
+            for req in list(self.running) + list(self.waiting):
+                self._fail(req, SpecwoodError("the server is shutting down"))
+            self.waiting.clear()
+        finally:
+            self._loop_done.set()

@@ -80,6 +80,13 @@ class _LoadedGGUF:
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0  # a CPU backend; llama.cpp's GPU builds are out of scope
         mparams.use_extra_bufts = not exact  # repacked weights: faster batches, other rounding
+        # read the file into llama.cpp's buffers instead of mapping it: the repacked tensors are
+        # copies, and with the file mapped too both stayed resident (1.06 GB mapped + 0.66 GB
+        # repacked for the 1.0 GB target file; BENCHMARKS.md §7e)
+        if any(name == "load_mode" for name, _ in mparams._fields_):
+            mparams.load_mode = lc.LLAMA_LOAD_MODE_NONE
+        else:  # llama-cpp-python before the load modes
+            mparams.use_mmap = False
         self.handle = lc.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.handle:
             raise ModelFileError(f"{path}: llama.cpp cannot load this file (not a GGUF model, an architecture "

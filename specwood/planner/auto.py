@@ -201,7 +201,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         if progress:
             print(f"[plan] method auto: no draft model loaded, so '{base}' cannot draft; decoding "
                   "autoregressively (load a draft, or use --method pld)", file=sys.stderr)
-        return lambda sources, prompt_len, max_tokens: Drafter(extra_stats=lambda: {"auto": "ar"})
+        return lambda sources, prompt_len, max_tokens, load=1: Drafter(extra_stats=lambda: {"auto": "ar"})
     plan = get_plan(engine, base, build_if_missing=False, progress=progress)
     current = {"plan": plan, "checked": time.monotonic()}
     if plan is None:
@@ -214,7 +214,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                       f"(run `specwood plan --method {base}` once, ~6 min, to measure one)", file=sys.stderr)
         plan = current["plan"] = starter_plan(engine, base)
     if all(c.method == "ar" for c in plan.choices) and plan.source == "measured":
-        return lambda sources, prompt_len, max_tokens: Drafter(extra_stats=lambda: {"auto": "ar"})
+        return lambda sources, prompt_len, max_tokens, load=1: Drafter(extra_stats=lambda: {"auto": "ar"})
     if plan.draft_prefill_s is None and plan.source == "measured" and engine.draft_model is not None:
         plan.draft_prefill_s = measure_draft_prefill(engine)  # a plan from before this field
         save_plan(plan)
@@ -244,13 +244,14 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                     print(f"[plan] method auto: now following the measured plan for '{base}'", file=sys.stderr)
         return current["plan"]
 
-    def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int) -> Drafter:
+    def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
         plan = latest_plan()
-        if not plan.speculation_pays(prompt_len, max_tokens):
+        if not plan.speculation_pays(prompt_len, max_tokens, load):
             if progress and not told:  # once: a server would print it for every short request
                 told.append(True)
                 why = ("the plan decodes plainly at this context" if plan.choice_for(prompt_len).method == "ar" else
-                       "the draft's prefill would cost more than speculation saves")
+                       f"the draft's prefill would cost more than speculation saves ({load} request(s) sharing "
+                       "the steps)")
                 print(f"[plan] method auto: decoding autoregressively a {prompt_len}-token prompt with {max_tokens} "
                       f"new tokens -- {why}", file=sys.stderr)
             return Drafter(extra_stats=lambda: {"auto": "ar"})
@@ -332,7 +333,7 @@ def _prepare_prior(engine: Any, options: dict[str, Any]) -> Callable[..., Drafte
         budget = sd[0].budget if sd else 16
     make_shape("chain", budget=budget)  # the same validation as every budget
     shape = prior_shape(prior.best_layout(int(budget)))
-    return lambda sources, prompt_len, max_tokens: Drafter(sources(engine.draft_model), shape)
+    return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(engine.draft_model), shape)
 
 
 register(Method("auto", "the planner's choice: SD or AR and the tree size per step, per request and per load",

@@ -167,13 +167,22 @@ class Plan:
         by_ctx = {c.context: c for c in self.choices}
         return by_ctx[nearest_context(list(by_ctx), context_len)]
 
-    def speculation_pays(self, prompt_len: int, max_tokens: int) -> bool:
+    def speculation_pays(self, prompt_len: int, max_tokens: int, load: int = 1) -> bool:
         """End to end, not just per decoded token: speculating first costs the draft's own
         prefill of the prompt, which only the decode steps can earn back. True if the time the
-        chosen tree saves over `max_tokens` tokens exceeds that prefill (unknown cost: True)."""
+        chosen tree saves over `max_tokens` tokens exceeds that prefill (unknown cost: True).
+
+        `load` requests share the decode steps (itself included): the saving is then the batch
+        decision's, whose per-token machine time shrinks as the batch fills the hardware, while
+        the draft's prefill costs the same machine time as ever -- so a loaded server stops
+        paying for drafts it cannot earn back (vLLM's speculation-under-load complaint)."""
         d = self.choice_for(prompt_len)
         if d.method == "ar" or d.p_eff <= 0:
             return False
+        if load > 1:
+            d = self.decide(d.context, batch=load)
+            if d.method == "ar" or d.p_eff <= 0:
+                return False
         if not self.draft_prefill_s:
             return True
         saving = max_tokens * (1.0 / d.p_ar - 1.0 / d.p_eff)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import signal
 import socket
 import sys
 import threading
@@ -452,8 +453,31 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
                   f"method {app.state.methods.default}, max batch {max_batch})", flush=True)
         await task
 
+    if not isinstance(scheduler, Scheduler) or threading.current_thread() is not threading.main_thread():
+        # other executors compute in their own processes (and signals reach only the main thread)
+        try:
+            asyncio.run(run())
+        finally:
+            scheduler.stop()
+            sock.close()
+        return
+
+    # Decode steps run on this (the main) thread, HTTP on a second one: torch's OpenMP team is
+    # ~10% slower for a thread that is not the main one (Scheduler.run_here). uvicorn installs no
+    # signal handlers off the main thread, so they go to its handle_exit here; its shutdown stops
+    # the scheduler (the app's lifespan), which ends run_here.
+    def http() -> None:
+        try:
+            asyncio.run(run())
+        finally:
+            scheduler.stop()  # also when uvicorn could not start
+
+    http_thread = threading.Thread(target=http, name="specwood-http", daemon=True)
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        asyncio.run(run())
+        scheduler.run_here(then=http_thread.start)
+        http_thread.join(30)
     finally:
-        scheduler.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         sock.close()
