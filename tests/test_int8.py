@@ -166,6 +166,11 @@ def test_load_int8_mode(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):
     engine = specwood.load(files.gguf, files.gguf, dtype="int8", draft_dtype="int8", progress=False)
     assert engine.target.weight_mode == "int8" and engine.draft_model.weight_mode == "int8"
     assert engine.dtype in (torch.bfloat16, torch.float32)
+    # the vocabulary head is int8 too (faster per step); the token lookup keeps a float embedding
+    assert isinstance(engine.target.output, Int8Linear) and isinstance(engine.draft_model.output, Int8Linear)
+    assert engine.target.tok_embeddings.weight.dtype == engine.dtype
+    ids = [3, 4, 5, 6]
+    assert engine.generate(ids, max_tokens=6, method="dyspec").token_ids == engine.generate(ids, max_tokens=6).token_ids
     plain = specwood.load(files.gguf, files.gguf, dtype="fp32", draft_dtype="int8", progress=False)
     assert plain.target.weight_mode == "fp32" and plain.draft_model.weight_mode == "int8"
     assert plain.draft_model.dtype == torch.float32  # int8 drafts take the target's activation dtype

@@ -291,11 +291,11 @@ def load(
     """Load a target model (a registry name, a .gguf file or a Hugging Face folder) and a draft.
 
     draft="auto" picks the registry's default draft for a registry target (none otherwise);
-    draft=None loads no draft. draft_dtype="auto" runs the draft with int4 weights on CPUs
+    draft=None (or "none") loads no draft. draft_dtype="auto" runs the draft with int4 weights on CPUs
     (bf16 activations; drafting never affects the output, only the speed) and in the target's
     dtype elsewhere; "int4", "int8", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
-    is W8A8: int8 weights and per-token int8 activations in the linears of the layers (see
-    Int8Linear), activations in the "auto" dtype elsewhere; lossy against the float model, but
+    is W8A8: int8 weights and per-token int8 activations in the linears of the layers and the
+    vocabulary head (see Int8Linear), activations in the "auto" dtype elsewhere; lossy against the float model, but
     every method stays token-identical to "ar" in that mode.
 
     backend / draft_backend: "torch" (default), "llama.cpp" (llama-cpp-python runs the GGUF file
@@ -308,6 +308,8 @@ def load(
 
     device = check_device(device)
     target = str(target or DEFAULT_TARGET)
+    if isinstance(draft, str) and draft.strip().lower() == "none":  # as on the command line
+        draft = None
     if draft == "auto":
         draft = default_draft_for(target)
     backend = resolve_backend(backend, target)
@@ -321,7 +323,8 @@ def load(
     else:
         cfg, sd, _ = load_checkpoint(target, dtype=torch_dtype)
         positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
-        model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8)
+        # the int8 head too: a step's vocabulary matmul in 7.6 instead of 13.7 ms (one row; BENCHMARKS §7f)
+        model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8, int8_head=int8)
         del sd
     tokenizer = load_tokenizer(target)
     draft_model: Any = None
@@ -333,7 +336,8 @@ def load(
         ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8")
                   else resolve_dtype(draft_dtype, device))
         dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype)
-        draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8)
+        draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8,
+                                  int8_head=dint8)
         del dsd
     return Engine(model, tokenizer, draft=draft_model, target_name=target,
                   draft_name=str(draft) if draft is not None else None, max_context=max_context)
