@@ -231,17 +231,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         elif args.method == "auto" and args.plan_in_background:
             planner = start_background_plan(args, engine)
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
-              max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor)
+              max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor,
+              background=planner)
     finally:
         sock.close()
         if planner is not None and planner.poll() is None:
-            planner.terminate()
+            from specwood.serve.app import end_process_group
+
+            end_process_group(planner)
     return 0
 
 
 def start_background_plan(args: argparse.Namespace, engine: Any):
     """Without a measured plan, `auto` serves from the starter plan at once while `specwood plan`
-    measures one in a niced child process; auto switches to it when it is stored."""
+    measures one in a niced child process; auto switches to it when it is stored. The server
+    keeps the child stopped while it has requests (`serve(background=...)`)."""
     import os
     import subprocess
 
@@ -262,9 +266,9 @@ def start_background_plan(args: argparse.Namespace, engine: Any):
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"specwood: no measured plan yet; measuring one in the background at low priority (log: {log})",
           file=sys.stderr)
-    with open(log, "w") as out:
+    with open(log, "w") as out:  # its own process group: the server pauses it (and its workers) while busy
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=lambda: os.nice(19))
+                                preexec_fn=lambda: os.nice(19), start_new_session=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

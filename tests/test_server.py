@@ -569,3 +569,56 @@ def test_specwood_serve_command(tmp_path, tiny_tokenizer):
             assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 128
             r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+
+
+def test_background_measurement_runs_only_while_the_server_is_idle():
+    """The plan measured beside a server (`serve --method auto` without a plan) is stopped, with
+    the processes it started, while requests run, continued when idle, and ended even when stopped."""
+    from specwood.serve.app import end_process_group, pause_while_busy
+
+    def state(pid: int) -> str:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    def wait_state(pid: int, want: set[str], timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while (s := state(pid)) not in want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return s
+
+    class Load:
+        idle = True
+
+    # a busy leader with a busy child of its own (like the plan's worker processes)
+    spin = "import time\nwhile True: time.sleep(0.001)"
+    code = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {spin!r}])\n{spin}"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        kids: list[int] = []
+        while not kids and time.monotonic() < deadline:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+            time.sleep(0.01)
+        assert kids, "the child did not start its own child"
+        load = Load()
+        watcher = pause_while_busy(proc, load, period_s=0.01)
+        assert wait_state(proc.pid, {"R", "S"}) in ("R", "S")
+        load.idle = False  # requests arrive
+        assert wait_state(proc.pid, {"T"}) == "T" and wait_state(kids[0], {"T"}) == "T"
+        load.idle = True
+        assert wait_state(proc.pid, {"R", "S"}) in ("R", "S") and wait_state(kids[0], {"R", "S"}) in ("R", "S")
+        load.idle = False
+        assert wait_state(proc.pid, {"T"}) == "T"
+        end_process_group(proc)  # stopped, yet it ends
+        assert proc.returncode is not None
+        watcher.join(5)
+        assert not watcher.is_alive()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{kids[0]}") and state(kids[0]) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not os.path.exists(f"/proc/{kids[0]}") or state(kids[0]) == "Z"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)

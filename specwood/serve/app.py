@@ -406,6 +406,49 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def pause_while_busy(proc: Any, scheduler: Any, period_s: float = 0.02) -> threading.Thread:
+    """Keep `proc`'s process group stopped (SIGSTOP) while `scheduler` has requests, running
+    (SIGCONT) while it is idle, until the process ends. On a small CPU a background measurement
+    beside live requests spoils both: its timings see the server's decode steps (a wrong plan),
+    and its threads steal the cores the requests' OpenMP threads wait on (BENCHMARKS.md §4c)."""
+    import os
+
+    def watch() -> None:
+        stopped = False
+        try:
+            while proc.poll() is None:
+                busy = not scheduler.idle
+                if busy != stopped:
+                    os.killpg(proc.pid, signal.SIGSTOP if busy else signal.SIGCONT)
+                    stopped = busy
+                time.sleep(period_s)
+        except (ProcessLookupError, PermissionError):
+            pass  # it ended between the poll and the signal
+
+    thread = threading.Thread(target=watch, name="specwood-pause-background", daemon=True)
+    thread.start()
+    return thread
+
+
+def end_process_group(proc: Any, timeout_s: float = 5.0) -> None:
+    """Terminate a child started with start_new_session (and whatever it started): continue it
+    first, since a stopped process does not act on SIGTERM; SIGKILL if it lingers."""
+    import os
+    import subprocess
+
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout_s)
+
+
 def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64) -> Scheduler:
     """The server's scheduler: `max_batch` cache rows of the engine's whole context (plus tree room)."""
     if max_batch < 1:
@@ -418,11 +461,13 @@ def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64) -> S
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
           options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
-          sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None) -> None:
+          sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None,
+          background: Any = None) -> None:
     """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line.
     executor: a ParallelExecutor to serve on (DuoDecoding, lock-step batches), a PipelineExecutor
     (SpecPipe-DB, requests joining and leaving between pipeline steps), or None for the
-    continuous-batching scheduler."""
+    continuous-batching scheduler. background: a child process (group leader) that may only
+    run while the server is idle (the plan measured in the background; `pause_while_busy`)."""
     import uvicorn
 
     sock = sock or bind_socket(host, port)
@@ -438,6 +483,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
     else:
         scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
     app = create_app(engine, scheduler, method=method, options=options)
+    if background is not None:
+        pause_while_busy(background, scheduler)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
                             lifespan="on")
     server = uvicorn.Server(config)
