@@ -295,8 +295,8 @@ def load(
     (bf16 activations; drafting never affects the output, only the speed) and in the target's
     dtype elsewhere; "int4", "int8", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
     is W8A8: int8 weights and per-token int8 activations in the linears of the layers and the
-    vocabulary head (see Int8Linear), activations in the "auto" dtype elsewhere; lossy against the float model, but
-    every method stays token-identical to "ar" in that mode.
+    vocabulary head (see Int8Linear), activations in the "auto" dtype elsewhere; lossy against the
+    float model, but every method stays token-identical to "ar" in that mode.
 
     backend / draft_backend: "torch" (default), "llama.cpp" (llama-cpp-python runs the GGUF file
     as it is, on the CPU; a llama.cpp target decodes one request at a time) or "auto" (llama.cpp
