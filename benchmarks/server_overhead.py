@@ -56,11 +56,12 @@ def main() -> None:
                         rec = asyncio.run(http_one(base, p, a.method, a.max_tokens, model))
                         if rec.get("error"):
                             raise SystemExit(f"{p.id}: {rec['error']}")
-                    else:
-                        rec = run_inprocess(engine, [p], [a.method], a.max_tokens, warmup=False, log=None)[0]["records"][0]
-                    got[side] = rec["decode_tokens_per_s"]
-                    if side == "http":  # the server's own clock: its decode steps, without delivery
+                        # the server's own clock: its decode steps, without delivery
                         got["server"] = rec.get("server_tokens_per_s") or float("nan")
+                    else:
+                        rec = run_inprocess(engine, [p], [a.method], a.max_tokens, warmup=False,
+                                            log=None)[0]["records"][0]
+                    got[side] = rec["decode_tokens_per_s"]
                 pairs.append((got["http"], got["local"]))
                 inside.append(got["server"] / got["local"])
                 print(f"round {rnd} {p.id}: HTTP {got['http']:.2f} (server's own clock {got['server']:.2f}) / "

@@ -350,31 +350,33 @@ def test_run_here_steps_in_the_calling_thread_until_stopped(tiny_engine):
     prompts = [[3, 4, 5], [7, 1, 2, 9]]
     refs = [engine.generate(p, max_tokens=4).token_ids for p in prompts]
     results: list = []
-    late: list[Request] = []
 
     def client() -> None:
-        sched.start()  # the app's lifespan does this: the loop is already running here
-        reqs = [engine.new_request(p, max_tokens=4, scheduler=sched) for p in prompts]
-        for r in reqs:
-            sched.submit(r)
-        for r in reqs:
-            assert r.done.wait(60)
-            results.append(r.result.token_ids)
-        sched.stop()
-        assert sched.num_running == 0
+        try:
+            sched.start()  # the app's lifespan does this: the loop is already running here
+            reqs = [engine.new_request(p, max_tokens=4, scheduler=sched) for p in prompts]
+            for r in reqs:
+                sched.submit(r)
+            for r in reqs:
+                if r.done.wait(60):
+                    results.append(r.result.token_ids)
+        finally:
+            sched.stop()  # even on a failure here, or run_here would never return
 
     ran_in: list[threading.Thread] = []
     worker = threading.Thread(target=client)
     sched.run_here(then=lambda: (ran_in.append(threading.current_thread()), worker.start()))
     worker.join(10)
     assert ran_in == [threading.current_thread()] and not worker.is_alive()
-    assert results == refs
+    assert results == refs and sched.num_running == 0
     assert sched._thread is None  # the loop is released: it can start again
     sched.start()
-    late.append(engine.new_request([3, 4, 5], max_tokens=2, scheduler=sched))
-    sched.submit(late[0])
-    assert late[0].done.wait(60) and late[0].error is None
-    sched.stop()
+    late = engine.new_request([3, 4, 5], max_tokens=2, scheduler=sched)
+    sched.submit(late)
+    try:
+        assert late.done.wait(60) and late.error is None
+    finally:
+        sched.stop()
 
 
 def test_cache_pools_survive_a_thousand_requests(tiny_engine):

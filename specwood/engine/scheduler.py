@@ -310,17 +310,12 @@ class Scheduler(QueueCounts):
             if not self.step() and not self.waiting:
                 break
 
-    THREAD_NAME = "specwood-scheduler"
-
     def start(self) -> None:
         """Step in a background thread whenever there is work (a server in a thread, tests).
         A no-op while the scheduler is already stepping (`start` or `run_here`)."""
         if self._thread is not None:
             return
-        self._stopping = False
-        self._loop_done.clear()
-        self._thread = threading.Thread(target=self._loop, name=self.THREAD_NAME, daemon=True)
-        self._thread.start()
+        self._claim(threading.Thread(target=self._loop, name="specwood-scheduler", daemon=True)).start()
 
     def run_here(self, then: Callable[[], None] | None = None) -> None:
         """Step in the calling thread whenever there is work, until `stop()`; `then` runs once
@@ -330,31 +325,29 @@ class Scheduler(QueueCounts):
         measured ~10% slower on a background thread on the 2-core CPU (BENCHMARKS.md §4c)."""
         if self._thread is not None:
             raise SpecwoodError("the scheduler is already stepping in another thread")
+        self._claim(threading.current_thread())
+        self._loop(then)
+
+    def _claim(self, thread: threading.Thread) -> threading.Thread:
         self._stopping = False
         self._loop_done.clear()
-        self._thread = threading.current_thread()
-        try:
-            if then is not None:
-                then()
-            self._loop()
-        finally:
-            self._thread = None
+        self._thread = thread
+        return thread
 
     def stop(self, timeout: float = 10.0) -> None:
-        """End the loop (after the step under way) and fail what is left; waits for it."""
+        """End the loop (after the step under way) and fail what is left; waits for it, unless
+        called from the loop's own thread."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
         thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return
-        self._loop_done.wait(timeout)
-        if self._thread is thread and thread.name == self.THREAD_NAME:  # `start`'s thread: ends with its loop
-            thread.join(timeout)
-            self._thread = None
+        if thread is not None and thread is not threading.current_thread():
+            self._loop_done.wait(timeout)
 
-    def _loop(self) -> None:
+    def _loop(self, then: Callable[[], None] | None = None) -> None:
         try:
+            if then is not None:
+                then()
             while True:
                 with self._lock:
                     while not self._stopping and self.idle:
@@ -370,4 +363,5 @@ class Scheduler(QueueCounts):
                 self._fail(req, SpecwoodError("the server is shutting down"))
             self.waiting.clear()
         finally:
+            self._thread = None  # released before the event: once stop() returns, start() may run again
             self._loop_done.set()

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -411,7 +413,6 @@ def pause_while_busy(proc: Any, scheduler: Any, period_s: float = 0.02) -> threa
     (SIGCONT) while it is idle, until the process ends. On a small CPU a background measurement
     beside live requests spoils both: its timings see the server's decode steps (a wrong plan),
     and its threads steal the cores the requests' OpenMP threads wait on (BENCHMARKS.md §4c)."""
-    import os
 
     def watch() -> None:
         stopped = False
@@ -433,9 +434,6 @@ def pause_while_busy(proc: Any, scheduler: Any, period_s: float = 0.02) -> threa
 def end_process_group(proc: Any, timeout_s: float = 5.0) -> None:
     """Terminate a child started with start_new_session (and whatever it started): continue it
     first, since a stopped process does not act on SIGTERM; SIGKILL if it lingers."""
-    import os
-    import subprocess
-
     for sig in (signal.SIGCONT, signal.SIGTERM):
         try:
             os.killpg(proc.pid, sig)
