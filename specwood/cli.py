@@ -77,24 +77,30 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--backend", default="torch", choices=BACKEND_CHOICES,
                    help="the target's runtime: torch (default), llama.cpp (llama-cpp-python on the GGUF file as it "
-                        "is, CPU, one request at a time) or auto (llama.cpp for a GGUF when it is installed)")
+                        "is, CPU, one request at a time) or auto (the configuration `specwood plan --choose-config` "
+                        "measured fastest here, both models' backends and weight modes; without one, llama.cpp "
+                        "for a GGUF when it is installed)")
     p.add_argument("--draft-backend", default="torch", choices=BACKEND_CHOICES, help="the draft's runtime (as --backend)")
 
 
 def check_backend_args(args: argparse.Namespace) -> None:
     """Resolve --backend/--draft-backend and refuse unsupported combinations before any model loads."""
-    from specwood.engine.backends import check_backends, resolve_backend
+    from specwood.engine.backends import RuntimeConfig, check_backends, resolve_runtime
 
     draft = None if args.draft in (None, "none") else args.draft
     if draft == "auto":
         from specwood.models.registry import DEFAULT_TARGET, default_draft_for
 
         draft = default_draft_for(str(args.target or DEFAULT_TARGET))
-    backend = resolve_backend(getattr(args, "backend", "torch"), args.target)
-    draft_backend = resolve_backend(getattr(args, "draft_backend", "torch"), draft) if draft else "torch"
-    check_backends(backend, draft_backend, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
-                   executor=getattr(args, "executor", None))
-    args.backend, args.draft_backend = backend, draft_backend
+    asked = RuntimeConfig(getattr(args, "backend", "torch"), args.dtype, getattr(args, "draft_backend", "torch"),
+                          args.draft_dtype)
+    runtime, note = resolve_runtime(asked, args.target, draft, args.device)
+    if note:
+        print(f"[load] {note}", file=sys.stderr)
+    check_backends(runtime.backend, runtime.draft_backend, dtype=runtime.dtype, draft_dtype=runtime.draft_dtype,
+                   device=args.device, executor=getattr(args, "executor", None))
+    args.backend, args.draft_backend, args.dtype, args.draft_dtype = (runtime.backend, runtime.draft_backend,
+                                                                      runtime.dtype, runtime.draft_dtype)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -301,8 +302,11 @@ def load(
     backend / draft_backend: "torch" (default), "llama.cpp" (llama-cpp-python runs the GGUF file
     as it is, on the CPU; a llama.cpp target decodes one request at a time) or "auto" (llama.cpp
     for a GGUF model when llama-cpp-python is installed, else torch); see specwood.engine.backends.
+    backend="auto" after `specwood plan --choose-config` loads the configuration measured fastest
+    on this machine for the pair: both backends and, where dtype/draft_dtype are "auto", both
+    weight modes.
     """
-    from specwood.engine.backends import LlamaCppDraft, LlamaCppTarget, check_backends, resolve_backend
+    from specwood.engine.backends import LlamaCppDraft, LlamaCppTarget, RuntimeConfig, check_backends, resolve_runtime
     from specwood.models.loader import load_checkpoint, load_tokenizer
     from specwood.models.registry import DEFAULT_TARGET, default_draft_for
 
@@ -312,8 +316,13 @@ def load(
         draft = None
     if draft == "auto":
         draft = default_draft_for(target)
-    backend = resolve_backend(backend, target)
-    draft_backend = resolve_backend(draft_backend, draft) if draft is not None else "torch"
+    runtime, note = resolve_runtime(RuntimeConfig(str(backend), str(dtype), str(draft_backend), str(draft_dtype)),
+                                    target, draft, device)
+    if note and progress:
+        print(f"[load] {note}", file=sys.stderr)
+    backend, draft_backend = runtime.backend, runtime.draft_backend
+    if note:  # a measured choice sets the weight modes too
+        dtype, draft_dtype = runtime.dtype, runtime.draft_dtype
     check_backends(backend, draft_backend, dtype=dtype, draft_dtype=draft_dtype, device=device)
     int8 = dtype == "int8"
     torch_dtype = resolve_dtype("auto" if int8 else dtype, device)

@@ -2,8 +2,10 @@
 (llama-cpp-python on the GGUF file as it is; CPU; one request at a time for a target).
 SPECWOOD_LLAMACPP_EXACT=1 runs a llama.cpp target in exact mode (specwood.models.llamacpp).
 
-The target and the draft choose independently (`backend`, `draft_backend`); `auto` picks
-llama.cpp when llama-cpp-python is importable and the model is a GGUF file, else torch. On
+The target and the draft choose independently (`backend`, `draft_backend`). A target backend of
+`auto` loads the configuration `specwood plan --choose-config` measured fastest on this machine
+for the model pair (both backends and weight modes; see `resolve_runtime`); without one, `auto`
+picks llama.cpp when llama-cpp-python is importable and the model is a GGUF file, else torch. On
 llama.cpp a target is a `LlamaCppTarget` (driven through the ModelRunner seam by a
 RunnerScheduler) and a draft a `LlamaCppDraft` (a pool of llama.cpp contexts that hands each
 request a LlamaCppDraftSource), so tree shapes, draft sources, verifiers and the method registry
@@ -12,8 +14,9 @@ are the same on both backends.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -23,8 +26,11 @@ from specwood.models.config import ModelConfig
 BACKENDS = ("torch", "llama.cpp")
 BACKEND_CHOICES = ("torch", "llama.cpp", "auto")
 DEFAULT_LLAMACPP_CTX = 8192  # KV cells per llama.cpp context unless --max-context says otherwise
-TARGET_SEQUENCES = 256  # llama.cpp sequences of a target context: tree leaves per step
-DRAFT_SEQUENCES = 256  # ... of a draft context: branches of a drafted tree
+# llama.cpp sequences per context. llama.cpp reserves a logits row per sequence at start (151,936
+# floats = 0.58 MB each for Qwen2.5), so 256 cost 0.15 GB per context; 64 cover the trees the
+# planner uses (x <= 32) and cost a quarter (BENCHMARKS.md §7g)
+TARGET_SEQUENCES = 64  # tree leaves per step
+DRAFT_SEQUENCES = 64  # ... of a draft context: branches of a drafted tree
 
 
 def _is_gguf(model: str | os.PathLike[str] | None) -> bool:
@@ -57,6 +63,57 @@ def resolve_backend(backend: str | None, model: str | os.PathLike[str] | None) -
 
         import_llama_cpp()
     return b
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and in which weight mode the target and the draft run (the arguments of `load`)."""
+
+    backend: str = "torch"
+    dtype: str = "auto"
+    draft_backend: str = "torch"
+    draft_dtype: str = "auto"
+
+    def label(self) -> str:
+        def one(backend: str, dtype: str, default: str) -> str:
+            return "llama.cpp" if backend == "llama.cpp" else f"torch {default if dtype == 'auto' else dtype}"
+        return f"target {one(self.backend, self.dtype, 'bf16')}, draft {one(self.draft_backend, self.draft_dtype, 'int4')}"
+
+
+# (target, draft, device) -> the measured fastest RuntimeConfig and a line saying where it comes
+# from, or None. The planner registers it (the engine does not import the planner).
+MeasuredConfigLookup = Callable[[str, "str | None", str], "tuple[RuntimeConfig, str] | None"]
+_measured_config_lookups: list[MeasuredConfigLookup] = []
+
+
+def register_measured_config(lookup: MeasuredConfigLookup) -> None:
+    if lookup not in _measured_config_lookups:
+        _measured_config_lookups.append(lookup)
+
+
+def resolve_runtime(asked: RuntimeConfig, target: str | os.PathLike[str] | None, draft: str | os.PathLike[str] | None,
+                    device: str = "cpu") -> tuple[RuntimeConfig, str | None]:
+    """The backends to load: a target backend of 'auto' takes the stored measured choice for this
+    machine and pair (its draft backend and both weight modes too, where the dtypes asked for are
+    'auto' or agree with it); otherwise each 'auto' backend resolves alone (resolve_backend).
+    Returns the config and, when a measured choice was applied, a line saying so."""
+    from specwood.models.registry import DEFAULT_TARGET
+
+    if str(asked.backend).strip().lower() == "auto":
+        for lookup in _measured_config_lookups:
+            found = lookup(str(target or DEFAULT_TARGET), None if draft is None else str(draft), str(device))
+            if found is None:
+                continue
+            chosen, note = found
+            agrees = all(str(mine) in ("auto", theirs) for mine, theirs in
+                         ((asked.dtype, chosen.dtype), (asked.draft_dtype, chosen.draft_dtype)))
+            if agrees:
+                if "llama.cpp" in (chosen.backend, chosen.draft_backend) and not llama_cpp_available():
+                    continue  # the extra went away since the choice was measured
+                return chosen, f"--backend auto: {chosen.label()} ({note})"
+    backend = resolve_backend(asked.backend, target)
+    draft_backend = resolve_backend(asked.draft_backend, draft) if draft is not None else "torch"
+    return replace(asked, backend=backend, draft_backend=draft_backend), None
 
 
 def check_backends(backend: str, draft_backend: str, *, dtype: Any = "auto", draft_dtype: Any = "auto",

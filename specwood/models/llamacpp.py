@@ -236,7 +236,7 @@ class LlamaCppModel:
         leaves = [i for i in range(n) if i not in has_child]
         if len(leaves) > self.n_seq_max:
             raise SpecwoodError(f"a tree with {len(leaves)} leaves needs n_seq_max >= {len(leaves)} "
-                                f"(this runner has {self.n_seq_max})")
+                                f"(this runner has {self.n_seq_max}); lower --budget")
         seqs: list[list[int]] = [[] for _ in range(n)]
         for s, leaf in enumerate(leaves):
             node = leaf

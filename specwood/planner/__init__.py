@@ -1,13 +1,15 @@
 """The roofline planner (seed paper 000): measure or model the hardware, fit P(x) and AAT(x),
 and choose autoregressive decoding or the tree size x per context length.
 
-Importing it registers the methods `auto` and `prior` in the method registry (specwood.methods).
+Importing it registers the methods `auto` and `prior` in the method registry (specwood.methods),
+and the measured configuration choice that `--backend auto` loads (specwood.planner.configs).
 """
 from specwood.planner.fits import DEFAULT_AAT, AATFit, RooflineFit, fit_aat, fit_roofline
 from specwood.planner.analytic import build_analytic_plan
 from specwood.planner.auto import PlannedShape, starter_plan
 from specwood.planner.build import build_plan, get_plan
 from specwood.planner.calibration import CALIBRATION_PROMPTS
+from specwood.planner.configs import choose_config, load_config_choice
 from specwood.planner.decision import Decision, decide
 from specwood.planner.store import (
     SCHEMA_VERSION,
@@ -34,10 +36,12 @@ __all__ = [
     "SCHEMA_VERSION",
     "build_analytic_plan",
     "build_plan",
+    "choose_config",
     "decide",
     "fit_aat",
     "fit_roofline",
     "get_plan",
+    "load_config_choice",
     "load_plan",
     "plan_key_for",
     "starter_plan",

@@ -3,12 +3,13 @@ PlannedShape, a starter plan when none is measured) and `--method prior`.
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from specwood.engine.request import Drafter
 from specwood.errors import SpecwoodError
@@ -149,42 +150,62 @@ def runner_starter_plan(engine: Any, method: str, ctx: int = 128, repeats: int =
     pair or the default curve. A few seconds at start; if even this says speculation cannot pay
     (llama.cpp's batch evaluation on a CPU can cost nearly one step per token), auto decodes
     plainly and says so."""
-    import torch
+    from specwood.planner.profiler import measure_draft_times
 
+    tv = runner_verify_times(engine, RUNNER_XS, (ctx,), repeats)
+    td = ({ctx: {x: 0.0 for x in RUNNER_XS}} if engine.draft_model is None else
+          measure_draft_times(engine, [method], xs=RUNNER_XS, contexts=(ctx,), repeats=repeats, progress=False)[method])
+    plan = timed_plan(engine, method, tv, td, draft_prefill_s=0.0)
+    plan.x_cap = max(RUNNER_XS)
+    plan.source = "starter"
+    plan.notes[-1] = "starter plan for a runner-backed target: T_v and T_d timed at start, " + plan.notes[-1]
+    return plan.refresh()
+
+
+def timed_plan(engine: Any, method: str, verify_times: dict[int, dict[int, float]],
+               draft_times: dict[int, dict[int, float]], draft_prefill_s: float | None) -> Plan:
+    """A plan from T_v and T_d timed here, with the AAT(x) of the pair's measured plan (any
+    device, any weight mode) or the default curve: what a short timing can say without the
+    minutes of calibration decoding `specwood plan` spends on AAT."""
     from specwood.planner.analytic import stored_aat
     from specwood.planner.fits import DEFAULT_AAT
-    from specwood.planner.profiler import measure_draft_times, median_time, random_tree
+
+    found = stored_aat(str(engine.target_name), str(engine.draft_name or "none"), method)
+    plan = Plan(key=plan_key_for(engine, method), contexts=sorted(verify_times), verify_times=verify_times,
+                draft_times=draft_times, aat=found[0] if found else DEFAULT_AAT, draft_prefill_s=draft_prefill_s)
+    plan.mode = "timed"
+    plan.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    plan.notes.append(found[1] if found else "default AAT curve")
+    return plan.refresh()
+
+
+def runner_verify_times(engine: Any, xs: Sequence[int], contexts: Sequence[int], repeats: int = 3) -> dict[int, dict[int, float]]:
+    """T_v(x, ctx) of a llama.cpp target: one tree forward of x tokens after ctx random tokens, on
+    a context of its own over the loaded weights (a request may be decoding on the serving one)."""
+    import torch
 
     from specwood.models.llamacpp import LlamaCppModel
+    from specwood.planner.profiler import median_time, random_tree
 
     serving = engine.target.runner
     vocab = engine.target_config.vocab_size
     g = torch.Generator().manual_seed(0)
-    # a context of its own over the same loaded weights: a request may be decoding on the target's
-    runner = LlamaCppModel(serving.weights.path, n_ctx=ctx + max(RUNNER_XS) + 8, n_seq_max=max(RUNNER_XS),
-                           vocab_size=vocab, weights=serving.weights)
-    runner.prefill(torch.randint(0, vocab, (ctx,), generator=g).tolist())
-    tv: dict[int, float] = {}
-    for x in RUNNER_XS:
-        tree = random_tree(x, g, vocab)
+    out: dict[int, dict[int, float]] = {}
+    for ctx in contexts:
+        runner = LlamaCppModel(serving.weights.path, n_ctx=ctx + max(xs) + 8, n_seq_max=max(xs),
+                               vocab_size=vocab, weights=serving.weights)
+        runner.prefill(torch.randint(0, vocab, (ctx,), generator=g).tolist())
+        out[ctx] = {}
+        for x in xs:
+            tree = random_tree(x, g, vocab)
 
-        def forward() -> None:
-            runner.forward_tree(tree)
-            runner.rollback(ctx)
+            def forward() -> None:
+                runner.forward_tree(tree)
+                runner.rollback(ctx)
 
-        tv[x] = median_time(forward, repeats, warmup=1)
-    runner.close()
-    td = ({x: 0.0 for x in RUNNER_XS} if engine.draft_model is None else
-          measure_draft_times(engine, [method], xs=RUNNER_XS, contexts=(ctx,), repeats=repeats, progress=False)[method][ctx])
-    found = stored_aat(str(engine.target_name), str(engine.draft_name or "none"), method)
-    aat = found[0] if found else DEFAULT_AAT
-    plan = Plan(key=plan_key_for(engine, method), contexts=[ctx], verify_times={ctx: tv}, draft_times={ctx: td},
-                aat=aat, draft_prefill_s=0.0)
-    plan.x_cap = max(RUNNER_XS)
-    plan.source = "starter"
-    plan.notes.append("starter plan for a runner-backed target: T_v and T_d timed at start, "
-                      + (found[1] if found else "default AAT curve"))
-    return plan.refresh()
+            out[ctx][x] = median_time(forward, repeats, warmup=1)
+        runner.close()
+    return out
 
 
 def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter]:

@@ -64,6 +64,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--no-parallel", action="store_true",
                    help="do not measure the parallel executor (DuoDecoding); auto then stays sequential")
+    p.add_argument("--choose-config", action="store_true",
+                   help="time every runtime configuration of the pair here (target and draft backend and weight "
+                        "mode: torch bf16/int8, llama.cpp) and store the fastest for --backend auto "
+                        "(about a minute per configuration)")
     p.set_defaults(func=run_plan_cli)
     return p
 
@@ -117,7 +121,7 @@ def _local_plan(args: argparse.Namespace) -> Any:
     key = plan_key_for(engine, args.method)
     plan = None if args.force else load_plan(key)
     mode = "quick" if args.quick else "full"
-    if plan is not None and ((plan.mode == "quick" and mode == "full")
+    if plan is not None and ((plan.mode == "quick" and mode == "full") or plan.mode == "timed"
                              or (args.contexts and sorted(args.contexts) != plan.contexts)):
         print(f"[plan] the stored plan is {plan.mode} over contexts {plan.contexts}; re-measuring", file=sys.stderr)
         plan = None
@@ -157,6 +161,15 @@ def run_plan_cli(args: argparse.Namespace) -> int:
     from specwood.planner.analytic import build_analytic_plan
     from specwood.planner.store import plan_path, save_plan
 
+    if args.choose_config:
+        from specwood.planner.configs import choose_config, format_choice
+
+        if args.device.strip().lower() != "local":
+            raise SpecwoodError("--choose-config times this machine; drop --device or use --device local")
+        choice = choose_config(args.target, args.draft, args.method, device=args.torch_device,
+                               contexts=args.contexts or (128, 512), max_context=args.max_context)
+        print(json.dumps(choice.to_dict()) if args.json else format_choice(choice))
+        return 0
     if args.device.strip().lower() == "local":
         plan = _local_plan(args)
     else:

@@ -85,7 +85,7 @@ class Plan:
     x_cap: int = MAX_X  # largest x the method can build (e.g. the prior's maximal tree + 1)
     draft_prefill_s: float | None = None  # the draft's prefill, seconds per prompt token
     source: str = "measured"  # or "analytic" (a device model, no hardware)
-    mode: str = "quick"  # "quick" or "full" measurement, "analytic"
+    mode: str = "quick"  # "quick" or "full" measurement, "analytic", "timed" (T_v/T_d only, AAT borrowed)
     prior: PriorScores | None = None
     observed: dict[int, dict[str, float]] = field(default_factory=dict)  # calibration step stats per x
     parallel: ParallelProfile | None = None  # DuoDecoding measured here (None: not measured)
@@ -326,9 +326,14 @@ def list_plans() -> list[Plan]:
 
 def local_device_id(engine: Any) -> str:
     """What the timings depend on: the accelerator or CPU model and the thread count."""
+    return device_id(engine.device)
+
+
+def device_id(dev: Any) -> str:
+    """local_device_id for a torch.device (or its name), before any engine is loaded."""
     import torch
 
-    dev = engine.device
+    dev = torch.device(dev)
     if dev.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(dev)}"
     model = "cpu"
