@@ -194,6 +194,20 @@ def test_all_methods_mixed_in_one_batch_equal_ar_alone(tiny_engine):
     assert_pools_free(sched)
 
 
+def test_auto_copies_from_the_context_and_stays_lossless(tiny_engine):
+    """auto copies a chain from the context where an n-gram recurs (no draft forward) and drafts
+    with the model elsewhere; greedy, fp32, the output is ar's, and copied tokens are accepted."""
+    engine = tiny_engine
+    store_auto_plan(engine)
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14] * 3 + [30, 31, 32, 33, 7, 8, 9]
+    ar = engine.generate(prompt, max_tokens=40, method="ar").token_ids
+    res = engine.generate(prompt, max_tokens=40, method="auto", progress=False)
+    assert res.token_ids == ar
+    assert res.stats["auto_lookup_steps"] >= 1 and res.stats["mean_accepted_tokens"] > 1
+    plain = engine.generate(prompt, max_tokens=40, method="auto", progress=False, lookup=False)
+    assert plain.token_ids == ar and "auto_lookup_steps" not in plain.stats
+
+
 def test_small_tree_room_scheduler_serves_draft_model_methods(tiny_engine):
     """A scheduler sized for small trees (tree_room, row_len as room_for asks) must serve the
     draft-model methods whose trees fit it."""

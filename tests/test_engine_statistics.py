@@ -101,8 +101,8 @@ def private_plans(monkeypatch, tmp_path, stat_engine):
 
 
 
-def exact_law(engine: Engine, params: SamplingParams) -> np.ndarray:
-    return exact_first_two_law(engine, PROMPT, params)
+def exact_law(engine: Engine, params: SamplingParams, prompt: list[int] = PROMPT) -> np.ndarray:
+    return exact_first_two_law(engine, prompt, params)
 
 
 # --- running requests through the scheduler ----------------------------------------------------
@@ -121,19 +121,20 @@ def request_seed(stream: int, i: int) -> int:
 _M64 = (1 << 64) - 1
 
 
-def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, stream: int):
+def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, stream: int,
+                 prompt: list[int] = PROMPT, options: dict | None = None):
     """`n` requests of `method` through one scheduler in batches of BATCH: the joint counts of
     the first two outcomes, the number of speculative steps and of accepted drafted tokens."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # prior without stored scores warns (analytic prior)
-        factory = engine.prepare(method, options_for(method))
+        factory = engine.prepare(method, options if options is not None else options_for(method))
     # rows keep the scheduler's default tree room: draft sources need it (see test_batching)
-    sched = Scheduler(engine.target, max_batch=BATCH, row_len=len(PROMPT) + MAX_TOKENS + TREE_ROOM,
+    sched = Scheduler(engine.target, max_batch=BATCH, row_len=len(prompt) + MAX_TOKENS + TREE_ROOM,
                       max_queue=BATCH)
     counts = np.zeros((OUTCOMES, OUTCOMES), dtype=np.int64)
-    spec_steps = accepted = 0
+    spec_steps = accepted = copied = 0
     for start in range(0, n, BATCH):
-        reqs = [engine.new_request(PROMPT, max_tokens=MAX_TOKENS, temperature=params.temperature,
+        reqs = [engine.new_request(prompt, max_tokens=MAX_TOKENS, temperature=params.temperature,
                                    top_k=params.top_k, top_p=params.top_p, seed=request_seed(stream, start + i),
                                    method=method, scheduler=sched, prepared=factory)
                 for i in range(min(BATCH, n - start))]
@@ -149,7 +150,9 @@ def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, st
             counts[a, b] += 1
             spec_steps += r.stats.steps
             accepted += r.stats.accepted
+            copied += int(r.result.stats.get("auto_lookup_steps", 0))
     assert sched.idle and sched.cache.free_rows == BATCH
+    run_requests.copied = copied  # auto's steps that copied from the context (the last run)
     return counts, spec_steps, accepted
 
 
@@ -189,6 +192,30 @@ def test_engine_samples_the_target_law(stat_engine, private_plans, case):
     assert min(p, p_first) > P_MIN, f"{method} does not sample the target's distribution"
 
 
+# the prompt's last 3-gram occurs at its start, so auto's first step copies the 8 tokens that
+# followed it (a "selected" chain) instead of drafting with the model
+LOOKUP_PROMPT = [20, 3, 4, 16, 0, 2, 15, 17, 20, 3, 4]
+
+
+def test_auto_copying_from_the_context_samples_the_target_law(stat_engine, private_plans):
+    params = SamplingParams(temperature=1.0)
+    law = exact_law(stat_engine, params, LOOKUP_PROMPT)
+    counts, spec_steps, accepted = run_requests(stat_engine, "auto", params, SAMPLES, stream=500,
+                                                prompt=LOOKUP_PROMPT, options={"progress": False})
+    copied = run_requests.copied
+    p = g_test(counts, law)
+    p_first = g_test(counts.sum(1), law.sum(1))
+    print(f"\nauto copying: p(first)={p_first:.3g} p(first, second)={p:.3g} | steps {spec_steps}, copied {copied}, "
+          f"accepted {accepted}")
+    # the choice depends on how many requests share the step, so some copy and some draft
+    assert copied > SAMPLES // 4 and accepted > SAMPLES // 10
+    assert min(p, p_first) > P_MIN, "auto's copied chains do not sample the target's distribution"
+    # the same prompt without copying drafts with the model: the copy really was the path taken
+    run_requests(stat_engine, "auto", params, BATCH, stream=501, prompt=LOOKUP_PROMPT,
+                 options={"progress": False, "lookup": False})
+    assert run_requests.copied == 0
+
+
 BIASED = ["chain", "dyspec", "eagle"]  # sampled chain, sampled tree without replacement, selected (top-k)
 
 
@@ -208,3 +235,16 @@ def test_biased_verifier_is_caught(stat_engine, private_plans, monkeypatch, meth
           f"= {BIASED_SAMPLES / dt:.0f} req/s")
     assert biased.calls >= BIASED_SAMPLES // 2, "the engine no longer verifies through specwood.engine.step.verify"
     assert p < P_BIASED, f"the test cannot see a +{BIAS} acceptance bias"
+
+
+def test_biased_verifier_is_caught_on_copied_chains(stat_engine, private_plans, monkeypatch):
+    params = SamplingParams(temperature=1.0)
+    law = exact_law(stat_engine, params, LOOKUP_PROMPT)
+    biased = BiasedVerify(BIAS)
+    monkeypatch.setattr(step_mod, "verify", biased)
+    counts, _, _ = run_requests(stat_engine, "auto", params, BIASED_SAMPLES, stream=1500, prompt=LOOKUP_PROMPT,
+                                options={"progress": False})
+    assert run_requests.copied > BIASED_SAMPLES // 4
+    p = g_test(counts, law)
+    print(f"\nbiased auto copying (+{BIAS}): p(first, second)={p:.3g}")
+    assert p < P_BIASED, f"the test cannot see a +{BIAS} acceptance bias on copied chains"

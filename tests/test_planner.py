@@ -562,12 +562,15 @@ def test_build_plan_end_to_end_on_tiny_engine(tiny_engine, tmp_path):
     assert res.token_ids == ar and res.stats["auto"] == "sd" and "mean_accepted_tokens" in res.stats
     plan.draft_prefill_s = 10.0
     save_plan(plan)
-    res = tiny_engine.generate(ids, max_tokens=24, method="auto")
+    res = tiny_engine.generate(ids, max_tokens=24, method="auto", lookup=False)
     assert res.token_ids == ar and res.stats["auto"] == "ar" and "mean_accepted_tokens" not in res.stats
+    # with copying from the context (the default) it still never drafts with the model
+    res = tiny_engine.generate(ids, max_tokens=24, method="auto")
+    assert res.token_ids == ar and res.stats["auto"] == "ar" and res.stats["auto_x_steps"].keys() <= {1}
     # an all-AR plan means: just decode autoregressively
     plan.choices = [BucketChoice(c.context, "ar", 1, 0.5, 1.0, 2.0, 4) for c in plan.choices]
     save_plan(plan)
-    res = tiny_engine.generate(ids, max_tokens=24, method="auto", progress=False)
+    res = tiny_engine.generate(ids, max_tokens=24, method="auto", progress=False, lookup=False)
     assert res.token_ids == ar and res.stats["auto"] == "ar" and "mean_accepted_tokens" not in res.stats
 
 

@@ -11,10 +11,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from specwood.drafting.base import ShapeBase
 from specwood.engine.request import Drafter
 from specwood.errors import SpecwoodError
 from specwood.methods import Method, prepare_method, register
 from specwood.planner.build import get_plan, measure_draft_prefill
+from specwood.planner.decision import Decision, batch_share
 from specwood.planner.store import (
     _DTYPE_NAMES,
     DEFAULT_METHOD,
@@ -72,6 +74,64 @@ class AcceptanceTracker:
         return lambda x: 1.0 if x <= 1 else 1.0 + min(x - 1.0, r * (float(aat(x)) - 1.0))
 
 
+class LookupTracker:
+    """How well copying from the context (prompt lookup) does in this request: an exponentially
+    decayed fraction of each copied chain that verification accepted. It starts at `prior` and
+    drifts back to it on model steps, so a request where copying failed tries again later."""
+
+    def __init__(self, prior: float = 0.4, decay: float = 0.7, relax_decay: float = 0.95):
+        self.prior, self.decay, self.relax_decay = prior, decay, relax_decay
+        self.fraction = prior
+
+    def expected_tokens(self, chain: int) -> float:
+        """Tokens a lookup step with a copied chain of `chain` tokens is expected to emit."""
+        return 1.0 + self.fraction * chain
+
+    def record(self, chain: int, accepted: int) -> None:
+        self.fraction = self.decay * self.fraction + (1 - self.decay) * accepted / max(chain, 1)
+
+    def relax(self) -> None:
+        self.fraction = self.relax_decay * self.fraction + (1 - self.relax_decay) * self.prior
+
+
+class LookupOrModelShape(ShapeBase):
+    """One step's tree: a chain copied from the context where an n-gram of it recurs and the
+    copy is expected to emit tokens faster than the model's tree (`worth(chain length)`), else
+    the model's shape (None: a plain step). Copying needs no draft forward, so a step costs
+    T_v(1 + chain) only. The choice depends on the context alone, never on this step's random
+    draws, so sampling stays lossless: each tree carries its own rule (copied chains are
+    "selected", i.e. a one-hot q)."""
+
+    def __init__(self, model_shape: Any | None, k: int, worth: Callable[[int], bool]):
+        self.model_shape = model_shape
+        self.k = k
+        self.worth = worth
+        self.name = f"lookup+{getattr(model_shape, 'name', 'ar')}"
+        self.copied = 0  # the chain length of the last draft (0: the model drafted)
+
+    def draft(self, context: list[int], root: int, params: Any, generator: Any) -> Any:
+        from specwood.drafting.ngram import find_continuation
+
+        chain = find_continuation([*context, root], self.k, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
+        if chain and self.worth(len(chain)):
+            self.copied = len(chain)
+            yield from ()  # no draft calls
+            tree = TokenTree.with_root(root, "selected")
+            node = 0
+            for token in chain:
+                node = tree.add_node(node, token, 1.0)
+            return tree
+        self.copied = 0
+        if self.model_shape is None:
+            yield from ()
+            return TokenTree.with_root(root, "selected" if params.greedy else "sampled")
+        return (yield from self.model_shape.draft(context, root, params, generator))
+
+
+LOOKUP_K = 10  # the longest chain copied from the context
+LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 4, 3  # shorter matches are too weak a signal to pay a wide verify
+
+
 class PlannedShape:
     """A per-request tree-shape policy that follows a plan as the context grows, as acceptance is
     observed and as the load changes.
@@ -82,36 +142,77 @@ class PlannedShape:
     P_eff (budget x - 1) -- or None (a plain step) where AR wins. After each step (`on_step`) it
     credits the tracker with what the tree it chose really got accepted. With `adapt=False` it
     uses the plan's per-bucket choices as stored (batch of one).
+
+    With `lookup`, a step copies from the context instead when an n-gram recurs and the copy's
+    expected tokens per T_v(1 + chain) beat the model's rate (LookupOrModelShape; LookupTracker
+    learns how well copying does in this request). With `model=False` the draft model is never
+    used (its prefill did not pay): the request copies or decodes plainly.
     """
 
-    def __init__(self, plan: Plan, make_shape: Callable[[int], Any], adapt: bool = True):
+    def __init__(self, plan: Plan, make_shape: Callable[[int], Any], adapt: bool = True, lookup: bool = False,
+                 model: bool = True):
         self.plan = plan
         self.name = f"auto:{plan.key.method}"
         self.adapt = adapt
+        self.lookup = lookup
+        self.model = model
         self._make_shape = make_shape
         self._shapes: dict[int, Any] = {}
         self.tracker = AcceptanceTracker()
+        self.lookup_tracker = LookupTracker()
         self._context_len = 0
+        self._step: LookupOrModelShape | None = None
         self.x_used: dict[int, int] = {}  # x -> steps, for the stats
+        self.lookup_steps = 0
+
+    def _decision(self, context_len: int, batch_size: int) -> Decision:
+        return self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)), batch=batch_size)
 
     def choose_x(self, context_len: int, batch_size: int = 1) -> int:
+        if not self.model:
+            return 1
         if not self.adapt:
             method, x = self.plan.choose(context_len)
             return 1 if method == "ar" else x
-        d = self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)), batch=batch_size)
+        d = self._decision(context_len, batch_size)
         return 1 if d.method == "ar" else d.x
 
-    def for_batch(self, batch_size: int, context_len: int) -> Any | None:
-        self._context_len = context_len
-        x = self.choose_x(context_len, batch_size)
-        self.x_used[x] = self.x_used.get(x, 0) + 1
+    def _model_shape(self, x: int) -> Any | None:
         if x <= 1:
             return None
         if x not in self._shapes:
             self._shapes[x] = self._make_shape(x - 1)
         return self._shapes[x]
 
+    def for_batch(self, batch_size: int, context_len: int) -> Any | None:
+        self._context_len = context_len
+        self._step = None
+        if not self.lookup:
+            x = self.choose_x(context_len, batch_size)
+            self.x_used[x] = self.x_used.get(x, 0) + 1
+            return self._model_shape(x)
+        d = self._decision(context_len, batch_size)
+        x = d.x if (self.model and d.method == "sd") else 1
+        model_rate = d.p_eff if x > 1 else d.p_ar
+        t_v, _ = batch_share(lambda v: self.plan.t_v(context_len, v), lambda v: 0.0, batch_size)
+        lt = self.lookup_tracker
+
+        def worth(chain: int) -> bool:
+            return lt.expected_tokens(chain) / float(t_v(1 + chain)) > model_rate
+
+        self._step = LookupOrModelShape(self._model_shape(x), LOOKUP_K, worth)
+        self._step_x = x
+        return self._step
+
     def on_step(self, tree: TokenTree, verdict: Verdict) -> None:
+        step, self._step = self._step, None
+        if step is not None and step.copied:
+            self.lookup_steps += 1
+            self.lookup_tracker.record(step.copied, len(verdict.accepted))
+            return
+        if step is not None:
+            self.x_used[self._step_x] = self.x_used.get(self._step_x, 0) + 1
+            self.lookup_tracker.relax()
         if len(tree) <= 1:
             self.tracker.relax()
         else:
@@ -214,6 +315,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
 
     base = str(options.get("shape") or DEFAULT_METHOD)
     adapt = bool(options.get("adapt", True))
+    lookup = adapt and bool(options.get("lookup", True))
     progress = bool(options.get("progress", True))
     base_method = get_method(base)
     if base_method.name in ("auto", "ar"):
@@ -234,7 +336,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                 print(f"[plan] no measured plan for '{base}' on this device yet: starting from an analytic estimate "
                       f"(run `specwood plan --method {base}` once, ~6 min, to measure one)", file=sys.stderr)
         plan = current["plan"] = starter_plan(engine, base)
-    if all(c.method == "ar" for c in plan.choices) and plan.source == "measured":
+    if all(c.method == "ar" for c in plan.choices) and plan.source == "measured" and not lookup:
         return lambda sources, prompt_len, max_tokens, load=1: Drafter(extra_stats=lambda: {"auto": "ar"})
     if plan.draft_prefill_s is None and plan.source == "measured" and engine.draft_model is not None:
         plan.draft_prefill_s = measure_draft_prefill(engine)  # a plan from before this field
@@ -267,18 +369,29 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
 
     def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
         plan = latest_plan()
-        if not plan.speculation_pays(prompt_len, max_tokens, load):
+        model = plan.speculation_pays(prompt_len, max_tokens, load) and not (
+            all(c.method == "ar" for c in plan.choices) and plan.source == "measured")
+        if not model:
             if progress and not told:  # once: a server would print it for every short request
                 told.append(True)
                 why = ("the plan decodes plainly at this context" if plan.choice_for(prompt_len).method == "ar" else
                        f"the draft's prefill would cost more than speculation saves ({load} request(s) sharing "
                        "the steps)")
-                print(f"[plan] method auto: decoding autoregressively a {prompt_len}-token prompt with {max_tokens} "
-                      f"new tokens -- {why}", file=sys.stderr)
-            return Drafter(extra_stats=lambda: {"auto": "ar"})
-        shape = PlannedShape(plan, make_shape, adapt=adapt)
-        source = sources(draft_model) if draft_model is not None else None
-        return Drafter(source, shape, extra_stats=lambda: {"auto": "sd", "auto_x_steps": dict(sorted(shape.x_used.items()))})
+                print(f"[plan] method auto: no draft model for a {prompt_len}-token prompt with {max_tokens} "
+                      f"new tokens -- {why}; " + ("copying from the context where it pays, else decoding plainly"
+                                                   if lookup else "decoding autoregressively"), file=sys.stderr)
+            if not lookup:
+                return Drafter(extra_stats=lambda: {"auto": "ar"})
+        shape = PlannedShape(plan, make_shape, adapt=adapt, lookup=lookup, model=model)
+        source = sources(draft_model) if (model and draft_model is not None) else None
+
+        def stats() -> dict[str, Any]:
+            out: dict[str, Any] = {"auto": "sd" if model else "ar", "auto_x_steps": dict(sorted(shape.x_used.items()))}
+            if lookup:
+                out["auto_lookup_steps"] = shape.lookup_steps
+            return out
+
+        return Drafter(source, shape, extra_stats=stats)
 
     return new_drafter
 
@@ -358,7 +471,7 @@ def _prepare_prior(engine: Any, options: dict[str, Any]) -> Callable[..., Drafte
 
 
 register(Method("auto", "the planner's choice: SD or AR and the tree size per step, per request and per load",
-                False, ("shape", "adapt", "progress"), _prepare_auto, wants_draft=True,
+                False, ("shape", "adapt", "lookup", "progress"), _prepare_auto, wants_draft=True,
                 choose_executor=_auto_executor))
 register(Method("prior", "seed-000 prior-score tree (top-x node positions by measured acceptance)", True,
                 ("budget",), _prepare_prior))
