@@ -248,7 +248,15 @@ class Attention(nn.Module):
         if cache is not None:
             cache.write(layer, slots, k, v, rows)
             k, v = cache.read(layer, mask.shape[-1], rows)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        if self.n_kv != self.n_heads and not q.is_cuda:
+            # the query heads of each KV head as the rows of one attention, with the mask repeated:
+            # on a CPU, SDPA's enable_gqa is 4-12x slower for one query row over a long context
+            # (2.3 vs 0.19 ms per layer at 2k tokens; BENCHMARKS.md §7i), and never faster
+            g = self.n_heads // self.n_kv
+            out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, g * T, self.hd), k, v,
+                                                 attn_mask=mask.repeat(1, 1, g, 1)).view(B, self.n_heads, T, self.hd)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
 
