@@ -27,16 +27,17 @@ def main() -> None:
     print("| method | c | tokens | wall s | decode tok/s (aggregate) | x c=1 | mean AAT |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for method in args.methods.split(","):
-        prepared = engine.prepare(method, {"progress": False} if method == "auto" else {})
+        name, _, opt = method.partition(":")  # "auto:nolookup" = auto without copying from the context
+        prepared = engine.prepare(name, ({"progress": False, "lookup": opt != "nolookup"} if name == "auto" else {}))
         base = None
         warm = Scheduler(engine.target, max_batch=1, row_len=2048)
-        engine_req = engine.new_request("Say hi.", max_tokens=8, scheduler=warm, prepared=prepared, method=method)
+        engine_req = engine.new_request("Say hi.", max_tokens=8, scheduler=warm, prepared=prepared, method=name)
         warm.submit(engine_req)
         warm.run_until_done([engine_req])
         for c in levels:
             sched = Scheduler(engine.target, max_batch=c, row_len=2048)
             reqs = [engine.new_request(p.content, raw=p.raw, max_tokens=args.max_tokens, scheduler=sched,
-                                       prepared=prepared, method=method) for p in prompts[:c]]
+                                       prepared=prepared, method=name) for p in prompts[:c]]
             for r in reqs:
                 sched.submit(r)
             t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from specwood.engine.request import Drafter
 from specwood.errors import SpecwoodError
 from specwood.methods import Method, prepare_method, register
 from specwood.planner.build import get_plan, measure_draft_prefill
-from specwood.planner.decision import Decision, batch_share
+from specwood.planner.decision import Decision
 from specwood.planner.store import (
     _DTYPE_NAMES,
     DEFAULT_METHOD,
@@ -143,9 +143,10 @@ class PlannedShape:
     credits the tracker with what the tree it chose really got accepted. With `adapt=False` it
     uses the plan's per-bucket choices as stored (batch of one).
 
-    With `lookup`, a step copies from the context instead when an n-gram recurs and the copy's
-    expected tokens per T_v(1 + chain) beat the model's rate (LookupOrModelShape; LookupTracker
-    learns how well copying does in this request). With `model=False` the draft model is never
+    With `lookup`, a step the request has to itself copies from the context instead when an
+    n-gram recurs and the copy's expected tokens per T_v(1 + chain) beat the model's rate
+    (LookupOrModelShape; LookupTracker learns how well copying does in this request). Shared
+    steps do not copy: measured under load, the wider forward cost more than the copies earned. With `model=False` the draft model is never
     used (its prefill did not pay): the request copies or decodes plainly.
     """
 
@@ -187,18 +188,17 @@ class PlannedShape:
     def for_batch(self, batch_size: int, context_len: int) -> Any | None:
         self._context_len = context_len
         self._step = None
-        if not self.lookup:
+        if not self.lookup or batch_size > 1:  # under load the batch fills the forward already (§4f)
             x = self.choose_x(context_len, batch_size)
             self.x_used[x] = self.x_used.get(x, 0) + 1
             return self._model_shape(x)
         d = self._decision(context_len, batch_size)
         x = d.x if (self.model and d.method == "sd") else 1
         model_rate = d.p_eff if x > 1 else d.p_ar
-        t_v, _ = batch_share(lambda v: self.plan.t_v(context_len, v), lambda v: 0.0, batch_size)
         lt = self.lookup_tracker
 
         def worth(chain: int) -> bool:
-            return lt.expected_tokens(chain) / float(t_v(1 + chain)) > model_rate
+            return lt.expected_tokens(chain) / float(self.plan.t_v(context_len, 1 + chain)) > model_rate
 
         self._step = LookupOrModelShape(self._model_shape(x), LOOKUP_K, worth)
         self._step_x = x
