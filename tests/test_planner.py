@@ -232,6 +232,22 @@ def test_batch_aware_decision_shrinks_trees_under_load():
     assert shape.for_batch(1, 128) == f"shape{alone.x - 1}" and shape.for_batch(64, 128) is None
 
 
+def test_batched_drafting_grows_as_the_draft_does():
+    """Under load a request's drafting costs what the draft's own forward of B rows costs per row
+    (an int4 draft switches kernels above 3 rows), not the target's growth."""
+    plan = cost_plan(AATFit(1.0, 1.0, 0.0))
+    target_growth = plan.decide(128, batch=8)
+    plan.draft_row_times = {1: 0.01, 16: 0.01}  # a flat draft: batching makes drafting nearly free
+    flat = plan.decide(128, batch=8)
+    plan.draft_row_times = {1: 0.01, 16: 0.16}  # one row at a time: no saving from batching
+    linear = plan.decide(128, batch=8)
+    assert flat.p_eff >= target_growth.p_eff >= linear.p_eff and flat.p_eff > linear.p_eff
+    assert linear.method == "ar" or linear.x <= flat.x
+    assert plan.decide(128, batch=1) == cost_plan(AATFit(1.0, 1.0, 0.0)).decide(128)  # alone: unchanged
+    back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert back.draft_row_times == {1: 0.01, 16: 0.16} and back.to_dict() == plan.to_dict()
+
+
 def test_speculation_must_earn_back_the_draft_prefill():
     plan = cost_plan(AATFit(1.0, 1.0, 0.0))
     d = plan.decide(128)

@@ -15,7 +15,7 @@ from specwood.drafting.base import ShapeBase
 from specwood.engine.request import Drafter
 from specwood.errors import SpecwoodError
 from specwood.methods import Method, prepare_method, register
-from specwood.planner.build import get_plan, measure_draft_prefill
+from specwood.planner.build import get_plan, measure_draft_prefill, measure_draft_rows
 from specwood.planner.decision import Decision
 from specwood.planner.store import (
     _DTYPE_NAMES,
@@ -338,9 +338,13 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         plan = current["plan"] = starter_plan(engine, base)
     if all(c.method == "ar" for c in plan.choices) and plan.source == "measured" and not lookup:
         return lambda sources, prompt_len, max_tokens, load=1: Drafter(extra_stats=lambda: {"auto": "ar"})
-    if plan.draft_prefill_s is None and plan.source == "measured" and engine.draft_model is not None:
-        plan.draft_prefill_s = measure_draft_prefill(engine)  # a plan from before this field
-        save_plan(plan)
+    if plan.source == "measured" and engine.draft_model is not None and (
+            plan.draft_prefill_s is None
+            or (not plan.draft_row_times and getattr(engine.draft_model, "backend", "torch") == "torch")):
+        if plan.draft_prefill_s is None:  # a plan from before these fields
+            plan.draft_prefill_s = measure_draft_prefill(engine)
+        plan.draft_row_times = measure_draft_rows(engine)
+        save_plan(plan.refresh())
     if base == "prior":
         if plan.prior is None:
             raise SpecwoodError("method 'prior' needs prior scores (run `specwood plan --method prior`)")

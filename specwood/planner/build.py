@@ -81,6 +81,24 @@ def measure_draft_prefill(engine: Any, n_tokens: int = 512, repeats: int = 2) ->
     return best / len(ids[0])
 
 
+DRAFT_ROWS = (1, 2, 3, 4, 8, 16)
+
+
+def measure_draft_rows(engine: Any, ctx: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one draft-model forward of n rows after ctx cached tokens, for n in DRAFT_ROWS:
+    how a batch's draft round grows with the requests in it (batch_share). Empty for a draft
+    that is not a torch model (llama.cpp drafts run a context per request, unbatched)."""
+    from specwood.models.transformer import Transformer
+    from specwood.planner.profiler import measure_verify_times
+
+    draft = engine.draft_model
+    if not isinstance(draft, Transformer):
+        return {}
+    ctx = min(ctx, max(1, draft.max_positions - max(DRAFT_ROWS) - 1))
+    times = measure_verify_times(draft, DRAFT_ROWS, (ctx,), repeats, refine=False, progress=False)
+    return dict(next(iter(times.values()), {}))
+
+
 def measure_parallel(engine: Any, plan: Plan, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
                      progress: bool = True) -> ParallelProfile | None:
     """DuoDecoding (specwood.engine.parallel) decoding the calibration prompts greedily, with its
@@ -241,10 +259,11 @@ def build_plan(
         notes.append("too few AAT points: using the default AAT curve")
 
     draft_prefill = measure_draft_prefill(engine, max(fit_ctx))
+    draft_rows = measure_draft_rows(engine)
     plan = Plan(key=plan_key_for(engine, method, device_id),
                 contexts=sorted(t_v), verify_times=t_v, draft_times=t_d, aat=aat, aat_points=points,
                 aat_by_context=by_ctx, aat_points_by_context=points_by_ctx, x_cap=x_cap,
-                draft_prefill_s=draft_prefill, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
+                draft_prefill_s=draft_prefill, draft_row_times=draft_rows, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
                 created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     if parallel and engine.draft_model is not None:
         plan.refresh()  # the T_v rows the parallel model reads

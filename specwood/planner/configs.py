@@ -116,7 +116,7 @@ def time_config(config: RuntimeConfig, target: str, draft: str | None, method: s
     """Load one configuration, time T_v and T_d, and predict its decode rate per context."""
     import specwood
     from specwood.planner.auto import runner_verify_times, timed_plan
-    from specwood.planner.build import measure_draft_prefill
+    from specwood.planner.build import measure_draft_prefill, measure_draft_rows
     from specwood.planner.profiler import measure_draft_times, measure_verify_times
 
     t0 = time.perf_counter()
@@ -137,6 +137,8 @@ def time_config(config: RuntimeConfig, target: str, draft: str | None, method: s
             td = measure_draft_times(engine, [method], xs=xs, contexts=fit, repeats=repeats, progress=False)[method]
             prefill = 0.0 if config.draft_backend == "llama.cpp" else measure_draft_prefill(engine)
         plan = timed_plan(engine, method, tv, td, draft_prefill_s=prefill)
+        plan.draft_row_times = measure_draft_rows(engine)
+        plan.refresh()
         plan.notes.append(f"timed by `specwood plan --choose-config` ({config.label()})")
         for c in plan.choices:
             score.ar_tok_s[c.context] = c.p_ar

@@ -78,15 +78,20 @@ class ParallelProfile:
 
 
 def batch_share(t_v: Callable[[float], float], t_d: Callable[[float], float],
-                batch: int) -> tuple[Callable[[float], float], Callable[[float], float]]:
+                batch: int, draft_rows: Callable[[float], float] | None = None
+                ) -> tuple[Callable[[float], float], Callable[[float], float]]:
     """Per-request costs when `batch` requests share each step, each verifying x tokens: the
     target forward runs B*x tokens, T_v,B(x) = T_v(B x) / B, and the drafts of all requests are
-    batched too, growing as the target's forward does with rows, T_d,B(x) = T_d(x) T_v(B) / (B T_v(1)).
-    With these, `decide` maximises the batch's throughput; AR's own share is T_v(B) / B. Wide
-    trees stop paying as the batch alone fills the hardware (past the roofline's ridge)."""
+    batched too, so a request's drafting shrinks as the draft's own forward grows with rows:
+    T_d,B(x) = T_d(x) D(B) / (B D(1)), D(n) = one draft forward of n rows (`draft_rows`; without
+    it the target's growth T_v(B) / (B T_v(1)) stands in, which under-prices a draft whose kernels
+    change with rows, e.g. int4 weights up to 3 rows and bf16 above). With these, `decide`
+    maximises the batch's throughput; AR's own share is T_v(B) / B. Wide trees stop paying as the
+    batch alone fills the hardware (past the roofline's ridge)."""
     if batch <= 1:
         return t_v, t_d
-    growth = float(t_v(batch)) / (batch * float(t_v(1)))
+    rows = draft_rows or t_v
+    growth = float(rows(batch)) / (batch * float(rows(1)))
     return (lambda x: float(t_v(batch * x)) / batch), (lambda x: float(t_d(x)) * growth)
 
 

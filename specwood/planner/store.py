@@ -84,6 +84,7 @@ class Plan:
     choices: list[BucketChoice] = field(default_factory=list)
     x_cap: int = MAX_X  # largest x the method can build (e.g. the prior's maximal tree + 1)
     draft_prefill_s: float | None = None  # the draft's prefill, seconds per prompt token
+    draft_row_times: dict[int, float] = field(default_factory=dict)  # n rows -> one draft forward (s)
     source: str = "measured"  # or "analytic" (a device model, no hardware)
     mode: str = "quick"  # "quick" or "full" measurement, "analytic", "timed" (T_v/T_d only, AAT borrowed)
     prior: PriorScores | None = None
@@ -130,7 +131,8 @@ class Plan:
     def decide(self, ctx: int, aat: Callable[[float], float] | None = None, batch: int = 1) -> Decision:
         """The decision at context ctx, with the plan's AAT(x) for it or the given curve, for a
         step shared by `batch` requests."""
-        t_v, t_d = batch_share(lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), batch)
+        rows = (lambda v: interpolate(self.draft_row_times, v)) if len(self.draft_row_times) >= 2 else None
+        t_v, t_d = batch_share(lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), batch, rows)
         return decide(t_v, t_d, aat or self.aat_for(ctx), self.candidate_xs(ctx))
 
     def refresh(self) -> "Plan":
@@ -200,6 +202,7 @@ class Plan:
             "contexts": list(self.contexts),
             "x_cap": self.x_cap,
             "draft_prefill_s": self.draft_prefill_s,
+            "draft_row_times": {str(k): v for k, v in self.draft_row_times.items()},
             "verify_times": _table_out(self.verify_times),
             "draft_times": _table_out(self.draft_times),
             "aat": self.aat.to_dict(),
@@ -231,6 +234,7 @@ class Plan:
             choices=[BucketChoice(**c) for c in d.get("choices") or []],
             x_cap=int(d.get("x_cap", MAX_X)),
             draft_prefill_s=None if d.get("draft_prefill_s") is None else float(d["draft_prefill_s"]),
+            draft_row_times={int(k): float(v) for k, v in (d.get("draft_row_times") or {}).items()},
             source=str(d.get("source", "measured")),
             mode=str(d.get("mode", "quick")),
             prior=PriorScores.from_dict(d["prior"]) if d.get("prior") else None,
