@@ -54,8 +54,13 @@ class PromptLookupShape(ShapeBase):
         generator: torch.Generator | None,
     ) -> Drafting:
         yield from ()  # a coroutine that makes no draft calls
-        tree = TokenTree.with_root(root, "selected")
-        node = 0
-        for token in find_continuation([*context, root], self.k, self.max_ngram, self.min_ngram):
-            node = tree.add_node(node, token, 1.0)
-        return tree
+        return copied_chain(root, find_continuation([*context, root], self.k, self.max_ngram, self.min_ngram))
+
+
+def copied_chain(root: int, tokens: Sequence[int]) -> TokenTree:
+    """`root` followed by the copied `tokens` as a chain, rule "selected" (a deterministic draft)."""
+    tree = TokenTree.with_root(root, "selected")
+    node = 0
+    for token in tokens:
+        node = tree.add_node(node, token, 1.0)
+    return tree

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from specwood.drafting.base import ShapeBase
+from specwood.drafting.ngram import copied_chain, find_continuation
 from specwood.engine.request import Drafter
 from specwood.errors import SpecwoodError
 from specwood.methods import Method, prepare_method, register
@@ -110,17 +111,11 @@ class LookupOrModelShape(ShapeBase):
         self.copied = 0  # the chain length of the last draft (0: the model drafted)
 
     def draft(self, context: list[int], root: int, params: Any, generator: Any) -> Any:
-        from specwood.drafting.ngram import find_continuation
-
         chain = find_continuation([*context, root], self.k, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
         if chain and self.worth(len(chain)):
             self.copied = len(chain)
             yield from ()  # no draft calls
-            tree = TokenTree.with_root(root, "selected")
-            node = 0
-            for token in chain:
-                node = tree.add_node(node, token, 1.0)
-            return tree
+            return copied_chain(root, chain)
         self.copied = 0
         if self.model_shape is None:
             yield from ()
@@ -146,8 +141,9 @@ class PlannedShape:
     With `lookup`, a step the request has to itself copies from the context instead when an
     n-gram recurs and the copy's expected tokens per T_v(1 + chain) beat the model's rate
     (LookupOrModelShape; LookupTracker learns how well copying does in this request). Shared
-    steps do not copy: measured under load, the wider forward cost more than the copies earned. With `model=False` the draft model is never
-    used (its prefill did not pay): the request copies or decodes plainly.
+    steps do not copy: measured under load, the wider forward cost more than the copies earned.
+    With `model=False` the draft model is never used (its prefill did not pay): the request
+    copies or decodes plainly.
     """
 
     def __init__(self, plan: Plan, make_shape: Callable[[int], Any], adapt: bool = True, lookup: bool = False,
@@ -163,6 +159,7 @@ class PlannedShape:
         self.lookup_tracker = LookupTracker()
         self._context_len = 0
         self._step: LookupOrModelShape | None = None
+        self._step_x = 1  # the model's x behind self._step
         self.x_used: dict[int, int] = {}  # x -> steps, for the stats
         self.lookup_steps = 0
 
@@ -256,27 +253,28 @@ def runner_starter_plan(engine: Any, method: str, ctx: int = 128, repeats: int =
     tv = runner_verify_times(engine, RUNNER_XS, (ctx,), repeats)
     td = ({ctx: {x: 0.0 for x in RUNNER_XS}} if engine.draft_model is None else
           measure_draft_times(engine, [method], xs=RUNNER_XS, contexts=(ctx,), repeats=repeats, progress=False)[method])
-    plan = timed_plan(engine, method, tv, td, draft_prefill_s=0.0)
+    plan = timed_plan(engine, method, tv, td, draft_prefill_s=0.0,
+                      note="starter plan for a runner-backed target: T_v and T_d timed at start")
     plan.x_cap = max(RUNNER_XS)
     plan.source = "starter"
-    plan.notes[-1] = "starter plan for a runner-backed target: T_v and T_d timed at start, " + plan.notes[-1]
     return plan.refresh()
 
 
 def timed_plan(engine: Any, method: str, verify_times: dict[int, dict[int, float]],
-               draft_times: dict[int, dict[int, float]], draft_prefill_s: float | None) -> Plan:
+               draft_times: dict[int, dict[int, float]], *, draft_prefill_s: float | None,
+               draft_row_times: dict[int, float] | None = None, note: str) -> Plan:
     """A plan from T_v and T_d timed here, with the AAT(x) of the pair's measured plan (any
     device, any weight mode) or the default curve: what a short timing can say without the
-    minutes of calibration decoding `specwood plan` spends on AAT."""
+    minutes of calibration decoding `specwood plan` spends on AAT. `note` says who timed it."""
     from specwood.planner.analytic import stored_aat
     from specwood.planner.fits import DEFAULT_AAT
 
     found = stored_aat(str(engine.target_name), str(engine.draft_name or "none"), method)
     plan = Plan(key=plan_key_for(engine, method), contexts=sorted(verify_times), verify_times=verify_times,
-                draft_times=draft_times, aat=found[0] if found else DEFAULT_AAT, draft_prefill_s=draft_prefill_s)
-    plan.mode = "timed"
-    plan.created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    plan.notes.append(found[1] if found else "default AAT curve")
+                draft_times=draft_times, aat=found[0] if found else DEFAULT_AAT, draft_prefill_s=draft_prefill_s,
+                draft_row_times=dict(draft_row_times or {}), mode="timed",
+                created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                notes=[f"{note}; " + (found[1] if found else "default AAT curve")])
     return plan.refresh()
 
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from specwood.engine.backends import RuntimeConfig, llama_cpp_available, register_measured_config
 from specwood.errors import SpecwoodError
-from specwood.planner.store import DEFAULT_METHOD, device_id, load_plan, plans_dir, save_plan
+from specwood.planner.store import DEFAULT_METHOD, device_id, keyed_filename, load_plan, plans_dir, save_plan
 
 CONFIG_XS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
 CONFIG_CONTEXTS: tuple[int, ...] = (128, 512)
@@ -85,12 +85,8 @@ class ConfigChoice:
 
 
 def choice_path(device: str, target: str, draft: str | None) -> Path:
-    import hashlib
-    import re
-
-    digest = hashlib.sha1(json.dumps([device, target, str(draft)]).encode()).hexdigest()[:10]
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{Path(target).name}-{Path(str(draft)).name}")[:100]
-    return plans_dir() / "configs" / f"{readable}-{digest}.json"
+    return plans_dir() / "configs" / keyed_filename(f"{Path(target).name}-{Path(str(draft)).name}",
+                                                    [device, target, str(draft)])
 
 
 def candidate_configs(target: str, draft: str | None, device: str = "cpu") -> list[RuntimeConfig]:
@@ -136,10 +132,8 @@ def time_config(config: RuntimeConfig, target: str, draft: str | None, method: s
         else:
             td = measure_draft_times(engine, [method], xs=xs, contexts=fit, repeats=repeats, progress=False)[method]
             prefill = 0.0 if config.draft_backend == "llama.cpp" else measure_draft_prefill(engine)
-        plan = timed_plan(engine, method, tv, td, draft_prefill_s=prefill)
-        plan.draft_row_times = measure_draft_rows(engine)
-        plan.refresh()
-        plan.notes.append(f"timed by `specwood plan --choose-config` ({config.label()})")
+        plan = timed_plan(engine, method, tv, td, draft_prefill_s=prefill, draft_row_times=measure_draft_rows(engine),
+                          note=f"timed by `specwood plan --choose-config` ({config.label()})")
         for c in plan.choices:
             score.ar_tok_s[c.context] = c.p_ar
             sd = c.method != "ar"

@@ -47,9 +47,14 @@ class PlanKey:
         return cls(**{k: str(d[k]) for k in ("device", "target", "draft", "dtype", "method")})
 
     def filename(self) -> str:
-        digest = hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
-        readable = f"{self.method}-{Path(self.target).name}-{Path(self.draft).name}-{self.dtype}"
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", readable)[:120] + f"-{digest}.json"
+        return keyed_filename(f"{self.method}-{Path(self.target).name}-{Path(self.draft).name}-{self.dtype}",
+                              self.to_dict())
+
+
+def keyed_filename(readable: str, key: Any) -> str:
+    """A JSON file name: `readable` made filesystem-safe, plus a digest of everything in `key`."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", readable)[:120] + f"-{digest}.json"
 
 
 @dataclass
