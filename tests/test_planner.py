@@ -15,10 +15,11 @@ import torch
 from specwood.planner import devices as dev
 from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat, fit_roofline
 from specwood.planner.analytic import build_analytic_plan
-from specwood.planner.auto import AcceptanceTracker, PlannedShape
+from specwood.planner.auto import AcceptanceTracker, DraftCostTracker, PlannedShape
 from specwood.planner.build import build_plan, get_plan
 from specwood.planner.decision import ParallelProfile, decide
 from specwood.planner.store import (
+    BATCH_MARGIN,
     SCHEMA_VERSION,
     BucketChoice,
     Plan,
@@ -248,6 +249,45 @@ def test_batched_drafting_grows_as_the_draft_does():
     assert back.draft_row_times == {1: 0.01, 16: 0.16} and back.to_dict() == plan.to_dict()
 
 
+def test_shared_steps_learn_what_drafting_costs():
+    """Each request in a shared step records its share of the step's drafting against the plan's
+    price; when drafting costs 3x the price, shared steps stop speculating (or shrink their trees)
+    and a request alone decides as before."""
+    from specwood.engine.step import StepCost
+    from specwood.tree.token_tree import TokenTree
+    from specwood.verify import Verdict
+
+    plan = cost_plan(AATFit(1.0, 1.0, 0.0))
+    costs = DraftCostTracker()
+    shape = PlannedShape(plan, lambda budget: ("tree", budget), draft_costs=costs)
+    first = shape.for_batch(4, 128)
+    assert first is not None and shape._predicted_draft_s > 0
+    before = plan.decide(128, batch=4)
+    tree = TokenTree.with_root(1)
+    tree.add_node(0, 2)
+    for _ in range(30):
+        assert shape.for_batch(4, 128) is not None or costs.ratio > 1.5
+        price = shape._predicted_draft_s or plan.step_costs(128, 4)[1](before.x)
+        shape.on_step(tree, Verdict([1], 3), StepCost(draft_s=4 * 3 * price, verify_s=0.1, drafting=4))
+    assert 2.5 < costs.ratio <= 3.0  # learnt until the shared steps stopped drafting
+    after = plan.decide(128, batch=4, draft_scale=costs.scale(4))
+    assert after.method == "ar" or (after.x <= before.x and after.p_eff < before.p_eff)
+    assert costs.scale(1) == 1.0 and shape.choose_x(128, 1) == plan.decide(128).x  # alone: as measured
+    shape.for_batch(1, 128)
+    learnt = costs.ratio
+    shape.on_step(tree, Verdict([1], 3), StepCost(draft_s=100.0, verify_s=0.1))  # alone: not counted
+    assert costs.ratio == learnt
+
+
+def test_shared_steps_speculate_only_by_a_margin():
+    """In a shared step speculation must beat plain decoding by BATCH_MARGIN (the batch model's
+    known error); alone, any gain counts."""
+    t_v = lambda x: 0.1 * (1 + 0.05 * (x - 1))  # noqa: E731
+    aat = lambda x: 1.0 if x <= 1 else 1.1 * t_v(x) / t_v(1)  # P_eff(x) = 1.1 P_AR for every x  # noqa: E731
+    assert decide(t_v, lambda x: 0.0, aat, [1, 2, 4]).method == "sd"
+    assert decide(t_v, lambda x: 0.0, aat, [1, 2, 4], margin=BATCH_MARGIN).method == "ar"
+
+
 def test_speculation_must_earn_back_the_draft_prefill():
     plan = cost_plan(AATFit(1.0, 1.0, 0.0))
     d = plan.decide(128)
@@ -269,14 +309,14 @@ def test_draft_prefill_is_weighed_against_the_load():
     in a full batch, and a batch where plain decoding wins never drafts."""
     plan = cost_plan(AATFit(1.0, 1.0, 0.0))
     plan.draft_prefill_s = 0.001
-    alone, loaded = plan.decide(128), plan.decide(128, batch=8)
+    alone, loaded = plan.decide(128), plan.decide(128, batch=4)
     assert loaded.method == "sd"
     save_alone = 64 * (1 / alone.p_ar - 1 / alone.p_eff)
     save_loaded = 64 * (1 / loaded.p_ar - 1 / loaded.p_eff)
     assert 0 < save_loaded < save_alone
     prompt = int((save_alone + save_loaded) / 2 / 0.001)  # its prefill: between the two savings
     assert plan.speculation_pays(prompt, 64) and plan.speculation_pays(prompt, 64, load=1)
-    assert not plan.speculation_pays(prompt, 64, load=8)
+    assert not plan.speculation_pays(prompt, 64, load=4)
     assert plan.decide(128, batch=64).method == "ar"
     assert not plan.speculation_pays(16, 10_000, load=64)
 

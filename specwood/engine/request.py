@@ -10,7 +10,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -22,6 +22,9 @@ from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
+if TYPE_CHECKING:  # step.py imports this module
+    from specwood.engine.step import StepCost
+
 StepHook = Callable[[TokenTree, Verdict], None]
 _ids = itertools.count()
 
@@ -31,7 +34,8 @@ class Drafter:
     """One request's drafting: its draft source (state: cache row, pending tokens) and its tree
     shape (policy). `shape` None decodes plainly. A shape may also choose per step, knowing how
     many requests share the step (`for_batch(batch_size, context_len)` -> shape or None), and
-    observe each verdict (`on_step(tree, verdict)`), as `auto` does."""
+    observe each verdict and what the step cost the batch (`on_step(tree, verdict, cost)`), as
+    `auto` does."""
 
     source: DraftSource | None = None
     shape: Any = None
@@ -42,10 +46,10 @@ class Drafter:
         choose = getattr(self.shape, "for_batch", None)
         return choose(batch_size, context_len) if choose is not None else self.shape
 
-    def on_step(self, tree: TokenTree, verdict: Verdict) -> None:
+    def on_step(self, tree: TokenTree, verdict: Verdict, cost: StepCost | None = None) -> None:
         observe = getattr(self.shape, "on_step", None)
         if observe is not None:
-            observe(tree, verdict)
+            observe(tree, verdict, cost)
         for hook in self.hooks:
             hook(tree, verdict)
 

@@ -18,7 +18,7 @@ import torch
 
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.request import QueueCounts, Request, State
-from specwood.engine.step import StepRecord, commit, draft_trees, plain_tree, target_forward, verify_tree
+from specwood.engine.step import StepCost, StepRecord, commit, draft_trees, plain_tree, target_forward, verify_tree
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.cache import KVCache
 from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
@@ -233,13 +233,14 @@ class Scheduler(QueueCounts):
             outs = self._forward(live, trees, failed)
             t2 = time.perf_counter()
             drafts = []
+            cost = StepCost(t1 - t0, t2 - t1, sum(len(trees[r]) > 1 for r in live))
             for req, logits in zip(live, outs):
                 if logits is None:
                     continue
                 tree = trees[req]
                 try:
                     verdict = verify_tree(req, tree, logits)
-                    tokens = self._commit(req, tree, verdict, t1 - t0, time.perf_counter() - t1)
+                    tokens = self._commit(req, tree, verdict, cost)
                     drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
                     if req.out.push_step(tokens):
                         self._finish(req)
@@ -258,8 +259,8 @@ class Scheduler(QueueCounts):
         L = self.cache.lengths[req.row]
         return L + tree.max_depth < self.target.max_positions and L + len(tree) <= self.cache.max_len
 
-    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, draft_s: float, verify_s: float) -> list[int]:
-        return commit(self.cache, req, tree, verdict, draft_s, verify_s)
+    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepCost) -> list[int]:
+        return commit(self.cache, req, tree, verdict, cost)
 
     def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
         if not live:

@@ -29,6 +29,21 @@ class StepRecord:
     drafts: list[tuple[int, int, int]]
 
 
+@dataclass
+class StepCost:
+    """What a step cost the whole batch: its drafting and its target forward, and how many
+    requests drafted in it (their fair share of the drafting is what `auto` learns batched
+    drafting's real price from)."""
+
+    draft_s: float
+    verify_s: float
+    drafting: int = 1
+
+    @property
+    def draft_share_s(self) -> float:
+        return self.draft_s / max(self.drafting, 1)
+
+
 def plain_tree(request: Request) -> TokenTree:
     return TokenTree.with_root(request.root, "selected" if request.params.greedy else "sampled")
 
@@ -100,23 +115,22 @@ def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verd
     return verify(tree, logits, request.params, request.target_generator)
 
 
-def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, draft_s: float,
-           verify_s: float) -> list[int]:
+def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, cost: StepCost) -> list[int]:
     """Keep the accepted path in the request's cache row and draft source; the emitted tokens."""
     L = cache.lengths[request.row]
     cache.compact([L + i for i in [0] + verdict.accepted], L, request.row)
-    return advance(request, tree, verdict, draft_s, verify_s)
+    return advance(request, tree, verdict, cost)
 
 
-def advance(request: Request, tree: TokenTree, verdict: Verdict, draft_s: float, verify_s: float) -> list[int]:
+def advance(request: Request, tree: TokenTree, verdict: Verdict, cost: StepCost) -> list[int]:
     """The target's cache already holds the accepted path: move the draft source, stats, drafter
     and context on by the verdict; the emitted tokens."""
     path = [0] + verdict.accepted
     if request.drafter.source is not None:
         request.drafter.source.commit(tree, verdict.accepted, verdict.next_token)
     if len(tree) > 1 or request.drafter.shape is not None:
-        request.stats.record(tree, len(verdict.accepted), draft_s, verify_s)
-    request.drafter.on_step(tree, verdict)
+        request.stats.record(tree, len(verdict.accepted), cost.draft_s, cost.verify_s)
+    request.drafter.on_step(tree, verdict, cost)
     request.context.extend(tree.tokens[i] for i in path)
     request.root = verdict.next_token
     return [tree.tokens[i] for i in verdict.accepted] + [verdict.next_token]

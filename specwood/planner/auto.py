@@ -75,6 +75,31 @@ class AcceptanceTracker:
         return lambda x: 1.0 if x <= 1 else 1.0 + min(x - 1.0, r * (float(aat(x)) - 1.0))
 
 
+class DraftCostTracker:
+    """What drafting in shared steps really costs against the plan's batch model, shared by all
+    requests one prepared `auto` serves (a property of the machine and the batching, not of a
+    request).
+
+    The plan times one draft forward per row count, one row per request. In a real shared step a
+    request's draft call also carries the tokens it accepted last step, and the batch's draft
+    rounds wait for its deepest tree: at c = 8 drafting cost 1.6x the prediction (§4g). Each
+    drafting request records its fair share of the step's drafting against what the plan
+    predicted for it; T_d in shared steps is scaled by the decayed ratio. Steps of one request
+    are not counted: the plan's T_d was measured that way."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.ratio = 1.0
+
+    def scale(self, batch: int) -> float:
+        return 1.0 if batch <= 1 else self.ratio
+
+    def record(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s > 0:
+            r = min(4.0, max(0.5, measured_s / predicted_s))
+            self.ratio = self.decay * self.ratio + (1 - self.decay) * r
+
+
 class LookupTracker:
     """How well copying from the context (prompt lookup) does in this request: an exponentially
     decayed fraction of each copied chain that verification accepted. It starts at `prior` and
@@ -147,7 +172,7 @@ class PlannedShape:
     """
 
     def __init__(self, plan: Plan, make_shape: Callable[[int], Any], adapt: bool = True, lookup: bool = False,
-                 model: bool = True):
+                 model: bool = True, draft_costs: DraftCostTracker | None = None):
         self.plan = plan
         self.name = f"auto:{plan.key.method}"
         self.adapt = adapt
@@ -157,6 +182,8 @@ class PlannedShape:
         self._shapes: dict[int, Any] = {}
         self.tracker = AcceptanceTracker()
         self.lookup_tracker = LookupTracker()
+        self.draft_costs = draft_costs or DraftCostTracker()
+        self._predicted_draft_s = 0.0  # the plan's price of this step's drafting, in a shared step
         self._context_len = 0
         self._step: LookupOrModelShape | None = None
         self._step_x = 1  # the model's x behind self._step
@@ -164,7 +191,8 @@ class PlannedShape:
         self.lookup_steps = 0
 
     def _decision(self, context_len: int, batch_size: int) -> Decision:
-        return self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)), batch=batch_size)
+        return self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)), batch=batch_size,
+                                draft_scale=self.draft_costs.scale(batch_size))
 
     def choose_x(self, context_len: int, batch_size: int = 1) -> int:
         if not self.model:
@@ -185,9 +213,12 @@ class PlannedShape:
     def for_batch(self, batch_size: int, context_len: int) -> Any | None:
         self._context_len = context_len
         self._step = None
+        self._predicted_draft_s = 0.0
         if not self.lookup or batch_size > 1:  # under load the batch fills the forward already (§4f)
             x = self.choose_x(context_len, batch_size)
             self.x_used[x] = self.x_used.get(x, 0) + 1
+            if x > 1 and batch_size > 1:
+                self._predicted_draft_s = float(self.plan.step_costs(context_len, batch_size)[1](x))
             return self._model_shape(x)
         d = self._decision(context_len, batch_size)
         x = d.x if (self.model and d.method == "sd") else 1
@@ -201,8 +232,10 @@ class PlannedShape:
         self._step_x = x
         return self._step
 
-    def on_step(self, tree: TokenTree, verdict: Verdict) -> None:
+    def on_step(self, tree: TokenTree, verdict: Verdict, cost: Any = None) -> None:
         step, self._step = self._step, None
+        if cost is not None and self._predicted_draft_s and len(tree) > 1:
+            self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s)
         if step is not None and step.copied:
             self.lookup_steps += 1
             self.lookup_tracker.record(step.copied, len(verdict.accepted))
@@ -356,6 +389,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         draft_model = _draft_model_of(engine, base)
 
     told = []
+    draft_costs = DraftCostTracker()  # one per server: every request's shared steps teach it
 
     def latest_plan() -> Plan:
         """The starter plan until a measured one appears in the store (built in the background by
@@ -371,7 +405,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
 
     def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
         plan = latest_plan()
-        model = plan.speculation_pays(prompt_len, max_tokens, load) and not (
+        model = plan.speculation_pays(prompt_len, max_tokens, load, draft_costs.scale(load)) and not (
             all(c.method == "ar" for c in plan.choices) and plan.source == "measured")
         if not model:
             if progress and not told:  # once: a server would print it for every short request
@@ -384,7 +418,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                                                    if lookup else "decoding autoregressively"), file=sys.stderr)
             if not lookup:
                 return Drafter(extra_stats=lambda: {"auto": "ar"})
-        shape = PlannedShape(plan, make_shape, adapt=adapt, lookup=lookup, model=model)
+        shape = PlannedShape(plan, make_shape, adapt=adapt, lookup=lookup, model=model, draft_costs=draft_costs)
         source = sources(draft_model) if (model and draft_model is not None) else None
 
         def stats() -> dict[str, Any]:

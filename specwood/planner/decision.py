@@ -33,9 +33,10 @@ def p_eff(x: int, t_v: Callable[[int], float], t_d: Callable[[int], float], aat:
 
 
 def decide(t_v: Callable[[int], float], t_d: Callable[[int], float], aat: Callable[[int], float],
-           xs: Sequence[int]) -> Decision:
-    """Eq. 8: SD only if some x >= 2 beats autoregressive decoding; then its argmax (the smallest
-    x among equal maxima, which costs the least drafting)."""
+           xs: Sequence[int], margin: float = 0.0) -> Decision:
+    """Eq. 8: SD only if some x >= 2 beats autoregressive decoding (by the fraction `margin`, for
+    a model whose errors are known to be that large); then its argmax (the smallest x among equal
+    maxima, which costs the least drafting)."""
     p_ar = 1.0 / float(t_v(1))
     cands = sorted({int(x) for x in xs if int(x) >= 2})
     if not cands:
@@ -43,7 +44,7 @@ def decide(t_v: Callable[[int], float], t_d: Callable[[int], float], aat: Callab
     values = np.array([p_eff(x, t_v, t_d, aat) for x in cands])
     i = int(np.argmax(values))
     best = float(values[i])
-    if best < p_ar:
+    if best < p_ar * (1.0 + margin):
         return Decision("ar", 1, best / p_ar, best, p_ar, cands[i])
     return Decision("sd", cands[i], best / p_ar, best, p_ar, cands[i])
 

@@ -21,6 +21,10 @@ from specwood.planner.profiler import TimeTable
 
 SCHEMA_VERSION = 2  # 2: AAT(x) per context bucket, dense small-x timings
 DEFAULT_METHOD = "dyspec"
+# Speculation in a shared step must beat plain decoding by this fraction: the batch model's parts
+# (AAT of 2-3 token trees, T_v at the batch's mixed contexts, batched drafting) each erred by 5-10%
+# at c = 8, always in speculation's favour, and a loaded server must not be made slower (§4g).
+BATCH_MARGIN = 0.15
 
 
 class PlanWarning(UserWarning):
@@ -133,12 +137,23 @@ class Plan:
         aat = self.aat_for(ctx)
         return xs, [p_eff(x, lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), aat) for x in xs]
 
-    def decide(self, ctx: int, aat: Callable[[float], float] | None = None, batch: int = 1) -> Decision:
-        """The decision at context ctx, with the plan's AAT(x) for it or the given curve, for a
-        step shared by `batch` requests."""
+    def step_costs(self, ctx: int, batch: int = 1, draft_scale: float = 1.0
+                   ) -> tuple[Callable[[float], float], Callable[[float], float]]:
+        """Per-request T_v(x) and T_d(x) at context ctx when `batch` requests share each step;
+        `draft_scale` corrects batched drafting by what it was measured to cost (DraftCostTracker)."""
         rows = (lambda v: interpolate(self.draft_row_times, v)) if len(self.draft_row_times) >= 2 else None
         t_v, t_d = batch_share(lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), batch, rows)
-        return decide(t_v, t_d, aat or self.aat_for(ctx), self.candidate_xs(ctx))
+        if draft_scale == 1.0:
+            return t_v, t_d
+        return t_v, (lambda v: draft_scale * t_d(v))
+
+    def decide(self, ctx: int, aat: Callable[[float], float] | None = None, batch: int = 1,
+               draft_scale: float = 1.0) -> Decision:
+        """The decision at context ctx, with the plan's AAT(x) for it or the given curve, for a
+        step shared by `batch` requests (there speculation must win by BATCH_MARGIN)."""
+        t_v, t_d = self.step_costs(ctx, batch, draft_scale)
+        return decide(t_v, t_d, aat or self.aat_for(ctx), self.candidate_xs(ctx),
+                      margin=BATCH_MARGIN if batch > 1 else 0.0)
 
     def refresh(self) -> "Plan":
         """Recompute the fits and per-bucket choices from the stored measurements."""
@@ -174,7 +189,7 @@ class Plan:
         by_ctx = {c.context: c for c in self.choices}
         return by_ctx[nearest_context(list(by_ctx), context_len)]
 
-    def speculation_pays(self, prompt_len: int, max_tokens: int, load: int = 1) -> bool:
+    def speculation_pays(self, prompt_len: int, max_tokens: int, load: int = 1, draft_scale: float = 1.0) -> bool:
         """End to end, not just per decoded token: speculating first costs the draft's own
         prefill of the prompt, which only the decode steps can earn back. True if the time the
         chosen tree saves over `max_tokens` tokens exceeds that prefill (unknown cost: True).
@@ -187,7 +202,7 @@ class Plan:
         if d.method == "ar" or d.p_eff <= 0:
             return False
         if load > 1:
-            d = self.decide(d.context, batch=load)
+            d = self.decide(d.context, batch=load, draft_scale=draft_scale)
             if d.method == "ar" or d.p_eff <= 0:
                 return False
         if not self.draft_prefill_s:
