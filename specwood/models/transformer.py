@@ -229,6 +229,18 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def cpu_attention_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask [B, 1, groups*T, S] every layer's attention takes on a CPU, built once per forward.
+
+    The query heads of each KV head attend as the rows of one SDPA call, so the mask is repeated
+    per head of the group: SDPA's enable_gqa is 4-12x slower there for one query row over a long
+    context (2.3 vs 0.19 ms per layer at 2k tokens; BENCHMARKS.md §7i), and never faster. It is an
+    additive bias in the activations' dtype, which is what SDPA turns a bool mask into in every
+    layer otherwise (with the repeat, 0.9 of a 0.5B draft's 16 ms forward; §7k)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -248,13 +260,10 @@ class Attention(nn.Module):
         if cache is not None:
             cache.write(layer, slots, k, v, rows)
             k, v = cache.read(layer, mask.shape[-1], rows)
-        if self.n_kv != self.n_heads and not q.is_cuda:
-            # the query heads of each KV head as the rows of one attention, with the mask repeated:
-            # on a CPU, SDPA's enable_gqa is 4-12x slower for one query row over a long context
-            # (2.3 vs 0.19 ms per layer at 2k tokens; BENCHMARKS.md §7i), and never faster
+        if not q.is_cuda:  # the mask was made for this path once per forward (cpu_attention_mask)
             g = self.n_heads // self.n_kv
             out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, g * T, self.hd), k, v,
-                                                 attn_mask=mask.repeat(1, 1, g, 1)).view(B, self.n_heads, T, self.hd)
+                                                 attn_mask=mask).view(B, self.n_heads, T, self.hd)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
@@ -359,6 +368,9 @@ class Transformer(nn.Module):
         mask = mask.unsqueeze(1)  # [B, 1, T, S] broadcasts over heads
         if cache is not None:
             cache.check_room(mask.shape[-1])
+        if mask.device.type != "cuda":
+            c = self.config
+            mask = cpu_attention_mask(mask, c.n_heads // c.n_kv_heads, self.dtype)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         x = self.tok_embeddings(tokens) if self.is_first else tokens
