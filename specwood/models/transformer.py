@@ -53,9 +53,11 @@ class Int4Linear(nn.Module):
     For draft models only: drafting may be approximate without costing losslessness, and the
     kernel reads a quarter of the bf16 bytes (~3x faster per token on our CPU). Group 32 with a
     scale and a minimum is the layout of GGUF's Q4_K sub-blocks, so Q4_K weights survive nearly
-    unchanged. The int4 kernel's cost grows with the rows it multiplies, so inputs of more than
-    INT4_MAX_ROWS rows (a prompt prefill, a wide tree layer) use the bf16 weights, pre-packed.
-    Activations are bf16.
+    unchanged. The int4 kernel's cost grows with the rows it multiplies (3.4x one row's at 8 rows,
+    28x at 64), so inputs of more than INT4_MAX_ROWS rows (a prompt prefill, a batch of drafts, a
+    wide tree layer) go through a second copy of the same int4 weights made for many rows: W8A8
+    (Int8Linear) where torch has the int8 kernels -- half the bytes of a bf16 copy and faster from
+    4 rows -- else bf16, pre-packed. Activations are bf16.
     """
 
     GROUP = 32
@@ -74,22 +76,29 @@ class Int4Linear(nn.Module):
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
         self.bias = linear.bias.data.to(torch.bfloat16) if linear.bias is not None else None
         self.in_features, self.out_features = k, n
-        # the same int4 weights in bf16 (as the kernel sees them), for many-row inputs
+        # the same int4 weights (as the kernel sees them) for many-row inputs
         sz = self.scales_zeros.float()  # [groups, n, 2]
         deq = (q.reshape(n, k // self.GROUP, self.GROUP).float() - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        del q, g, w
         dense = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
         dense.weight.data = deq.reshape(n, k).to(torch.bfloat16)
-        self.dense: nn.Module = PackedLinear(dense) if cpu_packing_available() else dense
+        del deq
+        if int8_available():
+            self.many_rows: nn.Module = Int8Linear(dense)
+        else:
+            self.many_rows = PackedLinear(dense) if cpu_packing_available() else dense
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantised weight (bf16), e.g. to build a reference model with the same draft."""
-        return self.dense.weight
+        """The dequantised weight [N, K] (bf16, a fresh copy, read back through the int4 kernel),
+        e.g. to build a reference model with the same draft."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.GROUP, self.scales_zeros).t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if flat.shape[0] > self.INT4_MAX_ROWS:
-            out = self.dense(flat)
+            out = self.many_rows(flat)
         else:
             out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.GROUP, self.scales_zeros)
         if self.bias is not None:
