@@ -29,6 +29,9 @@ from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
 TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
+# Prompts prefill shortest remaining first; a waiting prompt counts as this many tokens shorter per
+# second it has waited, so a long one is not starved by a stream of short ones.
+PREFILL_AGING_TOKENS_PER_S = 64.0
 
 
 class QueueFullError(SpecwoodError):
@@ -140,20 +143,23 @@ class Scheduler(QueueCounts):
         decoding = [r for r in self.running if r.state is State.DECODE]
         prefilling = [r for r in self.running if r.state is State.PREFILL]
         if prefilling:
-            self._prefill(prefilling, self.prefill_chunk_tokens if decoding else None)
+            self._prefill(prefilling, self.prefill_chunk_tokens if decoding else PREFILL_CHUNK)
         if decoding:
             self._decode(decoding)
         self.steps += 1
         return True
 
     def _prefill(self, requests: list[Request], budget: int | None) -> None:
-        """Advance the newcomers' prompts: target chunks of all of them in one forward, then
-        draft chunks likewise (the draft's prefill is part of the time to first token). With
-        `budget`, at most that many prompt tokens in all this step (running requests wait on
-        it); without, up to PREFILL_CHUNK per request."""
+        """Advance the newcomers' prompts by at most `budget` prompt tokens in all (None: up to
+        PREFILL_CHUNK each): target chunks of all of them in one forward, then draft chunks
+        likewise (the draft's prefill is part of the time to first token). Running requests wait
+        on this step, so their budget is small; with nobody decoding it is one chunk, not one
+        per newcomer -- eight prompts arriving together in one 4k-token forward gave every one
+        of them its first token after 16 s. The shortest remaining prompts go first (aged by
+        PREFILL_AGING_TOKENS_PER_S), so short requests start decoding while long ones prefill."""
         left = budget
         target_chunks, draft_chunks = [], []
-        for req in requests:
+        for req in sorted(requests, key=self._prefill_priority):
             n = len(req.prompt_ids)
             done = req.prefilled if req.prefilled < n else req.draft_prefilled if req.uses_draft_model else n
             if done >= n:
@@ -180,6 +186,13 @@ class Scheduler(QueueCounts):
                 n = len(req.prompt_ids)
                 if req.state is State.PREFILL and req.prefilled >= n and (req.draft_prefilled >= n or not req.uses_draft_model):
                     self._first_token(req)
+
+    @staticmethod
+    def _prefill_priority(req: Request) -> float:
+        """Prompt tokens still to prefill (target and draft), less the aging credit."""
+        n = len(req.prompt_ids)
+        left = (n - req.prefilled) + ((n - req.draft_prefilled) if req.uses_draft_model else 0)
+        return left - PREFILL_AGING_TOKENS_PER_S * (time.perf_counter() - (req.t_admitted or 0.0))
 
     def _prefill_own_source(self, req: Request, start: int, end: int) -> None:
         """A draft source that runs its own model (llama.cpp) takes its prompt chunk itself."""
