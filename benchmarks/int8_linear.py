@@ -3,7 +3,7 @@
 (1) kernels: one linear of the default target's shapes (N x K = 8960x1536, 1536x8960, 1536x1536,
     256x1536 for k/v) at n = 1, 2, 4, 8, 16, 32 rows, ms per call, for
       bf16      PackedLinear (what the model runs today),
-      int4      Int4Linear (int4 kernel up to 3 rows, its bf16 copy above),
+      int4      Int4Linear (int4 kernel up to 3 rows, its int8 copy above),
       int8      Int8Linear (the whole forward: per-token quantisation, qlinear kernel, rescale; bf16 in/out),
       int8-mm   Int8Linear on its _int_mm kernel,
     and, as the raw kernels behind the choice (no activation quantisation or rescale):

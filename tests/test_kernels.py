@@ -40,6 +40,7 @@ def test_int4_linear_approximates_weights():
 def test_int4_draft_keeps_greedy_output_lossless(tiny_pair, tiny_tokenizer):
     draft = bf16_copy(tiny_pair.draft, int4=True)
     assert any(isinstance(m, Int4Linear) for m in draft.modules())
+    assert draft.weight_mode == "int4"  # its many-row copy is int8, but the plan key says int4
     engine = Engine(tiny_pair.target, tiny_tokenizer, draft=draft)
     ref = engine.generate("def add(a, b):", max_tokens=40, raw=True)
     for method in ("chain", "dyspec", "eagle", "dyspec-threshold"):

@@ -29,9 +29,6 @@ from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
 TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
-# Prompts prefill shortest remaining first; a waiting prompt counts as this many tokens shorter per
-# second it has waited, so a long one is not starved by a stream of short ones.
-PREFILL_AGING_TOKENS_PER_S = 64.0
 
 
 class QueueFullError(SpecwoodError):
@@ -155,11 +152,11 @@ class Scheduler(QueueCounts):
         likewise (the draft's prefill is part of the time to first token). Running requests wait
         on this step, so their budget is small; with nobody decoding it is one chunk, not one
         per newcomer -- eight prompts arriving together in one 4k-token forward gave every one
-        of them its first token after 16 s. The shortest remaining prompts go first (aged by
-        PREFILL_AGING_TOKENS_PER_S), so short requests start decoding while long ones prefill."""
+        of them its first token after 16 s. First come, first served: shortest-first was tried
+        and did not shorten `ar`'s time to first token under HTTP load (BENCHMARKS.md §4g)."""
         left = budget
         target_chunks, draft_chunks = [], []
-        for req in sorted(requests, key=self._prefill_priority):
+        for req in requests:
             n = len(req.prompt_ids)
             done = req.prefilled if req.prefilled < n else req.draft_prefilled if req.uses_draft_model else n
             if done >= n:
@@ -186,13 +183,6 @@ class Scheduler(QueueCounts):
                 n = len(req.prompt_ids)
                 if req.state is State.PREFILL and req.prefilled >= n and (req.draft_prefilled >= n or not req.uses_draft_model):
                     self._first_token(req)
-
-    @staticmethod
-    def _prefill_priority(req: Request) -> float:
-        """Prompt tokens still to prefill (target and draft), less the aging credit."""
-        n = len(req.prompt_ids)
-        left = (n - req.prefilled) + ((n - req.draft_prefilled) if req.uses_draft_model else 0)
-        return left - PREFILL_AGING_TOKENS_PER_S * (time.perf_counter() - (req.t_admitted or 0.0))
 
     def _prefill_own_source(self, req: Request, start: int, end: int) -> None:
         """A draft source that runs its own model (llama.cpp) takes its prompt chunk itself."""

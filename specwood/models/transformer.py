@@ -447,10 +447,10 @@ class Transformer(nn.Module):
     def weight_mode(self) -> str:
         """How the linears hold their weights: int8, int4, or the model dtype (bf16/fp32)."""
         kinds = {type(m) for m in self.layers.modules()}
+        if Int4Linear in kinds:  # before int8: an Int4Linear holds an Int8Linear for many rows
+            return "int4"
         if Int8Linear in kinds:
             return "int8"
-        if Int4Linear in kinds:
-            return "int4"
         return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(self.dtype, str(self.dtype))
 
     # --- weights in canonical (loader) names ---------------------------------------------------
