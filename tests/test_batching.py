@@ -353,28 +353,6 @@ def test_a_newcomer_sees_the_load_it_joins(tiny_engine):
     assert sched.idle and sched.admission_load == 1
 
 
-def test_short_prompts_are_not_held_behind_a_long_one(tiny_engine, monkeypatch):
-    """With nobody decoding a step prefills one chunk in all, not one per newcomer: short
-    requests arriving before a long one get their first token at the first step, and the long one
-    (prefilled over several steps, among the others' decode steps) still equals its run alone."""
-    engine = tiny_engine
-    monkeypatch.setattr("specwood.engine.scheduler.PREFILL_CHUNK", 64)  # the tiny model's context is short
-    rng = random.Random(7)
-    long_prompt = [rng.randrange(3, 250) for _ in range(200)]
-    sched = Scheduler(engine.target, max_batch=4)
-    short = [engine.new_request([5 + i, 6, 7, 8], max_tokens=6, scheduler=sched) for i in range(3)]
-    long_req = engine.new_request(long_prompt, max_tokens=6, scheduler=sched)
-    for r in short + [long_req]:
-        sched.submit(r)
-    sched.step()
-    assert all(r.state is State.DECODE for r in short)
-    # one chunk in all: the long one got what the short prompts left of it
-    assert long_req.state is State.PREFILL and long_req.prefilled == 64 - sum(len(r.prompt_ids) for r in short)
-    sched.run_until_done([long_req] + short)
-    alone = engine.generate(long_prompt, max_tokens=6, raw=True)
-    assert long_req.result.token_ids == alone.token_ids
-
-
 def test_run_here_steps_in_the_calling_thread_until_stopped(tiny_engine):
     """`specwood serve` decodes on its main thread (run_here) while HTTP threads submit and stop:
     requests submitted from another thread finish with ar's tokens, start() is then a no-op,

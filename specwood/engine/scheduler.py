@@ -140,20 +140,17 @@ class Scheduler(QueueCounts):
         decoding = [r for r in self.running if r.state is State.DECODE]
         prefilling = [r for r in self.running if r.state is State.PREFILL]
         if prefilling:
-            self._prefill(prefilling, self.prefill_chunk_tokens if decoding else PREFILL_CHUNK)
+            self._prefill(prefilling, self.prefill_chunk_tokens if decoding else None)
         if decoding:
             self._decode(decoding)
         self.steps += 1
         return True
 
     def _prefill(self, requests: list[Request], budget: int | None) -> None:
-        """Advance the newcomers' prompts by at most `budget` prompt tokens in all (None: up to
-        PREFILL_CHUNK each): target chunks of all of them in one forward, then draft chunks
-        likewise (the draft's prefill is part of the time to first token). Running requests wait
-        on this step, so their budget is small; with nobody decoding it is one chunk, not one
-        per newcomer -- eight prompts arriving together in one 4k-token forward gave every one
-        of them its first token after 16 s. First come, first served: shortest-first was tried
-        and did not shorten `ar`'s time to first token under HTTP load (BENCHMARKS.md §4g)."""
+        """Advance the newcomers' prompts: target chunks of all of them in one forward, then
+        draft chunks likewise (the draft's prefill is part of the time to first token). With
+        `budget`, at most that many prompt tokens in all this step (running requests wait on
+        it); without, up to PREFILL_CHUNK per request."""
         left = budget
         target_chunks, draft_chunks = [], []
         for req in requests:
