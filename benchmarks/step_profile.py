@@ -40,7 +40,7 @@ def main() -> None:
                                        prepared=prepared, method=method) for p in prompts]
             for r in reqs:
                 sched.submit(r)
-            decode_s, tokens_before = 0.0, 0
+            decode_s, steps = 0.0, []
             while not all(r.done.is_set() for r in reqs):  # time only steps where every request decodes
                 plain = all(r.state is State.DECODE for r in sched.running) and not sched.waiting
                 n = len(records)
@@ -48,8 +48,7 @@ def main() -> None:
                 sched.step()
                 if plain and len(records) > n:
                     decode_s += time.perf_counter() - t
-                    records[-1].decode_only = True  # type: ignore[attr-defined]
-            steps = [r for r in records if getattr(r, "decode_only", False)]
+                    steps.append(records[-1])
             emitted = sum(sum(a + 1 for _, a, _ in r.drafts) for r in steps)
             k = max(len(steps), 1)
             costs = getattr(reqs[0].drafter.shape, "draft_costs", None)  # auto's DraftCostTracker

@@ -253,7 +253,7 @@ def test_shared_steps_learn_what_drafting_costs():
     """Each request in a shared step records its share of the step's drafting against the plan's
     price; when drafting costs 3x the price, shared steps stop speculating (or shrink their trees)
     and a request alone decides as before."""
-    from specwood.engine.step import StepCost
+    from specwood.engine.step import StepRecord
     from specwood.tree.token_tree import TokenTree
     from specwood.verify import Verdict
 
@@ -268,14 +268,14 @@ def test_shared_steps_learn_what_drafting_costs():
     for _ in range(30):
         assert shape.for_batch(4, 128) is not None or costs.ratio > 1.5
         price = shape._predicted_draft_s or plan.step_costs(128, 4)[1](before.x)
-        shape.on_step(tree, Verdict([1], 3), StepCost(draft_s=4 * 3 * price, verify_s=0.1, drafting=4))
+        shape.on_step(tree, Verdict([1], 3), StepRecord(4, 8, draft_s=4 * 3 * price, verify_s=0.1, drafting=4))
     assert 2.5 < costs.ratio <= 3.0  # learnt until the shared steps stopped drafting
     after = plan.decide(128, batch=4, draft_scale=costs.scale(4))
     assert after.method == "ar" or (after.x <= before.x and after.p_eff < before.p_eff)
     assert costs.scale(1) == 1.0 and shape.choose_x(128, 1) == plan.decide(128).x  # alone: as measured
     shape.for_batch(1, 128)
     learnt = costs.ratio
-    shape.on_step(tree, Verdict([1], 3), StepCost(draft_s=100.0, verify_s=0.1))  # alone: not counted
+    shape.on_step(tree, Verdict([1], 3), StepRecord(1, 2, draft_s=100.0, verify_s=0.1, drafting=1))  # alone: not counted
     assert costs.ratio == learnt
 
 

@@ -970,7 +970,7 @@ class ParallelExecutor:
     def _target_step(self, live: list[Request]) -> float:
         """One batched target forward verifying every request's pending tree; commit and emit.
         Returns its seconds."""
-        from specwood.engine.step import StepCost, commit, target_forward, verify_tree
+        from specwood.engine.step import StepRecord, commit, target_forward, verify_tree
 
         t0 = time.perf_counter()
         trees = {r: r.duo.pending for r in live}
@@ -981,7 +981,8 @@ class ParallelExecutor:
                 verdict = verify_tree(r, tree, logits)
                 st.all_accepted = len(verdict.accepted) == tree.max_depth
                 st.iterations += 1
-                tokens = commit(self.cache, r, tree, verdict, StepCost(0.0, time.perf_counter() - t0))
+                tokens = commit(self.cache, r, tree, verdict,
+                                StepRecord(len(live), sum(len(t) for t in trees.values()), 0.0, time.perf_counter() - t0))
                 if r.out.push_step(tokens):
                     self._finish(r)
         return time.perf_counter() - t0

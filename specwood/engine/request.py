@@ -23,7 +23,7 @@ from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
 if TYPE_CHECKING:  # step.py imports this module
-    from specwood.engine.step import StepCost
+    from specwood.engine.step import StepRecord
 
 StepHook = Callable[[TokenTree, Verdict], None]
 _ids = itertools.count()
@@ -46,7 +46,7 @@ class Drafter:
         choose = getattr(self.shape, "for_batch", None)
         return choose(batch_size, context_len) if choose is not None else self.shape
 
-    def on_step(self, tree: TokenTree, verdict: Verdict, cost: StepCost | None = None) -> None:
+    def on_step(self, tree: TokenTree, verdict: Verdict, cost: StepRecord | None = None) -> None:
         observe = getattr(self.shape, "on_step", None)
         if observe is not None:
             observe(tree, verdict, cost)

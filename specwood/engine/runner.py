@@ -18,7 +18,7 @@ import torch
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.request import Request, State
 from specwood.engine.scheduler import Scheduler
-from specwood.engine.step import StepCost, advance, tree_row
+from specwood.engine.step import StepRecord, advance, tree_row
 from specwood.errors import ContextLengthError
 from specwood.models.batch import forward_rows
 from specwood.models.prefill import prefill_rows
@@ -154,7 +154,7 @@ class RunnerScheduler(Scheduler):
                 outs.append(None)
         return outs
 
-    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepCost) -> list[int]:
+    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
         self.runner.commit([0] + verdict.accepted)
         return advance(req, tree, verdict, cost)
 

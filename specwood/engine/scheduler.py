@@ -18,7 +18,7 @@ import torch
 
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.request import QueueCounts, Request, State
-from specwood.engine.step import StepCost, StepRecord, commit, draft_trees, plain_tree, target_forward, verify_tree
+from specwood.engine.step import StepRecord, commit, draft_trees, plain_tree, target_forward, verify_tree
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.cache import KVCache
 from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
@@ -232,23 +232,22 @@ class Scheduler(QueueCounts):
             t1 = time.perf_counter()
             outs = self._forward(live, trees, failed)
             t2 = time.perf_counter()
-            drafts = []
-            cost = StepCost(t1 - t0, t2 - t1, sum(len(trees[r]) > 1 for r in live))
+            record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1,
+                                drafting=sum(len(trees[r]) > 1 for r in live))
             for req, logits in zip(live, outs):
                 if logits is None:
                     continue
                 tree = trees[req]
                 try:
                     verdict = verify_tree(req, tree, logits)
-                    tokens = self._commit(req, tree, verdict, cost)
-                    drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
+                    tokens = self._commit(req, tree, verdict, record)
+                    record.drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
                     if req.out.push_step(tokens):
                         self._finish(req)
                 except Exception as e:  # noqa: BLE001
                     failed[req] = e
         for req, e in failed.items():
             self._fail(req, e)
-        record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1, drafts)
         for observe in self.observers:
             try:
                 observe(record)
@@ -259,7 +258,7 @@ class Scheduler(QueueCounts):
         L = self.cache.lengths[req.row]
         return L + tree.max_depth < self.target.max_positions and L + len(tree) <= self.cache.max_len
 
-    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepCost) -> list[int]:
+    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
         return commit(self.cache, req, tree, verdict, cost)
 
     def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:

@@ -2,7 +2,7 @@
 forward over all of them (padded, per-row positions, slots and masks), verify each, commit."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,24 +20,17 @@ from specwood.verify import Verdict, verify
 
 @dataclass
 class StepRecord:
-    """What one step did, for metrics: per request (tree nodes drafted, accepted, max depth)."""
+    """What one step did and cost the whole batch: for metrics, per request (tree nodes drafted,
+    accepted, max depth); for the requests' stats and `auto`, the drafting and target-forward
+    time and how many requests drafted (their fair share of the drafting is what `auto` learns
+    batched drafting's real price from)."""
 
     batch_size: int
     tokens: int  # target forward rows (tree nodes, roots included)
     draft_s: float
     verify_s: float
-    drafts: list[tuple[int, int, int]]
-
-
-@dataclass
-class StepCost:
-    """What a step cost the whole batch: its drafting and its target forward, and how many
-    requests drafted in it (their fair share of the drafting is what `auto` learns batched
-    drafting's real price from)."""
-
-    draft_s: float
-    verify_s: float
-    drafting: int = 1
+    drafts: list[tuple[int, int, int]] = field(default_factory=list)
+    drafting: int = 0  # requests whose tree had drafted nodes
 
     @property
     def draft_share_s(self) -> float:
@@ -115,14 +108,14 @@ def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verd
     return verify(tree, logits, request.params, request.target_generator)
 
 
-def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, cost: StepCost) -> list[int]:
+def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
     """Keep the accepted path in the request's cache row and draft source; the emitted tokens."""
     L = cache.lengths[request.row]
     cache.compact([L + i for i in [0] + verdict.accepted], L, request.row)
     return advance(request, tree, verdict, cost)
 
 
-def advance(request: Request, tree: TokenTree, verdict: Verdict, cost: StepCost) -> list[int]:
+def advance(request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
     """The target's cache already holds the accepted path: move the draft source, stats, drafter
     and context on by the verdict; the emitted tokens."""
     path = [0] + verdict.accepted

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from specwood.drafting.base import ShapeBase
 from specwood.drafting.ngram import copied_chain, find_continuation
 from specwood.engine.request import Drafter
+from specwood.engine.step import StepRecord
 from specwood.errors import SpecwoodError
 from specwood.methods import Method, prepare_method, register
 from specwood.planner.build import get_plan, measure_draft_prefill, measure_draft_rows
@@ -232,7 +233,7 @@ class PlannedShape:
         self._step_x = x
         return self._step
 
-    def on_step(self, tree: TokenTree, verdict: Verdict, cost: Any = None) -> None:
+    def on_step(self, tree: TokenTree, verdict: Verdict, cost: StepRecord | None = None) -> None:
         step, self._step = self._step, None
         if cost is not None and self._predicted_draft_s and len(tree) > 1:
             self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s)
