@@ -240,6 +240,48 @@ def test_requests_near_the_context_end_in_a_batch(tiny_engine):
         assert alone.token_ids == job.reference(engine).token_ids, job.method
 
 
+def test_newcomers_share_the_prefill(tiny_engine):
+    """With nobody decoding, newcomers share one chunk of PREFILL_CHUNK tokens equally (short
+    prompts get their first token at once, a long one keeps prefilling); while others decode,
+    each newcomer's target and draft advance prefill_chunk_tokens a step; output is ar's."""
+    from specwood.models.prefill import PREFILL_CHUNK
+
+    engine = tiny_engine
+    rnd = random.Random(5)
+    sched = Scheduler(engine.target, max_batch=6, prefill_chunk_tokens=16)
+    assert sched.prefill_share(4, decoding=False) == (PREFILL_CHUNK // 4, PREFILL_CHUNK)
+    assert sched.prefill_share(64, decoding=False) == (16, PREFILL_CHUNK)
+    assert sched.prefill_share(3, decoding=True) == (16, PREFILL_CHUNK)
+    jobs = [Job("ar", random_prompt(rnd, 10), 12), Job("dyspec", random_prompt(rnd, 9), 12),
+            Job("ar", random_prompt(rnd, 11), 12), Job("chain", random_prompt(rnd, 200), 12)]
+    factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in ("ar", "dyspec", "chain")}
+    for job in jobs:
+        sched.submit(job.build(engine, sched, factories))
+    long = jobs[-1].request
+    sched.step()
+    assert all(j.request.state is State.DECODE for j in jobs[:3])
+    assert (long.state, long.prefilled, long.draft_prefilled) == (State.PREFILL, 128, 128)
+    sched.step()  # now others decode: 16 tokens of it, on both models
+    assert (long.prefilled, long.draft_prefilled) == (144, 144)
+    late = [Job("ar", random_prompt(rnd, 60), 8), Job("chain", random_prompt(rnd, 60), 8)]
+    for job in late:
+        sched.submit(job.build(engine, sched, factories))
+    sched.step()
+    assert (long.prefilled, long.draft_prefilled) == (160, 160)
+    assert [j.request.prefilled for j in late] == [16, 16] and late[1].request.draft_prefilled == 16
+    sched.run_until_done([j.request for j in jobs + late])
+    assert_like_ar(engine, jobs + late)
+    assert_pools_free(sched)
+
+
+def test_prefill_chunks_of_similar_length_share_a_forward():
+    from specwood.engine.scheduler import similar_lengths
+
+    chunks = [("a", 0, 64), ("b", 64, 90), ("c", 0, 64), ("d", 0, 30), ("e", 0, 3)]
+    groups = similar_lengths(chunks)
+    assert [[c[0] for c in g] for g in groups] == [["a", "c"], ["d", "b"], ["e"]]
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_engine):
     """Each request owns its random streams: a seeded sampled request emits the same tokens alone
     and in a batch with others (that join, finish and sample around it)."""

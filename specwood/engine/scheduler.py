@@ -4,7 +4,7 @@ running requests with one target forward.
 The scheduler owns the KV cache pools (one for the target, one per draft model), allocated once
 with `max_batch` rows. A request joins at the next step: its prompt is prefilled in chunks,
 interleaved with the running requests' decode steps, so a long newcomer stalls them for one
-chunk at a time, not for its whole prompt. `step()` can be driven by the caller (Engine.generate,
+chunk at a time, not for its whole prompt (`Scheduler.prefill_share`). `step()` can be driven by the caller (Engine.generate,
 tests) or by a background thread (`start()`, the server).
 """
 from __future__ import annotations
@@ -29,6 +29,19 @@ from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
 TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
+
+
+def similar_lengths(chunks: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
+    """Chunks (request, start, end) in groups of one forward each: a padded forward computes
+    every row at the longest chunk's length, so a chunk less than half as long as its group's
+    longest starts a new group (an extra weight read costs less than that much padding)."""
+    groups: list[list[tuple[Request, int, int]]] = []
+    for chunk in sorted(chunks, key=lambda c: c[2] - c[1], reverse=True):
+        if groups and 2 * (chunk[2] - chunk[1]) > groups[-1][0][2] - groups[-1][0][1]:
+            groups[-1].append(chunk)
+        else:
+            groups.append([chunk])
+    return groups
 
 
 class QueueFullError(SpecwoodError):
@@ -140,42 +153,56 @@ class Scheduler(QueueCounts):
         decoding = [r for r in self.running if r.state is State.DECODE]
         prefilling = [r for r in self.running if r.state is State.PREFILL]
         if prefilling:
-            self._prefill(prefilling, self.prefill_chunk_tokens if decoding else None)
+            self._prefill(prefilling, decoding=bool(decoding))
         if decoding:
             self._decode(decoding)
         self.steps += 1
         return True
 
-    def _prefill(self, requests: list[Request], budget: int | None) -> None:
-        """Advance the newcomers' prompts: target chunks of all of them in one forward, then
-        draft chunks likewise (the draft's prefill is part of the time to first token). With
-        `budget`, at most that many prompt tokens in all this step (running requests wait on
-        it); without, up to PREFILL_CHUNK per request."""
-        left = budget
+    def prefill_share(self, newcomers: int, decoding: bool) -> tuple[int, int]:
+        """(tokens each newcomer's prompt advances this step, tokens in all), per model.
+
+        While others decode, every newcomer advances `prefill_chunk_tokens`: the running
+        requests' step waits on these chunks, and a long prompt gets in at the same pace whoever
+        else arrives (at most PREFILL_CHUNK in all; the rest wait their turn). With nobody
+        decoding, PREFILL_CHUNK is shared out equally, never less than `prefill_chunk_tokens`
+        each: short prompts get their first token after a step or two instead of waiting for
+        one forward over every long prompt that arrived with them."""
+        each = self.prefill_chunk_tokens if decoding else max(self.prefill_chunk_tokens, PREFILL_CHUNK // max(1, newcomers))
+        return each, max(PREFILL_CHUNK, each)
+
+    def _prefill(self, requests: list[Request], decoding: bool) -> None:
+        """Advance the newcomers' prompts by their share (`prefill_share`), the target's and the
+        draft's side by side (the draft's prefill is part of the time to first token): chunks of
+        similar length share one forward per model."""
+        each, in_all = self.prefill_share(len(requests), decoding)
         target_chunks, draft_chunks = [], []
+        left = {False: in_all, True: in_all}
         for req in requests:
             n = len(req.prompt_ids)
-            done = req.prefilled if req.prefilled < n else req.draft_prefilled if req.uses_draft_model else n
-            if done >= n:
-                continue
-            take = min(n - done, PREFILL_CHUNK if left is None else left)
-            if take <= 0:
-                break
-            (target_chunks if req.prefilled < n else draft_chunks).append((req, done, done + take))
-            if left is not None:
-                left -= take
+            sides = ((False, req.prefilled, target_chunks), (True, req.draft_prefilled, draft_chunks))
+            for draft, done, chunks in sides:
+                if draft and not req.uses_draft_model:
+                    continue
+                take = min(n - done, each, left[draft])
+                if take > 0:
+                    chunks.append((req, done, done + take))
+                    left[draft] -= take
         with torch.inference_mode():
-            if target_chunks:
-                self._prefill_forward(self.target, self.cache, target_chunks, draft=False)
+            for group in similar_lengths(target_chunks):
+                self._prefill_forward(self.target, self.cache, group, draft=False)
             groups: dict[int, list] = {}
             for chunk in draft_chunks:
+                if chunk[0].state is not State.PREFILL:  # failed in its target chunk
+                    continue
                 if isinstance(chunk[0].drafter.source, ModelDraftSource):
                     groups.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
                 else:
                     self._prefill_own_source(*chunk)
             for chunks in groups.values():
                 src = chunks[0][0].drafter.source
-                self._prefill_forward(src.model, src.cache, chunks, draft=True)
+                for group in similar_lengths(chunks):
+                    self._prefill_forward(src.model, src.cache, group, draft=True)
             for req in requests:
                 n = len(req.prompt_ids)
                 if req.state is State.PREFILL and req.prefilled >= n and (req.draft_prefilled >= n or not req.uses_draft_model):
