@@ -279,6 +279,22 @@ def test_shared_steps_learn_what_drafting_costs():
     assert costs.ratio == learnt
 
 
+def test_learnt_drafting_price_is_kept_for_the_next_server(tmp_path):
+    """The learnt ratio is written beside the plan every SAVE_EVERY records and read back by the
+    next tracker (a restarted server); a damaged or absurd file is a fresh start or clamped."""
+    path = tmp_path / "plans" / "p.drafting.json"
+    costs = DraftCostTracker(path=path)
+    assert costs.ratio == 1.0 and not path.exists()
+    for _ in range(DraftCostTracker.SAVE_EVERY):
+        costs.record(0.01, 0.03)
+    assert path.exists() and DraftCostTracker(path=path).ratio == pytest.approx(costs.ratio)
+    assert costs.ratio > 1.5 and DraftCostTracker(path=path).scale(8) > 1.5
+    path.write_text("{not json")
+    assert DraftCostTracker(path=path).ratio == 1.0
+    path.write_text('{"ratio": 99}')
+    assert DraftCostTracker(path=path).ratio == 4.0
+
+
 def test_shared_steps_speculate_only_by_a_margin():
     """In a shared step speculation must beat plain decoding by BATCH_MARGIN (the batch model's
     known error); alone, any gain counts."""

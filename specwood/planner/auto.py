@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
+import os
 import sys
 import time
 import warnings
@@ -86,11 +88,19 @@ class DraftCostTracker:
     rounds wait for its deepest tree: at c = 8 drafting cost 1.6x the prediction (§4g). Each
     drafting request records its fair share of the step's drafting against what the plan
     predicted for it; T_d in shared steps is scaled by the decayed ratio. Steps of one request
-    are not counted: the plan's T_d was measured that way."""
+    are not counted: the plan's T_d was measured that way.
 
-    def __init__(self, decay: float = 0.9):
+    With a `path` (next to the plan) the ratio survives the process: a server started again
+    does not pay for learning it under load once more (its first shared steps would speculate
+    at the plan's price). Delete the file to learn it afresh."""
+
+    SAVE_EVERY = 8  # records between writes
+
+    def __init__(self, decay: float = 0.9, path: Path | None = None):
         self.decay = decay
-        self.ratio = 1.0
+        self.path = path
+        self.ratio = self._stored_ratio(path) if path is not None else 1.0
+        self._unsaved = 0
 
     def scale(self, batch: int) -> float:
         return 1.0 if batch <= 1 else self.ratio
@@ -99,6 +109,34 @@ class DraftCostTracker:
         if predicted_s > 0:
             r = min(4.0, max(0.5, measured_s / predicted_s))
             self.ratio = self.decay * self.ratio + (1 - self.decay) * r
+            self._unsaved += 1
+            if self.path is not None and self._unsaved >= self.SAVE_EVERY:
+                self.save()
+
+    def save(self) -> None:
+        """Write the ratio (atomically); a cache that cannot be written only means learning it again."""
+        self._unsaved = 0
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"ratio": self.ratio, "saved": datetime.datetime.now().isoformat(timespec="seconds")}))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+    @staticmethod
+    def _stored_ratio(path: Path) -> float:
+        try:
+            ratio = float(json.loads(path.read_text())["ratio"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 1.0  # none yet, or damaged: learn it
+        return min(4.0, max(0.5, ratio)) if ratio == ratio else 1.0
+
+
+def drafting_costs_path(key: PlanKey) -> Path:
+    """Where the learnt price of batched drafting is kept: beside the plan it corrects."""
+    path = plan_path(key)
+    return path.with_name(path.stem + ".drafting.json")
 
 
 class LookupTracker:
@@ -390,7 +428,8 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         draft_model = _draft_model_of(engine, base)
 
     told = []
-    draft_costs = DraftCostTracker()  # one per server: every request's shared steps teach it
+    # one per server: every request's shared steps teach it, and it is kept for the next one
+    draft_costs = DraftCostTracker(path=drafting_costs_path(plan_key_for(engine, base)))
 
     def latest_plan() -> Plan:
         """The starter plan until a measured one appears in the store (built in the background by
