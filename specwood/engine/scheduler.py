@@ -4,8 +4,8 @@ running requests with one target forward.
 The scheduler owns the KV cache pools (one for the target, one per draft model), allocated once
 with `max_batch` rows. A request joins at the next step: its prompt is prefilled in chunks,
 interleaved with the running requests' decode steps, so a long newcomer stalls them for one
-chunk at a time, not for its whole prompt (`Scheduler.prefill_share`). `step()` can be driven by the caller (Engine.generate,
-tests) or by a background thread (`start()`, the server).
+chunk at a time, not for its whole prompt (`Scheduler.prefill_share`). `step()` can be driven by
+the caller (Engine.generate, tests) or by a background thread (`start()`, the server).
 """
 from __future__ import annotations
 
@@ -168,7 +168,9 @@ class Scheduler(QueueCounts):
         decoding, PREFILL_CHUNK is shared out equally, never less than `prefill_chunk_tokens`
         each: short prompts get their first token after a step or two instead of waiting for
         one forward over every long prompt that arrived with them."""
-        each = self.prefill_chunk_tokens if decoding else max(self.prefill_chunk_tokens, PREFILL_CHUNK // max(1, newcomers))
+        each = self.prefill_chunk_tokens
+        if not decoding:
+            each = max(each, PREFILL_CHUNK // max(1, newcomers))
         return each, max(PREFILL_CHUNK, each)
 
     def _prefill(self, requests: list[Request], decoding: bool) -> None:
