@@ -974,6 +974,7 @@ class ParallelExecutor:
 
         t0 = time.perf_counter()
         trees = {r: r.duo.pending for r in live}
+        rows = sum(len(t) for t in trees.values())
         with torch.inference_mode():
             outs = target_forward(self.target, self.cache, live, trees)
             for r, logits in zip(live, outs):
@@ -981,8 +982,7 @@ class ParallelExecutor:
                 verdict = verify_tree(r, tree, logits)
                 st.all_accepted = len(verdict.accepted) == tree.max_depth
                 st.iterations += 1
-                tokens = commit(self.cache, r, tree, verdict,
-                                StepRecord(len(live), sum(len(t) for t in trees.values()), 0.0, time.perf_counter() - t0))
+                tokens = commit(self.cache, r, tree, verdict, StepRecord(len(live), rows, 0.0, time.perf_counter() - t0))
                 if r.out.push_step(tokens):
                     self._finish(r)
         return time.perf_counter() - t0

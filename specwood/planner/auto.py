@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import os
 import sys
 import time
 import warnings
@@ -31,6 +30,7 @@ from specwood.planner.store import (
     plan_key_for,
     plan_path,
     save_plan,
+    write_json_atomically,
 )
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
@@ -107,7 +107,7 @@ class DraftCostTracker:
 
     def record(self, predicted_s: float, measured_s: float) -> None:
         if predicted_s > 0:
-            r = min(4.0, max(0.5, measured_s / predicted_s))
+            r = self._clamp(measured_s / predicted_s)
             self.ratio = self.decay * self.ratio + (1 - self.decay) * r
             self._unsaved += 1
             if self.path is not None and self._unsaved >= self.SAVE_EVERY:
@@ -117,10 +117,8 @@ class DraftCostTracker:
         """Write the ratio (atomically); a cache that cannot be written only means learning it again."""
         self._unsaved = 0
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"ratio": self.ratio, "saved": datetime.datetime.now().isoformat(timespec="seconds")}))
-            os.replace(tmp, self.path)
+            write_json_atomically(self.path, {"ratio": self.ratio,
+                                              "saved": datetime.datetime.now().isoformat(timespec="seconds")})
         except OSError:
             pass
 
@@ -130,7 +128,12 @@ class DraftCostTracker:
             ratio = float(json.loads(path.read_text())["ratio"])
         except (OSError, ValueError, KeyError, TypeError):
             return 1.0  # none yet, or damaged: learn it
-        return min(4.0, max(0.5, ratio)) if ratio == ratio else 1.0
+        return DraftCostTracker._clamp(ratio) if ratio == ratio else 1.0
+
+    @staticmethod
+    def _clamp(ratio: float) -> float:
+        """One step's (or a stored) ratio, within what a real batch can make of the plan's price."""
+        return min(4.0, max(0.5, ratio))
 
 
 def drafting_costs_path(key: PlanKey) -> Path:

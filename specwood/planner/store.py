@@ -288,13 +288,18 @@ def plan_path(key: PlanKey) -> Path:
     return plans_dir() / key.filename()
 
 
+def write_json_atomically(path: Path, data: Any, **dumps_options: Any) -> None:
+    """Write `data` as JSON so that a crash never leaves half a file under the final name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, **dumps_options))
+    os.replace(tmp, path)
+
+
 def save_plan(plan: Plan, path: Path | None = None) -> Path:
     """Write atomically (a crash never leaves half a plan under the final name)."""
     path = Path(path) if path is not None else plan_path(plan.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(plan.to_dict(), indent=1, allow_nan=False))
-    os.replace(tmp, path)
+    write_json_atomically(path, plan.to_dict(), indent=1, allow_nan=False)
     return path
 
 
