@@ -243,12 +243,16 @@ def test_requests_near_the_context_end_in_a_batch(tiny_engine):
 def test_newcomers_share_the_prefill(tiny_engine):
     """With nobody decoding, newcomers share one chunk of PREFILL_CHUNK tokens equally (short
     prompts get their first token at once, a long one keeps prefilling); while others decode,
-    each newcomer's target and draft advance prefill_chunk_tokens a step; output is ar's."""
+    each newcomer's target and draft advance prefill_chunk_tokens a step, the target's chunks in
+    the decode step's own forward (one pass over the weights a step); output is ar's."""
     from specwood.models.prefill import PREFILL_CHUNK
 
     engine = tiny_engine
     rnd = random.Random(5)
     sched = Scheduler(engine.target, max_batch=6, prefill_chunk_tokens=16)
+    passes, records = [], []  # target forwards (passes over its first layer), step records
+    hook = engine.target.layers[0].register_forward_pre_hook(lambda *_: passes.append(1))
+    sched.observers.append(records.append)
     assert sched.prefill_share(4, decoding=False) == (PREFILL_CHUNK // 4, PREFILL_CHUNK)
     assert sched.prefill_share(64, decoding=False) == (16, PREFILL_CHUNK)
     assert sched.prefill_share(3, decoding=True) == (16, PREFILL_CHUNK)
@@ -261,25 +265,21 @@ def test_newcomers_share_the_prefill(tiny_engine):
     sched.step()
     assert all(j.request.state is State.DECODE for j in jobs[:3])
     assert (long.state, long.prefilled, long.draft_prefilled) == (State.PREFILL, 128, 128)
+    assert len(passes) == 1  # four prompts' chunks (10, 9, 11, 128 tokens): one forward
     sched.step()  # now others decode: 16 tokens of it, on both models
     assert (long.prefilled, long.draft_prefilled) == (144, 144)
+    assert len(passes) == 2 and records[-1].prefill_tokens == 16  # rode in the decode step's forward
     late = [Job("ar", random_prompt(rnd, 60), 8), Job("chain", random_prompt(rnd, 60), 8)]
     for job in late:
         sched.submit(job.build(engine, sched, factories))
     sched.step()
     assert (long.prefilled, long.draft_prefilled) == (160, 160)
     assert [j.request.prefilled for j in late] == [16, 16] and late[1].request.draft_prefilled == 16
+    assert len(passes) == 3 and records[-1].prefill_tokens == 48
     sched.run_until_done([j.request for j in jobs + late])
+    hook.remove()
     assert_like_ar(engine, jobs + late)
     assert_pools_free(sched)
-
-
-def test_prefill_chunks_of_similar_length_share_a_forward():
-    from specwood.engine.scheduler import similar_lengths
-
-    chunks = [("a", 0, 64), ("b", 64, 90), ("c", 0, 64), ("d", 0, 30), ("e", 0, 3)]
-    groups = similar_lengths(chunks)
-    assert [[c[0] for c in g] for g in groups] == [["a", "c"], ["d", "b"], ["e"]]
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_engine):

@@ -107,3 +107,51 @@ def test_position_beyond_context_raises(tiny_pair):
 
     with pytest.raises(ContextLengthError):
         prefill(model, model.new_cache(model.max_positions + 8), list(range(model.max_positions + 1)))
+
+
+def test_packed_rows_equal_each_row_alone(tiny_pair):
+    """Rows of very different lengths (prefill chunks, trees, one-token steps) go in separate
+    padded blocks of ONE forward (`forward_rows` packs them): each row's logits, hidden states
+    and cache entries equal those of the row run alone."""
+    from specwood.models.batch import RowInput, forward_rows, similar_lengths
+    from specwood.models.prefill import prefill
+
+    model = tiny_pair.target
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 5, 14, 3, 20)]
+    tree = TokenTree.with_root(4)
+    for parent, token in [(0, 7), (0, 8), (1, 2), (3, 11)]:
+        tree.add_node(parent, token)
+
+    def inputs(cache):
+        rows = []
+        for row, prompt in enumerate(prompts):
+            if row < 3:  # already prefilled: a one-token step, a tree, a one-token step
+                L = len(prompt)
+                t = tree if row == 1 else TokenTree.with_root(prompt[0])
+                rows.append(RowInput(row, torch.tensor(t.tokens), t.positions(L), torch.arange(L, L + len(t)),
+                                     t.attention_mask(L), torch.arange(len(t))))
+            else:  # a prefill chunk of 3 or 20 tokens
+                pos = torch.arange(len(prompt))
+                rows.append(RowInput(row, torch.tensor(prompt), pos, pos,
+                                     torch.ones(len(prompt), len(prompt), dtype=torch.bool).tril(), pos))
+        return rows
+
+    assert similar_lengths([len(x.tokens) for x in inputs(None)]) == [[4], [1, 3], [0, 2]]
+    packed, alone = model.new_cache(64, 5), model.new_cache(64, 5)
+    for cache in (packed, alone):
+        for row in range(3):
+            prefill(model, cache, prompts[row], row=row)
+    together = forward_rows(model, packed, inputs(packed))
+    for x, out in zip(inputs(alone), together):
+        ref = forward_rows(model, alone, [x])[0]
+        assert out.shape == ref.shape
+        assert torch.allclose(out, ref, atol=1e-5)
+        n = int(x.slots.max()) + 1
+        assert torch.allclose(packed.k[:, x.row, :, :n], alone.k[:, x.row, :, :n], atol=1e-5)
+    stage = build_model(model.config, model.canonical_state_dict(), layers=range(0, 1))
+    cache = stage.new_cache(64, 5)
+    rows = inputs(cache)
+    hidden = forward_rows(stage, cache, rows)
+    for x, h in zip(rows, hidden):
+        assert torch.allclose(h, forward_rows(stage, stage.new_cache(64, 5), [x])[0], atol=1e-5)

@@ -4,7 +4,8 @@ running requests with one target forward.
 The scheduler owns the KV cache pools (one for the target, one per draft model), allocated once
 with `max_batch` rows. A request joins at the next step: its prompt is prefilled in chunks,
 interleaved with the running requests' decode steps, so a long newcomer stalls them for one
-chunk at a time, not for its whole prompt (`Scheduler.prefill_share`). `step()` can be driven by
+chunk at a time, not for its whole prompt (`Scheduler.prefill_share`); the chunks ride in the
+decode step's target forward (one pass over the weights for both). `step()` can be driven by
 the caller (Engine.generate, tests) or by a background thread (`start()`, the server).
 """
 from __future__ import annotations
@@ -18,30 +19,18 @@ import torch
 
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.request import QueueCounts, Request, State
-from specwood.engine.step import StepRecord, commit, draft_trees, plain_tree, target_forward, verify_tree
+from specwood.engine.step import StepRecord, commit, draft_trees, plain_tree, target_forward, tree_row, verify_tree
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.cache import KVCache
 from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
-from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
+from specwood.models.batch import forward_rows
+from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_rows
 from specwood.models.transformer import Transformer
 from specwood.sampling import next_token
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
 TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
-
-
-def similar_lengths(chunks: list[tuple[Request, int, int]]) -> list[list[tuple[Request, int, int]]]:
-    """Chunks (request, start, end) in groups of one forward each: a padded forward computes
-    every row at the longest chunk's length, so a chunk less than half as long as its group's
-    longest starts a new group (an extra weight read costs less than that much padding)."""
-    groups: list[list[tuple[Request, int, int]]] = []
-    for chunk in sorted(chunks, key=lambda c: c[2] - c[1], reverse=True):
-        if groups and 2 * (chunk[2] - chunk[1]) > groups[-1][0][2] - groups[-1][0][1]:
-            groups[-1].append(chunk)
-        else:
-            groups.append([chunk])
-    return groups
 
 
 class QueueFullError(SpecwoodError):
@@ -152,10 +141,10 @@ class Scheduler(QueueCounts):
             return False
         decoding = [r for r in self.running if r.state is State.DECODE]
         prefilling = [r for r in self.running if r.state is State.PREFILL]
-        if prefilling:
-            self._prefill(prefilling, decoding=bool(decoding))
-        if decoding:
-            self._decode(decoding)
+        if prefilling and not decoding:
+            self._prefill(prefilling, decoding=False)
+        elif decoding:
+            self._decode(decoding, prefilling)
         self.steps += 1
         return True
 
@@ -174,9 +163,17 @@ class Scheduler(QueueCounts):
         return each, max(PREFILL_CHUNK, each)
 
     def _prefill(self, requests: list[Request], decoding: bool) -> None:
-        """Advance the newcomers' prompts by their share (`prefill_share`), the target's and the
-        draft's side by side (the draft's prefill is part of the time to first token): chunks of
-        similar length share one forward per model."""
+        """Advance the newcomers' prompts by their share (`prefill_share`) in a step with nobody
+        decoding: one forward per model for all the chunks."""
+        with torch.inference_mode():
+            target_chunks = self._draft_prefill(requests, decoding)
+            self._prefill_forward(self.target, self.cache, target_chunks, draft=False)
+            self._first_tokens(requests)
+
+    def _draft_prefill(self, requests: list[Request], decoding: bool) -> list[tuple[Request, int, int]]:
+        """Split the step's prefill into chunks (request, start, end) per model, the target's and
+        the draft's side by side (the draft's prefill is part of the time to first token); run
+        the draft models' chunks (one forward per draft pool) and return the target's."""
         each, in_all = self.prefill_share(len(requests), decoding)
         target_chunks, draft_chunks = [], []
         left = {False: in_all, True: in_all}
@@ -190,25 +187,23 @@ class Scheduler(QueueCounts):
                 if take > 0:
                     chunks.append((req, done, done + take))
                     left[draft] -= take
-        with torch.inference_mode():
-            for group in similar_lengths(target_chunks):
-                self._prefill_forward(self.target, self.cache, group, draft=False)
-            groups: dict[int, list] = {}
-            for chunk in draft_chunks:
-                if chunk[0].state is not State.PREFILL:  # failed in its target chunk
-                    continue
-                if isinstance(chunk[0].drafter.source, ModelDraftSource):
-                    groups.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
-                else:
-                    self._prefill_own_source(*chunk)
-            for chunks in groups.values():
-                src = chunks[0][0].drafter.source
-                for group in similar_lengths(chunks):
-                    self._prefill_forward(src.model, src.cache, group, draft=True)
-            for req in requests:
-                n = len(req.prompt_ids)
-                if req.state is State.PREFILL and req.prefilled >= n and (req.draft_prefilled >= n or not req.uses_draft_model):
-                    self._first_token(req)
+        pools: dict[int, list] = {}
+        for chunk in draft_chunks:
+            if isinstance(chunk[0].drafter.source, ModelDraftSource):
+                pools.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
+            else:
+                self._prefill_own_source(*chunk)
+        for chunks in pools.values():
+            src = chunks[0][0].drafter.source
+            self._prefill_forward(src.model, src.cache, chunks, draft=True)
+        return [c for c in target_chunks if c[0].state is State.PREFILL]  # not failed in its draft chunk
+
+    def _first_tokens(self, requests: list[Request]) -> None:
+        for req in requests:
+            n = len(req.prompt_ids)
+            draft_done = req.draft_prefilled >= n or not req.uses_draft_model
+            if req.state is State.PREFILL and req.prefilled >= n and draft_done:
+                self._first_token(req)
 
     def _prefill_own_source(self, req: Request, start: int, end: int) -> None:
         """A draft source that runs its own model (llama.cpp) takes its prompt chunk itself."""
@@ -219,11 +214,10 @@ class Scheduler(QueueCounts):
             self._fail(req, e)
 
     def _prefill_forward(self, model: Transformer, cache: KVCache, chunks: list, draft: bool) -> None:
-        def row_of(req: Request) -> int:
-            return req.drafter.source.row if draft else req.row
-
+        if not chunks:
+            return
         try:
-            logits = prefill_rows(model, cache, [(row_of(r), r.prompt_ids, a, b) for r, a, b in chunks])
+            logits = prefill_rows(model, cache, [(self._chunk_row(r, draft), r.prompt_ids, a, b) for r, a, b in chunks])
         except Exception as e:  # noqa: BLE001 - one at a time, to fail only the request at fault
             if len(chunks) == 1:
                 self._fail(chunks[0][0], e)
@@ -231,6 +225,15 @@ class Scheduler(QueueCounts):
             for chunk in chunks:
                 self._prefill_forward(model, cache, [chunk], draft)
             return
+        self._prefilled(chunks, logits, draft)
+
+    @staticmethod
+    def _chunk_row(req: Request, draft: bool) -> int:
+        return req.drafter.source.row if draft else req.row
+
+    @staticmethod
+    def _prefilled(chunks: list[tuple[Request, int, int]], logits: list[torch.Tensor], draft: bool) -> None:
+        """Note the chunks' progress; a prompt's last chunk keeps its last token's logits."""
         for (req, _, end), row_logits in zip(chunks, logits):
             if draft:
                 req.draft_prefilled = end
@@ -249,20 +252,25 @@ class Scheduler(QueueCounts):
         except Exception as e:  # noqa: BLE001
             self._fail(req, e)
 
-    def _decode(self, batch: list[Request]) -> None:
+    def _decode(self, batch: list[Request], newcomers: list[Request] = ()) -> None:
+        """One decode step of `batch`; the newcomers' prefill chunks ride in its target forward."""
         failed: dict[Request, BaseException] = {}
         t0 = time.perf_counter()
         with torch.inference_mode():
+            chunks = self._draft_prefill(newcomers, decoding=True) if newcomers else []
+            t_prefill = time.perf_counter() - t0
             trees = draft_trees(batch, len(batch), failed)
             for req, tree in trees.items():  # no room to speculate: a plain step
                 if not self._fits(req, tree):
                     trees[req] = plain_tree(req)
             live = [r for r in batch if r in trees]
             t1 = time.perf_counter()
-            outs = self._forward(live, trees, failed)
+            outs = self._forward_with_prefill(live, trees, failed, chunks)
             t2 = time.perf_counter()
-            record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1,
-                                drafting=sum(len(trees[r]) > 1 for r in live))
+            self._first_tokens(newcomers)
+            record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0 - t_prefill, t2 - t1,
+                                drafting=sum(len(trees[r]) > 1 for r in live),
+                                prefill_tokens=sum(b - a for _, a, b in chunks))
             for req, logits in zip(live, outs):
                 if logits is None:
                     continue
@@ -307,6 +315,25 @@ class Scheduler(QueueCounts):
                 failed[req] = e
                 outs.append(None)
         return outs
+
+    def _forward_with_prefill(self, live: list[Request], trees, failed,
+                              chunks: list[tuple[Request, int, int]]) -> list[torch.Tensor | None]:
+        """The step's target forward with the newcomers' prefill chunks packed in: the weights
+        are read once for both. If it raises, each part runs again on its own to find the
+        request at fault (whatever it wrote to the cache is rewritten)."""
+        if not chunks:
+            return self._forward(live, trees, failed)
+        inputs = [tree_row(r.row, trees[r], self.cache.lengths[r.row]) for r in live]
+        inputs += [prefill_input(r.row, r.prompt_ids, a, b) for r, a, b in chunks]
+        try:
+            outs = forward_rows(self.target, self.cache, inputs)
+        except Exception:  # noqa: BLE001
+            self._prefill_forward(self.target, self.cache, chunks, draft=False)
+            return self._forward(live, trees, failed)
+        for req, _, end in chunks:
+            self.cache.lengths[req.row] = end
+        self._prefilled(chunks, [o[0] for o in outs[len(live):]], draft=False)
+        return outs[:len(live)]
 
     # --- retiring -----------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ class StepRecord:
     verify_s: float
     drafts: list[tuple[int, int, int]] = field(default_factory=list)
     drafting: int = 0  # requests whose tree had drafted nodes
+    prefill_tokens: int = 0  # newcomers' prompt tokens that rode in the same target forward
 
     @property
     def draft_share_s(self) -> float:

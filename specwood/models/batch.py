@@ -1,5 +1,7 @@
 """One forward for many cache rows: pad each row's tokens to a [B, T] batch with its own
-positions, cache slots and mask, and return only the logits each row asked for."""
+positions, cache slots and mask, and return only the logits each row asked for. Rows of very
+different lengths (a decode step beside a prefill chunk) go in separate padded blocks packed into
+the same forward, so nobody's one token is computed at the length of someone's chunk."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +23,20 @@ class RowInput:
     mask: torch.Tensor  # [n, s] bool over the row's slots [0, s)
     outputs: torch.Tensor  # indices (into the n tokens) whose logits are wanted (a stage without the
     # head returns every token's hidden state instead)
+
+
+def similar_lengths(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` in blocks to pad together, longest first. A padded block computes
+    every row at its longest row's length, so a row less than half as long as its block's
+    longest starts a new block (which costs one more attention call per layer, not another
+    pass over the weights)."""
+    blocks: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
+        if blocks and 2 * lengths[i] > lengths[blocks[-1][0]]:
+            blocks[-1].append(i)
+        else:
+            blocks.append([i])
+    return blocks
 
 
 def pad_rows(inputs: list[RowInput], scratch_slot: int) -> tuple[torch.Tensor, ...]:
@@ -59,6 +75,9 @@ def forward_rows(model: Transformer, cache: KVCache, inputs: list[RowInput]) -> 
         out = model(x.tokens[None].to(dev), x.positions.to(dev), x.mask.to(dev), cache, x.slots.to(dev),
                     output_rows=x.outputs.to(dev), rows=slice(x.row, x.row + 1))
         return [out[0]]
+    blocks = similar_lengths([len(x.tokens) for x in inputs])
+    if len(blocks) > 1:
+        return _forward_packed(model, cache, inputs, blocks)
     tokens, positions, slots, mask = pad_rows(inputs, cache.scratch_slot)
     rows = torch.tensor([x.row for x in inputs], device=dev)
     if not getattr(model, "is_last", True):  # hidden states out: each row's own tokens
@@ -66,6 +85,29 @@ def forward_rows(model: Transformer, cache: KVCache, inputs: list[RowInput]) -> 
         return [out[b, :len(x.tokens)] for b, x in enumerate(inputs)]
     out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev),
                 output_rows=_wanted(inputs, dev), rows=rows)
+    return list(out.split([len(x.outputs) for x in inputs]))
+
+
+def _forward_packed(model: Transformer, cache: KVCache, inputs: list[RowInput], blocks: list[list[int]]
+                    ) -> list[torch.Tensor]:
+    """The rows in several padded blocks, one after another in ONE forward (`hidden_packed`)."""
+    dev = model.device
+    parts, start = [], 0
+    first = [0] * len(inputs)  # where each row's tokens start among the packed tokens
+    for members in blocks:
+        rows_in = [inputs[i] for i in members]
+        tokens, positions, slots, mask = pad_rows(rows_in, cache.scratch_slot)
+        T = tokens.shape[1]
+        for b, i in enumerate(members):
+            first[i] = start + b * T
+        start += len(members) * T
+        parts.append((tokens.to(dev), positions.to(dev), mask.to(dev), slots.to(dev),
+                      torch.tensor([x.row for x in rows_in], device=dev)))
+    hidden = model.hidden_packed(parts, cache)
+    if not getattr(model, "is_last", True):
+        return [hidden[first[i]:first[i] + len(x.tokens)] for i, x in enumerate(inputs)]
+    wanted = torch.cat([x.outputs.long() + first[i] for i, x in enumerate(inputs)])
+    out = model.head(hidden[wanted.to(dev)])
     return list(out.split([len(x.outputs) for x in inputs]))
 
 

@@ -29,17 +29,22 @@ def prefill(model: Transformer, cache: KVCache, prompt: list[int], chunk: int = 
 
 
 def prefill_rows(model: Transformer, cache: KVCache, chunks: list[tuple[int, list[int], int, int]]) -> list[torch.Tensor]:
-    """Prefill several requests' chunks in ONE padded forward: chunk (row, prompt, start, end)
+    """Prefill several requests' chunks in ONE forward (padded blocks, `forward_rows`): chunk (row, prompt, start, end)
     writes prompt tokens [start, end) into slots [start, end) of cache row `row` and sets the
     row's length to `end`. Returns each chunk's last-token logits [V] (meaningful where `end` is
     the prompt's end)."""
-    inputs = []
-    for row, prompt, start, end in chunks:
-        pos = torch.arange(start, end)
-        inputs.append(RowInput(row, torch.tensor(prompt[start:end], dtype=torch.long), pos, pos,
-                               torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start),
-                               torch.tensor([end - start - 1])))
+    inputs = [prefill_input(row, prompt, start, end) for row, prompt, start, end in chunks]
     out = forward_rows(model, cache, inputs)
     for row, _, _, end in chunks:
         cache.lengths[row] = end
     return [o[0] for o in out]
+
+
+def prefill_input(row: int, prompt: list[int], start: int, end: int) -> RowInput:
+    """Prompt tokens [start, end) as a row of a batched forward: into slots [start, end) of cache
+    row `row`, causal over the earlier slots; the last token's logits wanted. The caller sets the
+    row's length to `end` after the forward."""
+    pos = torch.arange(start, end)
+    causal = torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start)
+    return RowInput(row, torch.tensor(prompt[start:end], dtype=torch.long), pos, pos, causal,
+                    torch.tensor([end - start - 1]))

@@ -6,6 +6,8 @@ mask, and a pipeline stage is the same class built over a layer range.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -250,6 +252,21 @@ def cpu_attention_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> t
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
 
 
+@dataclass
+class RowBlock:
+    """How a [B, T] block of a forward's tokens attends: the rotary tables of their positions, the
+    mask over their cache rows' slots (built once per forward), where their K/V go, and which
+    cache rows they are. A forward is one block, or several packed one after another (prefill
+    chunks beside decode rows): the linears run on all tokens at once, attention block by block."""
+
+    size: tuple[int, int]  # B, T
+    cos: torch.Tensor  # [B, 1, T, head_dim]
+    sin: torch.Tensor
+    mask: torch.Tensor  # [B, 1, T, S] bool on CUDA; an additive [B, 1, groups*T, S] bias on a CPU
+    slots: torch.Tensor | None  # [T] or [B, T]
+    rows: Rows
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -258,24 +275,38 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None, layer: int, slots: torch.Tensor | None, rows: Rows) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
-        q = q.view(B, T, self.n_heads, self.hd).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def forward(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None, layer: int) -> torch.Tensor:
+        qkv = self.wqkv(x)
+        if len(blocks) == 1:
+            out = self.attend(qkv, blocks[0], cache, layer)
+        else:  # packed: x is [1, N, dim], the blocks' tokens one after another
+            flat, parts, start = qkv.view(-1, qkv.shape[-1]), [], 0
+            for blk in blocks:
+                B, T = blk.size
+                parts.append(self.attend(flat[start:start + B * T].view(B, T, -1), blk, cache, layer).view(B * T, -1))
+                start += B * T
+            out = torch.cat(parts).view(*x.shape[:-1], -1)
+        return self.wo(out)
+
+    def attend(self, qkv: torch.Tensor, blk: RowBlock, cache: KVCache | None, layer: int) -> torch.Tensor:
+        """One block's attention: qkv [B, T, (H + 2 H_kv) D] -> [B, T, H D]."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = q.reshape(B, T, self.n_heads, self.hd).transpose(1, 2)
+        k = k.reshape(B, T, self.n_kv, self.hd).transpose(1, 2)
+        v = v.reshape(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, blk.cos, blk.sin), apply_rope(k, blk.cos, blk.sin)
+        mask = blk.mask
         if cache is not None:
-            cache.write(layer, slots, k, v, rows)
-            k, v = cache.read(layer, mask.shape[-1], rows)
+            cache.write(layer, blk.slots, k, v, blk.rows)
+            k, v = cache.read(layer, mask.shape[-1], blk.rows)
         if not q.is_cuda:  # the mask was made for this path once per forward (cpu_attention_mask)
             g = self.n_heads // self.n_kv
             out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, g * T, self.hd), k, v,
                                                  attn_mask=mask).view(B, self.n_heads, T, self.hd)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+        return out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd)
 
 
 class FeedForward(nn.Module):
@@ -298,8 +329,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = FeedForward(c)
 
-    def forward(self, x, cos, sin, mask, cache, layer, slots, rows):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer, slots, rows)
+    def forward(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None, layer: int) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), blocks, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -367,7 +398,32 @@ class Transformer(nn.Module):
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
                cache: KVCache | None = None, slots: torch.Tensor | None = None, rows: Rows = None) -> torch.Tensor:
         """The embeddings (first stage) and this stage's layers: hidden states [B, T, dim]."""
-        T = tokens.shape[1]
+        blk = self.row_block(tokens.shape[:2], positions, mask, cache, slots, rows)
+        return self.layers_over(self.embed(tokens), [blk], cache)
+
+    def hidden_packed(self, parts: list[tuple[torch.Tensor, ...]], cache: KVCache) -> torch.Tensor:
+        """Several padded blocks (tokens [B, T(, dim)], positions, mask, slots, rows) in one pass
+        over the layers: each weight is read once for all of them (a decode step riding along
+        with a prefill chunk costs a few rows of compute, not a second pass over the weights).
+        Hidden states [N, dim] of every block's B*T tokens, block after block."""
+        blocks = [self.row_block(t.shape[:2], p, m, cache, s, r) for t, p, m, s, r in parts]
+        x = torch.cat([self.embed(t).flatten(0, 1) for t, *_ in parts])
+        return self.layers_over(x[None], blocks, cache)[0]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens) if self.is_first else tokens
+
+    def layers_over(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None) -> torch.Tensor:
+        for i, block in enumerate(self.layers):
+            x = block(x, blocks, cache, i)
+        return x
+
+    def row_block(self, size: tuple[int, int], positions: torch.Tensor, mask: torch.Tensor | None,
+                  cache: KVCache | None, slots: torch.Tensor | None, rows: Rows) -> RowBlock:
+        """What the layers need of a [B, T] block, built once per forward: rotary tables of its
+        positions ([T] or [B, T]) and its attention mask (bool [T, S] or [B, T, S]; None = causal
+        over the T inputs)."""
+        T = size[1]
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
         if mask is None:
@@ -382,10 +438,7 @@ class Transformer(nn.Module):
             mask = cpu_attention_mask(mask, c.n_heads // c.n_kv_heads, self.dtype)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        x = self.tok_embeddings(tokens) if self.is_first else tokens
-        for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, cache, i, slots, rows)
-        return x
+        return RowBlock((size[0], T), cos, sin, mask, slots, rows)
 
     def head(self, x: torch.Tensor, output_rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> torch.Tensor:
