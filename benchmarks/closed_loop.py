@@ -1,11 +1,13 @@
 """The loadtest's traffic in one process, without HTTP: its prompts (long ones included) kept c
 in flight (a new request joins as soon as one finishes), per method, with the newcomers' prefill
-chunks packed into the decode step's target forward and, alternated in the same process, in a
-forward of their own after it (`--no-separate` skips that). Prints the level's wall time, decode
+chunks packed into the decode step's target forward (`packed`) and, alternated in the same
+process, in a forward of their own after it (`separate`), or packed with `auto` deciding as if
+nothing rode along (`blind`; choose with `--policies`). Prints the level's wall time, decode
 tok/s (tokens after each request's first over the wall time, as the loadtest counts them), TTFT
 p50, and the mean time of steps that carried prefill and of steps that did not.
 
     python benchmarks/closed_loop.py --methods ar,auto --concurrency 8 --limit 16 --max-tokens 64
+    python benchmarks/closed_loop.py --methods auto --concurrency 4 --policies packed,blind
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import statistics
 import time
 
 import specwood
+import specwood.engine.scheduler as scheduler_module
 from specwood.bench.loadtest import plan_requests
 from specwood.bench.workload import load_workload
 from specwood.engine.scheduler import Scheduler
@@ -25,6 +28,21 @@ class SeparateScheduler(Scheduler):
     def _forward_with_prefill(self, live, trees, failed, chunks):
         self._prefill_forward(self.target, self.cache, chunks, draft=False)
         return self._forward(live, trees, failed)
+
+
+class BlindScheduler(Scheduler):
+    """Packed, but the trees are chosen as if no prefill tokens rode in the forward."""
+
+    def _decode(self, batch, newcomers=()):
+        draft_trees = scheduler_module.draft_trees
+        scheduler_module.draft_trees = lambda requests, size, failed, riding=0: draft_trees(requests, size, failed)
+        try:
+            super()._decode(batch, newcomers)
+        finally:
+            scheduler_module.draft_trees = draft_trees
+
+
+POLICIES = {"packed": Scheduler, "separate": SeparateScheduler, "blind": BlindScheduler}
 
 
 def run_level(engine, prepared, method: str, prompts, c: int, max_tokens: int, cls) -> dict:
@@ -57,12 +75,12 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--no-separate", action="store_true", help="only the packed forward")
+    ap.add_argument("--policies", default="packed,separate", help=f"alternated, of {','.join(POLICIES)}")
     args = ap.parse_args()
     engine = specwood.load(progress=False)
     workload = load_workload("builtin", limit=args.limit)
     prompts = plan_requests(workload.prompts, [args.concurrency])
-    policies = [("packed", Scheduler)] + ([] if args.no_separate else [("separate", SeparateScheduler)])
+    policies = [(name, POLICIES[name]) for name in args.policies.split(",")]
     print(f"{len(prompts)} requests, {args.concurrency} in flight, {args.max_tokens} new tokens each")
     print("| method | prefill forward | round | wall s | decode tok/s | TTFT p50 s "
           "| steps with prefill: n, mean s | other steps: mean s |")

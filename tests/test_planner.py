@@ -233,6 +233,27 @@ def test_batch_aware_decision_shrinks_trees_under_load():
     assert shape.for_batch(1, 128) == f"shape{alone.x - 1}" and shape.for_batch(64, 128) is None
 
 
+def test_prefill_riding_in_the_step_makes_trees_pay_their_compute():
+    """Newcomers' prefill chunks in the step's forward make it compute-bound: below the ridge a
+    tree costs little more than one token, but with 64 prompt tokens riding each tree token
+    costs its compute, so the decision shrinks the tree or decodes plainly."""
+    xs = (1, 2, 4, 8, 16, 32, 64, 128)
+    plan = Plan(key=KEY, contexts=[128], verify_times={128: {x: max(0.1, 0.01 * x) for x in xs}},
+                draft_times={128: {x: 0.005 * (x - 1) for x in xs}}, aat=AATFit(1.0, 1.0, 0.0)).refresh()
+    alone, riding = plan.decide(128), plan.decide(128, riding=64)
+    assert alone.method == "sd" and alone.x >= 8
+    assert riding.method == "ar" or riding.x < alone.x
+    t_v = plan.step_costs(128, riding=64)[0]
+    assert t_v(1) == pytest.approx(0.1) and t_v(9) == pytest.approx(0.1 + 8 * 0.01)  # own step + tree compute
+    shared = plan.step_costs(128, batch=4, riding=64)[0]
+    assert shared(1) == pytest.approx(0.1 / 4) and shared(3) == pytest.approx((0.1 + 8 * 0.01) / 4)
+    assert plan.step_costs(128, batch=4)[0](2) == pytest.approx(0.1 / 4)  # no riding: below the ridge, free
+    assert shared(2) == pytest.approx((0.1 + 4 * 0.01) / 4)
+    shape = PlannedShape(plan, lambda b: f"shape{b}")
+    assert shape.for_batch(1, 128) == f"shape{alone.x - 1}"
+    assert shape.for_batch(1, 128, riding=64) == (None if riding.method == "ar" else f"shape{riding.x - 1}")
+
+
 def test_batched_drafting_grows_as_the_draft_does():
     """Under load a request's drafting costs what the draft's own forward of B rows costs per row
     (an int4 draft switches kernels above 3 rows), not the target's growth."""

@@ -33,7 +33,8 @@ _ids = itertools.count()
 class Drafter:
     """One request's drafting: its draft source (state: cache row, pending tokens) and its tree
     shape (policy). `shape` None decodes plainly. A shape may also choose per step, knowing how
-    many requests share the step (`for_batch(batch_size, context_len)` -> shape or None), and
+    many requests share the step and how many prefill tokens ride in its forward
+    (`for_batch(batch_size, context_len, riding)` -> shape or None), and
     observe each verdict and what the step cost the batch (`on_step(tree, verdict, cost)`), as
     `auto` does."""
 
@@ -42,9 +43,9 @@ class Drafter:
     hooks: list[StepHook] = field(default_factory=list)
     extra_stats: Callable[[], dict[str, Any]] | None = None  # what the method adds to the stats
 
-    def shape_for_step(self, batch_size: int, context_len: int) -> TreeShape | None:
+    def shape_for_step(self, batch_size: int, context_len: int, riding: int = 0) -> TreeShape | None:
         choose = getattr(self.shape, "for_batch", None)
-        return choose(batch_size, context_len) if choose is not None else self.shape
+        return choose(batch_size, context_len, riding) if choose is not None else self.shape
 
     def on_step(self, tree: TokenTree, verdict: Verdict, cost: StepRecord | None = None) -> None:
         observe = getattr(self.shape, "on_step", None)

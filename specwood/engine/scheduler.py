@@ -258,8 +258,9 @@ class Scheduler(QueueCounts):
         t0 = time.perf_counter()
         with torch.inference_mode():
             chunks = self._draft_prefill(newcomers, decoding=True) if newcomers else []
+            riding = sum(b - a for _, a, b in chunks)
             t_prefill = time.perf_counter() - t0
-            trees = draft_trees(batch, len(batch), failed)
+            trees = draft_trees(batch, len(batch), failed, riding)
             for req, tree in trees.items():  # no room to speculate: a plain step
                 if not self._fits(req, tree):
                     trees[req] = plain_tree(req)
@@ -270,7 +271,7 @@ class Scheduler(QueueCounts):
             self._first_tokens(newcomers)
             record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0 - t_prefill, t2 - t1,
                                 drafting=sum(len(trees[r]) > 1 for r in live),
-                                prefill_tokens=sum(b - a for _, a, b in chunks))
+                                prefill_tokens=riding)
             for req, logits in zip(live, outs):
                 if logits is None:
                     continue

@@ -42,15 +42,17 @@ def plain_tree(request: Request) -> TokenTree:
     return TokenTree.with_root(request.root, "selected" if request.params.greedy else "sampled")
 
 
-def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, BaseException]) -> dict[Request, TokenTree]:
-    """Each request's tree for this step. Drafting coroutines advance together; every round, the
-    calls of all requests whose sources are draft-model rows go through one forward per model.
-    A request whose drafting raises is put in `failed` and gets no tree."""
+def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, BaseException],
+                riding: int = 0) -> dict[Request, TokenTree]:
+    """Each request's tree for this step (`riding` prefill tokens share its target forward).
+    Drafting coroutines advance together; every round, the calls of all requests whose sources
+    are draft-model rows go through one forward per model. A request whose drafting raises is put
+    in `failed` and gets no tree."""
     trees: dict[Request, TokenTree] = {}
     active: dict[Request, tuple[Drafting, object]] = {}
     for req in requests:
         try:
-            shape = req.drafter.shape_for_step(batch_size, len(req.context) + 1)
+            shape = req.drafter.shape_for_step(batch_size, len(req.context) + 1, riding)
             if shape is None:
                 trees[req] = plain_tree(req)
                 continue

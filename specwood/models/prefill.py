@@ -29,10 +29,10 @@ def prefill(model: Transformer, cache: KVCache, prompt: list[int], chunk: int = 
 
 
 def prefill_rows(model: Transformer, cache: KVCache, chunks: list[tuple[int, list[int], int, int]]) -> list[torch.Tensor]:
-    """Prefill several requests' chunks in ONE forward (padded blocks, `forward_rows`): chunk (row, prompt, start, end)
-    writes prompt tokens [start, end) into slots [start, end) of cache row `row` and sets the
-    row's length to `end`. Returns each chunk's last-token logits [V] (meaningful where `end` is
-    the prompt's end)."""
+    """Prefill several requests' chunks in ONE forward (padded blocks, `forward_rows`): chunk
+    (row, prompt, start, end) writes prompt tokens [start, end) into slots [start, end) of cache
+    row `row` and sets the row's length to `end`. Returns each chunk's last-token logits [V]
+    (meaningful where `end` is the prompt's end)."""
     inputs = [prefill_input(row, prompt, start, end) for row, prompt, start, end in chunks]
     out = forward_rows(model, cache, inputs)
     for row, _, _, end in chunks:

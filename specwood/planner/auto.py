@@ -232,17 +232,17 @@ class PlannedShape:
         self.x_used: dict[int, int] = {}  # x -> steps, for the stats
         self.lookup_steps = 0
 
-    def _decision(self, context_len: int, batch_size: int) -> Decision:
+    def _decision(self, context_len: int, batch_size: int, riding: int = 0) -> Decision:
         return self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)), batch=batch_size,
-                                draft_scale=self.draft_costs.scale(batch_size))
+                                draft_scale=self.draft_costs.scale(batch_size), riding=riding)
 
-    def choose_x(self, context_len: int, batch_size: int = 1) -> int:
+    def choose_x(self, context_len: int, batch_size: int = 1, riding: int = 0) -> int:
         if not self.model:
             return 1
         if not self.adapt:
             method, x = self.plan.choose(context_len)
             return 1 if method == "ar" else x
-        d = self._decision(context_len, batch_size)
+        d = self._decision(context_len, batch_size, riding)
         return 1 if d.method == "ar" else d.x
 
     def _model_shape(self, x: int) -> Any | None:
@@ -252,12 +252,14 @@ class PlannedShape:
             self._shapes[x] = self._make_shape(x - 1)
         return self._shapes[x]
 
-    def for_batch(self, batch_size: int, context_len: int) -> Any | None:
+    def for_batch(self, batch_size: int, context_len: int, riding: int = 0) -> Any | None:
+        """The shape for a step shared by `batch_size` requests, with `riding` prefill tokens of
+        newcomers in its target forward (or None: a plain step)."""
         self._context_len = context_len
         self._step = None
         self._predicted_draft_s = 0.0
-        if not self.lookup or batch_size > 1:  # under load the batch fills the forward already (§4f)
-            x = self.choose_x(context_len, batch_size)
+        if not self.lookup or batch_size > 1 or riding:  # under load the batch fills the forward already (§4f)
+            x = self.choose_x(context_len, batch_size, riding)
             self.x_used[x] = self.x_used.get(x, 0) + 1
             if x > 1 and batch_size > 1:
                 self._predicted_draft_s = float(self.plan.step_costs(context_len, batch_size)[1](x))

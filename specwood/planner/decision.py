@@ -79,7 +79,7 @@ class ParallelProfile:
 
 
 def batch_share(t_v: Callable[[float], float], t_d: Callable[[float], float],
-                batch: int, draft_rows: Callable[[float], float] | None = None
+                batch: int, draft_rows: Callable[[float], float] | None = None, riding: int = 0
                 ) -> tuple[Callable[[float], float], Callable[[float], float]]:
     """Per-request costs when `batch` requests share each step, each verifying x tokens: the
     target forward runs B*x tokens, T_v,B(x) = T_v(B x) / B, and the drafts of all requests are
@@ -88,12 +88,20 @@ def batch_share(t_v: Callable[[float], float], t_d: Callable[[float], float],
     it the target's growth T_v(B) / (B T_v(1)) stands in, which under-prices a draft whose kernels
     change with rows, e.g. int4 weights up to 3 rows and bf16 above). With these, `decide`
     maximises the batch's throughput; AR's own share is T_v(B) / B. Wide trees stop paying as the
-    batch alone fills the hardware (past the roofline's ridge)."""
-    if batch <= 1:
+    batch alone fills the hardware (past the roofline's ridge).
+
+    `riding` prompt tokens of newcomers in the same forward (their prefill chunks) make it
+    compute-bound: the batch's decode step then costs what a forward of its own would cost with
+    one token a request, T_v(B), plus the tree tokens' own compute above that,
+    T_v(R + B x) - T_v(R + B) -- far more per token than below the roofline's ridge."""
+    if batch <= 1 and not riding:
         return t_v, t_d
     rows = draft_rows or t_v
     growth = float(rows(batch)) / (batch * float(rows(1)))
-    return (lambda x: float(t_v(batch * x)) / batch), (lambda x: float(t_d(x)) * growth)
+    if not riding:
+        return (lambda x: float(t_v(batch * x)) / batch), (lambda x: float(t_d(x)) * growth)
+    own, start = float(t_v(batch)), float(t_v(riding + batch))
+    return (lambda x: (own + float(t_v(riding + batch * x)) - start) / batch), (lambda x: float(t_d(x)) * growth)
 
 
 def interpolate(row: dict[int, float], x: float) -> float:

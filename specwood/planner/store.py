@@ -137,23 +137,25 @@ class Plan:
         aat = self.aat_for(ctx)
         return xs, [p_eff(x, lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), aat) for x in xs]
 
-    def step_costs(self, ctx: int, batch: int = 1, draft_scale: float = 1.0
+    def step_costs(self, ctx: int, batch: int = 1, draft_scale: float = 1.0, riding: int = 0
                    ) -> tuple[Callable[[float], float], Callable[[float], float]]:
-        """Per-request T_v(x) and T_d(x) at context ctx when `batch` requests share each step;
-        `draft_scale` corrects batched drafting by what it was measured to cost (DraftCostTracker)."""
+        """Per-request T_v(x) and T_d(x) at context ctx when `batch` requests share each step
+        (with `riding` prefill tokens in its forward); `draft_scale` corrects batched drafting
+        by what it was measured to cost (DraftCostTracker)."""
         rows = (lambda v: interpolate(self.draft_row_times, v)) if len(self.draft_row_times) >= 2 else None
-        t_v, t_d = batch_share(lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), batch, rows)
+        t_v, t_d = batch_share(lambda v: self.t_v(ctx, v), lambda v: self.t_d(ctx, v), batch, rows, riding)
         if draft_scale == 1.0:
             return t_v, t_d
         return t_v, (lambda v: draft_scale * t_d(v))
 
     def decide(self, ctx: int, aat: Callable[[float], float] | None = None, batch: int = 1,
-               draft_scale: float = 1.0) -> Decision:
+               draft_scale: float = 1.0, riding: int = 0) -> Decision:
         """The decision at context ctx, with the plan's AAT(x) for it or the given curve, for a
-        step shared by `batch` requests (there speculation must win by BATCH_MARGIN)."""
-        t_v, t_d = self.step_costs(ctx, batch, draft_scale)
+        step shared by `batch` requests and `riding` prefill tokens (there speculation must win
+        by BATCH_MARGIN)."""
+        t_v, t_d = self.step_costs(ctx, batch, draft_scale, riding)
         return decide(t_v, t_d, aat or self.aat_for(ctx), self.candidate_xs(ctx),
-                      margin=BATCH_MARGIN if batch > 1 else 0.0)
+                      margin=BATCH_MARGIN if batch > 1 or riding else 0.0)
 
     def refresh(self) -> "Plan":
         """Recompute the fits and per-bucket choices from the stored measurements."""
