@@ -126,7 +126,7 @@ class RunnerScheduler(Scheduler):
                 req.t_admitted = time.perf_counter()
                 self.running.append(req)
 
-    def _prefill(self, requests: list[Request], decoding: bool) -> None:
+    def _prefill(self, requests: list[Request]) -> None:
         """The whole prompt at once (nobody else is decoding), then the draft's."""
         for req in requests:
             try:

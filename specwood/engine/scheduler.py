@@ -19,12 +19,12 @@ import torch
 
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.request import QueueCounts, Request, State
-from specwood.engine.step import StepRecord, commit, draft_trees, plain_tree, target_forward, tree_row, verify_tree
+from specwood.engine.step import StepRecord, commit, draft_trees, plain_tree, target_forward, tree_rows, verify_tree
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.cache import KVCache
 from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
 from specwood.models.batch import forward_rows
-from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_rows
+from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_outputs, prefill_rows
 from specwood.models.transformer import Transformer
 from specwood.sampling import next_token
 from specwood.tree.token_tree import TokenTree
@@ -142,7 +142,7 @@ class Scheduler(QueueCounts):
         decoding = [r for r in self.running if r.state is State.DECODE]
         prefilling = [r for r in self.running if r.state is State.PREFILL]
         if prefilling and not decoding:
-            self._prefill(prefilling, decoding=False)
+            self._prefill(prefilling)
         elif decoding:
             self._decode(decoding, prefilling)
         self.steps += 1
@@ -162,11 +162,11 @@ class Scheduler(QueueCounts):
             each = max(each, PREFILL_CHUNK // max(1, newcomers))
         return each, max(PREFILL_CHUNK, each)
 
-    def _prefill(self, requests: list[Request], decoding: bool) -> None:
+    def _prefill(self, requests: list[Request]) -> None:
         """Advance the newcomers' prompts by their share (`prefill_share`) in a step with nobody
         decoding: one forward per model for all the chunks."""
         with torch.inference_mode():
-            target_chunks = self._draft_prefill(requests, decoding)
+            target_chunks = self._draft_prefill(requests, decoding=False)
             self._prefill_forward(self.target, self.cache, target_chunks, draft=False)
             self._first_tokens(requests)
 
@@ -217,7 +217,7 @@ class Scheduler(QueueCounts):
         if not chunks:
             return
         try:
-            logits = prefill_rows(model, cache, [(self._chunk_row(r, draft), r.prompt_ids, a, b) for r, a, b in chunks])
+            logits = prefill_rows(model, cache, self._row_chunks(chunks, draft))
         except Exception as e:  # noqa: BLE001 - one at a time, to fail only the request at fault
             if len(chunks) == 1:
                 self._fail(chunks[0][0], e)
@@ -228,8 +228,9 @@ class Scheduler(QueueCounts):
         self._prefilled(chunks, logits, draft)
 
     @staticmethod
-    def _chunk_row(req: Request, draft: bool) -> int:
-        return req.drafter.source.row if draft else req.row
+    def _row_chunks(chunks: list[tuple[Request, int, int]], draft: bool) -> list[tuple[int, list[int], int, int]]:
+        """(cache row, prompt, start, end) of each chunk, on the target's rows or the draft's."""
+        return [(r.drafter.source.row if draft else r.row, r.prompt_ids, a, b) for r, a, b in chunks]
 
     @staticmethod
     def _prefilled(chunks: list[tuple[Request, int, int]], logits: list[torch.Tensor], draft: bool) -> None:
@@ -255,11 +256,10 @@ class Scheduler(QueueCounts):
     def _decode(self, batch: list[Request], newcomers: list[Request] = ()) -> None:
         """One decode step of `batch`; the newcomers' prefill chunks ride in its target forward."""
         failed: dict[Request, BaseException] = {}
-        t0 = time.perf_counter()
         with torch.inference_mode():
             chunks = self._draft_prefill(newcomers, decoding=True) if newcomers else []
             riding = sum(b - a for _, a, b in chunks)
-            t_prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
             trees = draft_trees(batch, len(batch), failed, riding)
             for req, tree in trees.items():  # no room to speculate: a plain step
                 if not self._fits(req, tree):
@@ -269,7 +269,7 @@ class Scheduler(QueueCounts):
             outs = self._forward_with_prefill(live, trees, failed, chunks)
             t2 = time.perf_counter()
             self._first_tokens(newcomers)
-            record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0 - t_prefill, t2 - t1,
+            record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1,
                                 drafting=sum(len(trees[r]) > 1 for r in live),
                                 prefill_tokens=riding)
             for req, logits in zip(live, outs):
@@ -324,16 +324,14 @@ class Scheduler(QueueCounts):
         request at fault (whatever it wrote to the cache is rewritten)."""
         if not chunks:
             return self._forward(live, trees, failed)
-        inputs = [tree_row(r.row, trees[r], self.cache.lengths[r.row]) for r in live]
-        inputs += [prefill_input(r.row, r.prompt_ids, a, b) for r, a, b in chunks]
+        prompt_chunks = self._row_chunks(chunks, draft=False)
+        inputs = tree_rows(self.cache, live, trees) + [prefill_input(*c) for c in prompt_chunks]
         try:
             outs = forward_rows(self.target, self.cache, inputs)
         except Exception:  # noqa: BLE001
             self._prefill_forward(self.target, self.cache, chunks, draft=False)
             return self._forward(live, trees, failed)
-        for req, _, end in chunks:
-            self.cache.lengths[req.row] = end
-        self._prefilled(chunks, [o[0] for o in outs[len(live):]], draft=False)
+        self._prefilled(chunks, prefill_outputs(self.cache, prompt_chunks, outs[len(live):]), draft=False)
         return outs[:len(live)]
 
     # --- retiring -----------------------------------------------------------------------------

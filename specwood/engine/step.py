@@ -94,7 +94,12 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
 def target_forward(model: Transformer, cache: KVCache, requests: list[Request],
                    trees: dict[Request, TokenTree]) -> list[torch.Tensor]:
     """One forward over every request's tree: logits [len(tree), V] per request."""
-    return forward_rows(model, cache, [tree_row(r.row, trees[r], cache.lengths[r.row]) for r in requests])
+    return forward_rows(model, cache, tree_rows(cache, requests, trees))
+
+
+def tree_rows(cache: KVCache, requests: list[Request], trees: dict[Request, TokenTree]) -> list[RowInput]:
+    """Each request's tree as a row of a target forward, after its row's cached tokens."""
+    return [tree_row(r.row, trees[r], cache.lengths[r.row]) for r in requests]
 
 
 def tree_row(row: int, tree: TokenTree, L: int) -> RowInput:

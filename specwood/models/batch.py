@@ -75,22 +75,13 @@ def forward_rows(model: Transformer, cache: KVCache, inputs: list[RowInput]) -> 
         out = model(x.tokens[None].to(dev), x.positions.to(dev), x.mask.to(dev), cache, x.slots.to(dev),
                     output_rows=x.outputs.to(dev), rows=slice(x.row, x.row + 1))
         return [out[0]]
-    blocks = similar_lengths([len(x.tokens) for x in inputs])
-    if len(blocks) > 1:
-        return _forward_packed(model, cache, inputs, blocks)
-    tokens, positions, slots, mask = pad_rows(inputs, cache.scratch_slot)
-    rows = torch.tensor([x.row for x in inputs], device=dev)
-    if not getattr(model, "is_last", True):  # hidden states out: each row's own tokens
-        out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev), rows=rows)
-        return [out[b, :len(x.tokens)] for b, x in enumerate(inputs)]
-    out = model(tokens.to(dev), positions.to(dev), mask.to(dev), cache, slots.to(dev),
-                output_rows=_wanted(inputs, dev), rows=rows)
-    return list(out.split([len(x.outputs) for x in inputs]))
+    return _forward_packed(model, cache, inputs, similar_lengths([len(x.tokens) for x in inputs]))
 
 
 def _forward_packed(model: Transformer, cache: KVCache, inputs: list[RowInput], blocks: list[list[int]]
                     ) -> list[torch.Tensor]:
-    """The rows in several padded blocks, one after another in ONE forward (`hidden_packed`)."""
+    """The rows in one or more padded blocks, one after another in ONE forward (`hidden_packed`);
+    hidden states out on a pipeline stage without the head (each row's own tokens)."""
     dev = model.device
     parts, start = [], 0
     first = [0] * len(inputs)  # where each row's tokens start among the packed tokens

@@ -33,18 +33,23 @@ def prefill_rows(model: Transformer, cache: KVCache, chunks: list[tuple[int, lis
     (row, prompt, start, end) writes prompt tokens [start, end) into slots [start, end) of cache
     row `row` and sets the row's length to `end`. Returns each chunk's last-token logits [V]
     (meaningful where `end` is the prompt's end)."""
-    inputs = [prefill_input(row, prompt, start, end) for row, prompt, start, end in chunks]
-    out = forward_rows(model, cache, inputs)
-    for row, _, _, end in chunks:
-        cache.lengths[row] = end
-    return [o[0] for o in out]
+    return prefill_outputs(cache, chunks, forward_rows(model, cache, [prefill_input(*chunk) for chunk in chunks]))
 
 
 def prefill_input(row: int, prompt: list[int], start: int, end: int) -> RowInput:
     """Prompt tokens [start, end) as a row of a batched forward: into slots [start, end) of cache
-    row `row`, causal over the earlier slots; the last token's logits wanted. The caller sets the
-    row's length to `end` after the forward."""
+    row `row`, causal over the earlier slots; the last token's logits wanted. After the forward,
+    `prefill_outputs` sets the row's length to `end`."""
     pos = torch.arange(start, end)
     causal = torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start)
     return RowInput(row, torch.tensor(prompt[start:end], dtype=torch.long), pos, pos, causal,
                     torch.tensor([end - start - 1]))
+
+
+def prefill_outputs(cache: KVCache, chunks: list[tuple[int, list[int], int, int]], out: list[torch.Tensor]
+                    ) -> list[torch.Tensor]:
+    """After a forward over the chunks' `prefill_input` rows (`out`: their logits): each row's
+    length is its chunk's end; returns each chunk's last-token logits [V]."""
+    for row, _, _, end in chunks:
+        cache.lengths[row] = end
+    return [o[0] for o in out]

@@ -276,17 +276,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
     def forward(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None, layer: int) -> torch.Tensor:
+        # x is [B, T, dim] for one block, or [1, N, dim]: the blocks' tokens one after another
         qkv = self.wqkv(x)
-        if len(blocks) == 1:
-            out = self.attend(qkv, blocks[0], cache, layer)
-        else:  # packed: x is [1, N, dim], the blocks' tokens one after another
-            flat, parts, start = qkv.view(-1, qkv.shape[-1]), [], 0
-            for blk in blocks:
-                B, T = blk.size
-                parts.append(self.attend(flat[start:start + B * T].view(B, T, -1), blk, cache, layer).view(B * T, -1))
-                start += B * T
-            out = torch.cat(parts).view(*x.shape[:-1], -1)
-        return self.wo(out)
+        flat, parts, start = qkv.view(-1, qkv.shape[-1]), [], 0
+        for blk in blocks:
+            B, T = blk.size
+            parts.append(self.attend(flat[start:start + B * T].view(B, T, -1), blk, cache, layer).view(B * T, -1))
+            start += B * T
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.wo(out.view(*x.shape[:-1], -1))
 
     def attend(self, qkv: torch.Tensor, blk: RowBlock, cache: KVCache | None, layer: int) -> torch.Tensor:
         """One block's attention: qkv [B, T, (H + 2 H_kv) D] -> [B, T, H D]."""
@@ -407,7 +405,8 @@ class Transformer(nn.Module):
         with a prefill chunk costs a few rows of compute, not a second pass over the weights).
         Hidden states [N, dim] of every block's B*T tokens, block after block."""
         blocks = [self.row_block(t.shape[:2], p, m, cache, s, r) for t, p, m, s, r in parts]
-        x = torch.cat([self.embed(t).flatten(0, 1) for t, *_ in parts])
+        embedded = [self.embed(t).flatten(0, 1) for t, *_ in parts]
+        x = embedded[0] if len(embedded) == 1 else torch.cat(embedded)
         return self.layers_over(x[None], blocks, cache)[0]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -98,10 +98,11 @@ def batch_share(t_v: Callable[[float], float], t_d: Callable[[float], float],
         return t_v, t_d
     rows = draft_rows or t_v
     growth = float(rows(batch)) / (batch * float(rows(1)))
+    shared_d = lambda x: float(t_d(x)) * growth  # noqa: E731
     if not riding:
-        return (lambda x: float(t_v(batch * x)) / batch), (lambda x: float(t_d(x)) * growth)
+        return (lambda x: float(t_v(batch * x)) / batch), shared_d
     own, start = float(t_v(batch)), float(t_v(riding + batch))
-    return (lambda x: (own + float(t_v(riding + batch * x)) - start) / batch), (lambda x: float(t_d(x)) * growth)
+    return (lambda x: (own + float(t_v(riding + batch * x)) - start) / batch), shared_d
 
 
 def interpolate(row: dict[int, float], x: float) -> float:
