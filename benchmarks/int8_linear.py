@@ -1,4 +1,4 @@
-"""The int8 (W8A8) weight mode against bf16 and int4, on this CPU.
+"""The int8 (W8A8) and q4 (W4A8) weight modes against bf16 and int4, on this CPU.
 
 (1) kernels: one linear of the default target's shapes (N x K = 8960x1536, 1536x8960, 1536x1536,
     256x1536 for k/v) at n = 1, 2, 4, 8, 16, 32 rows, ms per call, for
@@ -6,6 +6,7 @@
       int4      Int4Linear (int4 kernel up to 3 rows, its int8 copy above),
       int8      Int8Linear (the whole forward: per-token quantisation, qlinear kernel, rescale; bf16 in/out),
       int8-mm   Int8Linear on its _int_mm kernel,
+      q4        Q4Linear (specwood's AVX512-VNNI kernel: 4-bit weights, per-token int8 activations),
     and, as the raw kernels behind the choice (no activation quantisation or rescale):
       mm-s8     torch._int_mm int8 x int8 (the weight as the transposed view of [N, K]),
       mm-s8-kn  the same with a contiguous [K, N] weight,
@@ -15,8 +16,8 @@
     "cold" rotates over copies of the weight totalling > 256 MB, so every call reads its weight
     from DRAM as in a real forward (L3 here is 32 MB: one 8960x1536 bf16 weight nearly fits);
     "hot" repeats one weight (what a one-matrix micro-benchmark measures).
-(2) T_v(x)/T_v(1), x = 1..32, of the real target (ctx 128, random tree masks) in bf16 and int8.
-(3) `ar` decode tok/s of the real target in bf16 and int8, 3 short prompts, 64 new tokens.
+(2) T_v(x)/T_v(1), x = 1..32, of the real target (ctx 128, random tree masks) in bf16, int8 and q4.
+(3) `ar` decode tok/s of the real target in bf16, int8 and q4, 3 short prompts, 64 new tokens.
 
     python benchmarks/int8_linear.py                      # all three, 2 threads
     python benchmarks/int8_linear.py --parts kernels --mode cold
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from specwood.models.transformer import Int4Linear, Int8Linear, PackedLinear, qlinear_available, quantize_rows_int8
+from specwood.models.w4a8 import Q4Linear, q4_available
 
 SHAPES = [(8960, 1536), (1536, 8960), (1536, 1536), (256, 1536)]
 ROWS = [1, 2, 4, 8, 16, 32]
@@ -51,6 +53,7 @@ def _kernels(w: torch.Tensor) -> dict[str, tuple[object, callable]]:
         "int4": (Int4Linear(lin), lambda m, x: m(x.x)),
         "int8": (Int8Linear(lin), lambda m, x: m(x.x)),  # qlinear where available
         "int8-mm": (mm, lambda m, x: m(x.x)),
+        **({"q4": (Q4Linear.from_linear(lin), lambda m, x: m(x.x))} if q4_available() else {}),
         "mm-s8": (mm.qweight, lambda qw, x: torch._int_mm(x.q, qw.t())),
         "mm-s8-kn": (mm.qweight.t().contiguous(), lambda qw, x: torch._int_mm(x.q, qw)),
         "mm-u8": (mm.qweight, lambda qw, x: torch._int_mm(x.u, qw.t())),
@@ -136,7 +139,7 @@ def _load(dtype: str, head: bool):
 
 
 def _modes(args) -> list[tuple[str, str, bool]]:
-    modes = [("bf16", "bf16", False), ("int8", "int8", False)]
+    modes = [("bf16", "bf16", False), ("int8", "int8", False)] + ([("q4", "q4", False)] if q4_available() else [])
     if args.head:
         modes.append(("int8+head", "int8", True))
     return modes

@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py --backend llama.cpp --draft-backend llama.cpp
     python benchmarks/memory.py --dtype int8 --draft-backend llama.cpp
+    python benchmarks/memory.py --dtype q4 --draft-dtype q4
     python benchmarks/memory.py                      # the default: bf16 target, int4 draft (torch)
 
 One configuration per process (RSS only grows): load, one short dyspec request, then VmRSS, split
@@ -34,16 +35,17 @@ def main() -> None:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--draft-backend", default="torch")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--draft-dtype", default="auto")
     ap.add_argument("--max-context", type=int, default=4096)
     a = ap.parse_args()
     before = rss()
     engine = specwood.load(backend=a.backend, draft_backend=a.draft_backend, dtype=a.dtype,
-                           max_context=a.max_context, progress=False)
+                           draft_dtype=a.draft_dtype, max_context=a.max_context, progress=False)
     engine.generate("def f(x):", max_tokens=8, method="dyspec")
     after = rss()
     gguf = sum(os.path.getsize(resolve_model(m)) for m in (DEFAULT_TARGET, default_draft_for(DEFAULT_TARGET)))
     g = 2**30
-    print(f"target {a.backend} ({a.dtype}), draft {a.draft_backend}: RSS {after['VmRSS'] / g:.2f} GiB "
+    print(f"target {a.backend} ({a.dtype}), draft {a.draft_backend} ({a.draft_dtype}): RSS {after['VmRSS'] / g:.2f} GiB "
           f"(anonymous {after['RssAnon'] / g:.2f}, file pages {after['RssFile'] / g:.2f}); before loading "
           f"{before['VmRSS'] / g:.2f} GiB; GGUF files {gguf / g:.2f} GiB; ratio {after['VmRSS'] / gguf:.2f}, "
           f"models only (RSS growth) {(after['VmRSS'] - before['VmRSS']) / gguf:.2f}")

@@ -61,11 +61,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="auto",
                    help="draft model name/path; 'auto' = the target's default draft; 'none' = no draft. "
                         "Loaded only when the method drafts with a model")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"],
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8", "q4"],
                    help="auto = bf16 on CPUs with AVX512-BF16/AMX and on GPUs, else fp32; int8 = W8A8 linears "
                         "(int8 weights, per-token int8 activations; lossy against bf16, every method still "
-                        "token-identical to ar in that mode)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "int4", "int8", "bf16", "fp32"],
+                        "token-identical to ar in that mode); q4 = the GGUF's Q4_K weights as they are (other "
+                        "linears int8) times int8 activations, on specwood's AVX512-VNNI kernel (CPU)")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "int4", "int8", "q4", "bf16", "fp32"],
                    help="auto = int4 weights on CPUs (drafts never change the output, only the speed), else --dtype")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")

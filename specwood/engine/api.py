@@ -277,6 +277,28 @@ def _is_token_ids(prompt: Any) -> bool:
     return isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
 
 
+def check_q4(device: str) -> None:
+    """The q4 weight mode's kernel runs here (CPU, AVX512-VNNI, built), else one line saying what to use."""
+    if not str(device).startswith("cpu"):
+        raise SpecwoodError(f"the q4 weight mode runs on the CPU; with --device {device} use --dtype bf16")
+    from specwood.models.w4a8 import require_q4
+
+    require_q4()
+
+
+def exact_q4_weights(path: Path, q4: bool, device: str) -> dict[str, Any] | None:
+    """For the q4 weight mode: the GGUF's own Q4_K values (None for other sources and modes).
+    Checks first that the q4 kernel runs here, with a one-line error naming --dtype int8."""
+    if not q4:
+        return None
+    check_q4(device)
+    if path.is_dir():
+        return None
+    from specwood.models.gguf_loader import q4k_weights
+
+    return q4k_weights(path)
+
+
 def load(
     target: str | os.PathLike[str] | None = None,
     draft: str | os.PathLike[str] | None = "auto",
@@ -294,7 +316,7 @@ def load(
     draft="auto" picks the registry's default draft for a registry target (none otherwise);
     draft=None (or "none") loads no draft. draft_dtype="auto" runs the draft with int4 weights on CPUs
     (bf16 activations; drafting never affects the output, only the speed) and in the target's
-    dtype elsewhere; "int4", "int8", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
+    dtype elsewhere; "int4", "int8", "q4", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
     is W8A8: int8 weights and per-token int8 activations in the linears of the layers and the
     vocabulary head (see Int8Linear), activations in the "auto" dtype elsewhere; lossy against the
     float model, but every method stays token-identical to "ar" in that mode.
@@ -324,16 +346,19 @@ def load(
     if note:  # a measured choice sets the weight modes too
         dtype, draft_dtype = runtime.dtype, runtime.draft_dtype
     check_backends(backend, draft_backend, dtype=dtype, draft_dtype=draft_dtype, device=device)
-    int8 = dtype == "int8"
-    torch_dtype = resolve_dtype("auto" if int8 else dtype, device)
+    if "q4" in (dtype, draft_dtype):  # before minutes of loading
+        check_q4(device)
+    int8, q4 = dtype == "int8", dtype == "q4"
+    torch_dtype = resolve_dtype("auto" if int8 or q4 else dtype, device)
     if backend == "llama.cpp":
         model: Any = LlamaCppTarget(target, max_context)
         positions = model.max_positions
     else:
-        cfg, sd, _ = load_checkpoint(target, dtype=torch_dtype)
+        cfg, sd, path = load_checkpoint(target, dtype=torch_dtype)
         positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
         # the int8 head too: a step's vocabulary matmul in 7.6 instead of 13.7 ms (one row; BENCHMARKS §7f)
-        model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8, int8_head=int8)
+        model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8, int8_head=int8,
+                            q4=q4, q4_exact=exact_q4_weights(path, q4, device))
         del sd
     tokenizer = load_tokenizer(target)
     draft_model: Any = None
@@ -341,12 +366,12 @@ def load(
         draft_model = LlamaCppDraft(str(draft), max_context or positions)
     elif draft is not None:
         int4 = draft_dtype == "int4" or (draft_dtype == "auto" and device == "cpu" and int4_available())
-        dint8 = draft_dtype == "int8"
-        ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8")
+        dint8, dq4 = draft_dtype == "int8", draft_dtype == "q4"
+        ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8", "q4")
                   else resolve_dtype(draft_dtype, device))
-        dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype)
+        dcfg, dsd, dpath = load_checkpoint(str(draft), dtype=ddtype)
         draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8,
-                                  int8_head=dint8)
+                                  int8_head=dint8, q4=dq4, q4_exact=exact_q4_weights(dpath, dq4, device))
         del dsd
     return Engine(model, tokenizer, draft=draft_model, target_name=target,
                   draft_name=str(draft) if draft is not None else None, max_context=max_context)

@@ -612,3 +612,43 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):  # -> transformers.PreTra
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def q4k_weights(path: str | os.PathLike[str], layers: range | None = None
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The layers' Q4_K weight tensors (and a Q4_K token table) of a GGUF file as llama.cpp holds
+    them: canonical name -> (codes uint8 [N, K], scales [N, K/32], minimums [N, K/32]), w = scale * q
+    - min. For the q4 weight mode (specwood.models.w4a8), which keeps these values instead of
+    requantising floats."""
+    from gguf.constants import GGMLQuantizationType as Q
+
+    from specwood.models.w4a8 import q4k_groups
+
+    path = Path(path)
+    header = read_gguf_header(path)
+    config = config_from_gguf(header)
+    permute = config.arch in _PERMUTED_QK_ARCHS
+    mm = np.memmap(path, dtype=np.uint8, mode="c")
+    out: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    try:
+        for gname, info in header.tensors.items():
+            cname = canonical_name(gname)
+            li = layer_index(cname) if cname else None
+            if cname is None or not cname.endswith(".weight") or info.ggml_type != Q.Q4_K:
+                continue
+            if li is None and cname != "tok_embeddings.weight":
+                continue
+            if li is not None and layers is not None and li not in layers:
+                continue
+            blocks = torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8).reshape(-1, 144)
+            parts = q4k_groups(blocks, info.shape[0])
+            if permute and cname.endswith("attention.wq.weight"):
+                parts = tuple(unpermute_qk(t, config.n_heads).contiguous() for t in parts)
+            elif permute and cname.endswith("attention.wk.weight"):
+                parts = tuple(unpermute_qk(t, config.n_kv_heads).contiguous() for t in parts)
+            out[cname] = parts  # type: ignore[assignment]
+    except (ValueError, RuntimeError) as e:
+        raise ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}") from None
+    finally:
+        del mm
+    return out

@@ -495,10 +495,49 @@ class Transformer(nn.Module):
                     swapped = True
         return swapped
 
+    def quantize_q4(self, exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Swap the linears, the vocabulary head included, for Q4Linear (4-bit weights, int8
+        activations; see specwood.models.w4a8) where their shapes fit, and a Q4_K token table
+        for a Q4Embedding.
+
+        `exact` maps canonical weight names to a GGUF file's Q4_K values (codes, scales, minimums):
+        a linear whose parts are all there takes them as they are. The others (Q6_K, Q5_0, Q8_0 in
+        the file, or a float checkpoint) are quantised to 4 bits from their float weights: less
+        exact than the file for Q6_K, but 1.27x faster decoding of the default target than int8
+        for those linears (BENCHMARKS.md §7m)."""
+        from specwood.models.w4a8 import Q4Embedding, Q4Linear
+
+        exact = exact or {}
+        parts = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"), "attention.wo": ("attention.wo",),
+                 "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"), "feed_forward.w2": ("feed_forward.w2",)}
+        targets: list[tuple[nn.Module, str, list]] = []
+        for local, i in enumerate(self.layer_range):
+            for fused, sources in parts.items():
+                owner_name, attr = fused.split(".")
+                owner = getattr(self.layers[local], owner_name)
+                targets.append((owner, attr, [exact.get(f"layers.{i}.{src}.weight") for src in sources]))
+        if self.output is not None:
+            targets.append((self, "output", [None]))
+        if self.tok_embeddings is not None and "tok_embeddings.weight" in exact:  # a Q4_K table: kept exactly
+            self.tok_embeddings = Q4Embedding(*exact["tok_embeddings.weight"], self.dtype)
+        for owner, attr, found in targets:
+            child = getattr(owner, attr)
+            if type(child) is not nn.Linear or not Q4Linear.fits(child.out_features, child.in_features):
+                continue
+            if all(f is not None for f in found):
+                codes, scales, mins = (torch.cat([f[j] for f in found]) for j in range(3))
+                setattr(owner, attr, Q4Linear(codes, scales, mins, child.bias))
+            else:
+                setattr(owner, attr, Q4Linear.from_linear(child))
+
     @property
     def weight_mode(self) -> str:
-        """How the linears hold their weights: int8, int4, or the model dtype (bf16/fp32)."""
+        """How the linears hold their weights: q4, int8, int4, or the model dtype (bf16/fp32)."""
+        from specwood.models.w4a8 import Q4Linear
+
         kinds = {type(m) for m in self.layers.modules()}
+        if Q4Linear in kinds:
+            return "q4"
         if Int4Linear in kinds:  # before int8: an Int4Linear holds an Int8Linear for many rows
             return "int4"
         if Int8Linear in kinds:
@@ -567,13 +606,16 @@ class Transformer(nn.Module):
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu", layers: range | None = None,
                 max_positions: int | None = None, pack: bool = True, int4: bool = False, int8: bool = False,
-                int8_head: bool = False) -> Transformer:
+                int8_head: bool = False, q4: bool = False,
+                q4_exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> Transformer:
     """Instantiate (without random init) and load canonical weights; bf16 on a CPU gets packed
     weights (see PackedLinear) unless `pack` is False, int4 weights with `int4` (drafts), or W8A8
     int8 layer linears with `int8` (`dtype` is then the activations' dtype; `int8_head` quantises
-    the vocabulary head too)."""
-    if int8 and int4:
-        raise ValueError("int4 and int8 weights exclude each other")
+    the vocabulary head too). `q4` gives the linears 4-bit weights on our W4A8 kernel (exact GGUF
+    Q4_K values where `q4_exact` has them; see specwood.models.w4a8), int8 where a shape does not
+    fit it."""
+    if sum((int4, int8, q4)) > 1:
+        raise ValueError("int4, int8 and q4 weights exclude each other")
     with torch.device("meta"):
         model = Transformer(config, layers, max_positions)
     model = model.to(dtype).to_empty(device=device)  # allocate once, in the final dtype
@@ -582,6 +624,9 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     model = model.eval().requires_grad_(False)
     if int4:
         model.quantize_int4()
+    if q4:
+        model.quantize_q4(q4_exact)
+        model.quantize_int8(head=True)  # linears of shapes the q4 kernel cannot take
     if int8:
         if not model.quantize_int8(head=int8_head):
             raise SpecwoodError("int8 weights need torch._int_mm (torch >= 2.2)")

@@ -45,8 +45,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                    "llama2-7b, llama3.1-8b, qwen2.5-1.5b")
     p.add_argument("--draft", default="auto", help="draft name/path/preset; 'auto' = the target's default; "
                                                   "'one-layer' (analytic) = an EAGLE-style one-layer draft; 'none'")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8", "int4"],
-                   help="weights dtype (int8/int4 only for analytic devices)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8", "int4", "q4"],
+                   help="the local target's weight mode (auto, bf16, fp32, int8, q4), or an analytic device's weights (int8, int4)")
     p.add_argument("--method", default="dyspec", help="speculative method to tune: dyspec, chain, static, sequoia, "
                                                      "eagle, dyspec-threshold, pld, early-exit, prior")
     p.add_argument("--device", default="local", help="'local' (measure here) or a device model name")

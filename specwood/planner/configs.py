@@ -90,16 +90,20 @@ def choice_path(device: str, target: str, draft: str | None) -> Path:
 
 
 def candidate_configs(target: str, draft: str | None, device: str = "cpu") -> list[RuntimeConfig]:
-    """The configurations worth timing for this pair here: torch in bf16 and in int8 (CPU), and,
-    for GGUF models with llama-cpp-python installed, llama.cpp for the draft and for both."""
+    """The configurations worth timing for this pair here: torch in bf16, int8 and (where our
+    AVX512-VNNI kernel runs) q4 on the CPU, and, for GGUF models with llama-cpp-python installed,
+    llama.cpp for the draft and for both."""
     from specwood.engine.backends import _is_gguf
 
     if not str(device).startswith("cpu"):
         return [RuntimeConfig()]
-    out = [RuntimeConfig(), RuntimeConfig(dtype="int8")]
+    from specwood.models.w4a8 import q4_available
+
+    modes = ["auto", "int8"] + (["q4"] if q4_available() else [])
+    out = [RuntimeConfig(dtype=mode) for mode in modes]
     if llama_cpp_available():
         if draft is not None and _is_gguf(draft):
-            out += [RuntimeConfig(draft_backend="llama.cpp"), RuntimeConfig(dtype="int8", draft_backend="llama.cpp")]
+            out += [RuntimeConfig(dtype=mode, draft_backend="llama.cpp") for mode in modes]
         if _is_gguf(target):
             out.append(RuntimeConfig(backend="llama.cpp", draft_backend="llama.cpp" if draft is not None and _is_gguf(draft)
                                      else "torch"))

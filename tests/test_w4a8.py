@@ -1,0 +1,163 @@
+"""The q4 weight mode: our W4A8 kernel equals its reference, each row's result is independent of
+the other rows (what keeps tree verification lossless), the GGUF's Q4_K values are kept as
+llama.cpp holds them, and every speculative method is token-identical to `ar` in this mode."""
+import argparse
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from specwood.engine.api import Engine
+from specwood.models.transformer import Int8Linear, build_model
+from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, q4_unavailable_reason, quantize_q4
+
+pytestmark = pytest.mark.skipif(q4_unavailable_reason() is not None, reason=str(q4_unavailable_reason()))
+
+
+def random_q4(n: int, k: int, seed: int = 0, bias: bool = False) -> tuple[Q4Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    return Q4Linear(*quantize_q4(w), b), w
+
+
+def reference(lin: Q4Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: the activations quantised per row (symmetric int8,
+    round half to even, the scale's reciprocal in fp32) times the dequantised weights."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
+    q = torch.round(xf * (1 / scale)).clamp(-127, 127)
+    out = (q.double() * scale.double()) @ lin.weight.double().t()  # weight: scale * q - min, fp16 scales
+    return out + lin.bias.double() if lin.bias.numel() else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_q4_linear_equals_reference(dtype, rows):
+    lin, w = random_q4(64, 96, bias=True)
+    x = (torch.randn(rows, 96) * 3).to(dtype)
+    x[0, :GROUP] = 0  # a group of zeros
+    out = lin(x)
+    assert out.dtype == dtype and out.shape == (rows, 64)
+    ref = reference(lin, x)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((out.double() - ref).abs().max() / ref.abs().max()) < tol
+    # and near the float weights: 4-bit weights and int8 activations
+    exact = x.double() @ w.double().t() + lin.bias.double()
+    assert ((out.double() - exact).norm() / exact.norm()) < 0.15
+
+
+def test_q4_rows_are_independent_of_the_batch():
+    """Row-exact: a row's output is bit-identical whatever the other rows are, in tiles of up to 4 rows
+    or alone, with one thread or two (the threads split the output channels)."""
+    lin, _ = random_q4(160, 320, seed=1, bias=True)
+    x = torch.randn(13, 320) * torch.rand(13, 1) * 10
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            batch = lin(x)
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(13)])
+            assert torch.equal(batch, alone)
+            assert torch.equal(lin(x[3:11]), batch[3:11])
+            outs.append(batch)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_quantize_q4_stores_what_it_rounds_to():
+    w = torch.randn(32, 64)
+    w[0, :GROUP] = 5.0  # a constant group
+    codes, scales, mins = quantize_q4(w)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    assert torch.equal(scales, scales.half().float()) and torch.equal(mins, mins.half().float())
+    deq = (codes.float().reshape(32, -1, GROUP) * scales[..., None] - mins[..., None]).reshape(32, 64)
+    assert ((deq - w).abs() <= scales.repeat_interleave(GROUP, 1) * 0.5 + 1e-2).all()
+    lin = Q4Linear(codes, scales, mins)
+    assert torch.equal(lin.weight, deq)  # the packed layout unpacks to the same values
+
+
+def test_q4_values_are_llamacpp_values_on_the_shipped_file():
+    """Q4_K exactness on real blocks: the codes, scales and minimums read from the default target's
+    GGUF give llama.cpp's dequantised values bit for bit (fp32); the kernel's copy keeps them up to
+    fp16 scales."""
+    from specwood.models.gguf_loader import dequantize_tensor, q4k_weights, read_gguf_header
+    from specwood.models.registry import DEFAULT_TARGET, ensure_model
+
+    path = ensure_model(DEFAULT_TARGET, progress=False)
+    exact = q4k_weights(path, range(0, 1))
+    assert "layers.0.attention.wq.weight" in exact and "layers.0.feed_forward.w1.weight" in exact
+    header = read_gguf_header(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    for gname, cname in [("blk.0.attn_q.weight", "layers.0.attention.wq.weight"),
+                         ("blk.0.ffn_up.weight", "layers.0.feed_forward.w3.weight")]:
+        ref = dequantize_tensor(mm, header.tensors[gname], torch.float32)
+        codes, scales, mins = exact[cname]
+        n = codes.shape[0]
+        mine = (codes.float().reshape(n, -1, GROUP) * scales[..., None] - mins[..., None]).reshape(ref.shape)
+        assert torch.equal(mine, ref), gname
+        kept = Q4Linear(codes, scales, mins).weight
+        assert ((kept - ref).abs().max() / ref.abs().max()) < 1e-3
+    # the token table is Q4_K in this file too: kept as codes, rows dequantised on lookup
+    table = Q4Embedding(*q4k_weights(path, range(0))["tok_embeddings.weight"], torch.float32)
+    ids = torch.tensor([[0, 151643, 17]])
+    rows = table(ids)[0]
+    ref = dequantize_tensor(mm, header.tensors["token_embd.weight"], torch.float32)[ids[0]]
+    assert rows.shape == ref.shape and ((rows - ref).abs().max() / ref.abs().max()) < 1e-3
+    assert table.packed.numel() == ref.shape[1] // 2 * table.num_embeddings  # 4 bits a weight
+
+
+def q4_copy(model: nn.Module) -> nn.Module:
+    return build_model(model.config, model.canonical_state_dict(), torch.float32,
+                       max_positions=model.max_positions, q4=True)
+
+
+def test_q4_model_stays_close_to_fp32(tiny_pair):
+    model = tiny_pair.target
+    q4 = q4_copy(model)
+    assert q4.weight_mode == "q4"
+    assert sum(isinstance(m, Q4Linear) for m in q4.layers.modules()) == 4 * len(q4.layers)
+    # the tiny vocabulary (257) is no multiple of 16: its head goes to int8
+    assert isinstance(q4.output, Int8Linear)
+    x = torch.randint(0, 256, (1, 40))
+    ref, out = model(x, torch.arange(40))[0], q4(x, torch.arange(40))[0]
+    assert ((out - ref).norm() / ref.norm()) < 0.15
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_every_method_matches_ar_in_q4_mode(tiny_pair, tiny_tokenizer):
+    """fp32 activations: the q4 linears are row-exact, so trees verify to what one-token steps give."""
+    engine = Engine(q4_copy(tiny_pair.target), tiny_tokenizer, draft=q4_copy(tiny_pair.draft))
+    for prompt in ("def add(a, b):", "The quick brown fox"):
+        ref = engine.generate(prompt, max_tokens=40, raw=True)
+        for method in ("chain", "dyspec", "eagle", "pld", "dyspec-threshold", "sequoia"):
+            out = engine.generate(prompt, max_tokens=40, raw=True, method=method)
+            assert out.token_ids == ref.token_ids, (method, prompt)
+    assert engine.generate("def add(a, b):", max_tokens=40, raw=True, method="chain").stats["mean_accepted_tokens"] > 1.2
+
+
+def test_load_q4_mode(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):
+    import specwood
+    import specwood.models.loader as loader
+
+    monkeypatch.setattr(loader, "load_tokenizer", lambda path: tiny_tokenizer)
+    files = tiny_checkpoint_files
+    engine = specwood.load(files.gguf, files.gguf, dtype="q4", draft_dtype="q4", progress=False)
+    assert engine.target.weight_mode == "q4" and engine.draft_model.weight_mode == "q4"
+    ids = [3, 4, 5, 6]
+    assert engine.generate(ids, max_tokens=6, method="dyspec").token_ids == engine.generate(ids, max_tokens=6).token_ids
+    with pytest.raises(specwood.SpecwoodError, match="runs on the CPU|CUDA is not available"):
+        specwood.load(files.gguf, None, dtype="q4", device="cuda" if torch.cuda.is_available() else "cuda:0",
+                      progress=False)
+
+
+def test_cli_accepts_q4():
+    from specwood.cli import add_model_args
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args(["--dtype", "q4", "--draft-dtype", "q4"])
+    assert args.dtype == "q4" and args.draft_dtype == "q4"
