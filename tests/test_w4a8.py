@@ -147,6 +147,9 @@ def test_load_q4_mode(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):
     files = tiny_checkpoint_files
     engine = specwood.load(files.gguf, files.gguf, dtype="q4", draft_dtype="q4", progress=False)
     assert engine.target.weight_mode == "q4" and engine.draft_model.weight_mode == "q4"
+    # an F32 token table is no Q4_K one: the target keeps it in floats; a draft stores it in 4 bits
+    assert not isinstance(engine.target.tok_embeddings, Q4Embedding)
+    assert isinstance(engine.draft_model.tok_embeddings, Q4Embedding)
     ids = [3, 4, 5, 6]
     assert engine.generate(ids, max_tokens=6, method="dyspec").token_ids == engine.generate(ids, max_tokens=6).token_ids
     with pytest.raises(specwood.SpecwoodError, match="runs on the CPU|CUDA is not available"):

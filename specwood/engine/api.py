@@ -277,6 +277,18 @@ def _is_token_ids(prompt: Any) -> bool:
     return isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc): loading frees float copies of every
+    weight (GBs for the default pair) that would otherwise stay in the process's RSS."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 def check_q4(device: str) -> None:
     """The q4 weight mode's kernel runs here (CPU, AVX512-VNNI, built), else one line saying what to use."""
     if not str(device).startswith("cpu"):
@@ -371,7 +383,9 @@ def load(
                   else resolve_dtype(draft_dtype, device))
         dcfg, dsd, dpath = load_checkpoint(str(draft), dtype=ddtype)
         draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8,
-                                  int8_head=dint8, q4=dq4, q4_exact=exact_q4_weights(dpath, dq4, device))
+                                  int8_head=dint8, q4=dq4, q4_exact=exact_q4_weights(dpath, dq4, device),
+                                  q4_embeddings=True)  # a draft's precision changes speed, never output
         del dsd
+    release_freed_memory()
     return Engine(model, tokenizer, draft=draft_model, target_name=target,
                   draft_name=str(draft) if draft is not None else None, max_context=max_context)

@@ -495,17 +495,19 @@ class Transformer(nn.Module):
                     swapped = True
         return swapped
 
-    def quantize_q4(self, exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def quantize_q4(self, exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                    embeddings: bool = False) -> None:
         """Swap the linears, the vocabulary head included, for Q4Linear (4-bit weights, int8
         activations; see specwood.models.w4a8) where their shapes fit, and a Q4_K token table
-        for a Q4Embedding.
+        for a Q4Embedding (any token table with `embeddings`: for drafts, whose precision changes
+        speed only).
 
         `exact` maps canonical weight names to a GGUF file's Q4_K values (codes, scales, minimums):
         a linear whose parts are all there takes them as they are. The others (Q6_K, Q5_0, Q8_0 in
         the file, or a float checkpoint) are quantised to 4 bits from their float weights: less
         exact than the file for Q6_K, but 1.27x faster decoding of the default target than int8
         for those linears (BENCHMARKS.md §7m)."""
-        from specwood.models.w4a8 import Q4Embedding, Q4Linear
+        from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, quantize_q4
 
         exact = exact or {}
         parts = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"), "attention.wo": ("attention.wo",),
@@ -520,6 +522,8 @@ class Transformer(nn.Module):
             targets.append((self, "output", [None]))
         if self.tok_embeddings is not None and "tok_embeddings.weight" in exact:  # a Q4_K table: kept exactly
             self.tok_embeddings = Q4Embedding(*exact["tok_embeddings.weight"], self.dtype)
+        elif self.tok_embeddings is not None and embeddings and self.config.dim % GROUP == 0:
+            self.tok_embeddings = Q4Embedding(*quantize_q4(self.tok_embeddings.weight.data), self.dtype)
         for owner, attr, found in targets:
             child = getattr(owner, attr)
             if type(child) is not nn.Linear or not Q4Linear.fits(child.out_features, child.in_features):
@@ -607,13 +611,14 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
                 device: torch.device | str = "cpu", layers: range | None = None,
                 max_positions: int | None = None, pack: bool = True, int4: bool = False, int8: bool = False,
                 int8_head: bool = False, q4: bool = False,
-                q4_exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> Transformer:
+                q4_exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                q4_embeddings: bool = False) -> Transformer:
     """Instantiate (without random init) and load canonical weights; bf16 on a CPU gets packed
     weights (see PackedLinear) unless `pack` is False, int4 weights with `int4` (drafts), or W8A8
     int8 layer linears with `int8` (`dtype` is then the activations' dtype; `int8_head` quantises
     the vocabulary head too). `q4` gives the linears 4-bit weights on our W4A8 kernel (exact GGUF
     Q4_K values where `q4_exact` has them; see specwood.models.w4a8), int8 where a shape does not
-    fit it."""
+    fit it; `q4_embeddings` stores any token table in 4 bits too (drafts)."""
     if sum((int4, int8, q4)) > 1:
         raise ValueError("int4, int8 and q4 weights exclude each other")
     with torch.device("meta"):
@@ -625,7 +630,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     if int4:
         model.quantize_int4()
     if q4:
-        model.quantize_q4(q4_exact)
+        model.quantize_q4(q4_exact, embeddings=q4_embeddings)
         model.quantize_int8(head=True)  # linears of shapes the q4 kernel cannot take
     if int8:
         if not model.quantize_int8(head=int8_head):
