@@ -120,6 +120,19 @@ def make_tiny_model(vocab_size: int = TINY_VOCAB, seed: int = 0, arch: str = "qw
     return model
 
 
+TREE_METHODS = ("chain", "dyspec", "eagle", "pld", "dyspec-threshold", "sequoia")
+
+
+def assert_every_method_matches_ar(engine, prompts=("def add(a, b):", "The quick brown fox"), max_tokens: int = 40):
+    """Greedy output of every tree method equals `ar`'s on each prompt, and drafts get accepted."""
+    for prompt in prompts:
+        ref = engine.generate(prompt, max_tokens=max_tokens, raw=True)
+        for method in TREE_METHODS:
+            out = engine.generate(prompt, max_tokens=max_tokens, raw=True, method=method)
+            assert out.token_ids == ref.token_ids, (method, prompt)
+    assert engine.generate(prompts[0], max_tokens=max_tokens, raw=True, method="chain").stats["mean_accepted_tokens"] > 1.2
+
+
 def perturbed_copy(model, scale: float, seed: int):
     """A draft that agrees with the target often but not always."""
     from specwood.models.transformer import build_model

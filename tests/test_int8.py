@@ -3,6 +3,7 @@ independent of the other rows (what keeps tree verification lossless), the whole
 close to fp32, and every speculative method is token-identical to `ar` in this mode."""
 import pytest
 import torch
+from conftest import assert_every_method_matches_ar
 from torch import nn
 
 from specwood.engine.api import Engine
@@ -149,12 +150,7 @@ def test_every_method_matches_ar_in_int8_mode(tiny_pair, tiny_tokenizer, head, k
     target.quantize_int8(head=head, kernel=kernel)
     draft = int8_copy(tiny_pair.draft)
     engine = Engine(target, tiny_tokenizer, draft=draft)
-    for prompt in ("def add(a, b):", "The quick brown fox"):
-        ref = engine.generate(prompt, max_tokens=40, raw=True)
-        for method in ("chain", "dyspec", "eagle", "pld", "dyspec-threshold", "sequoia"):
-            out = engine.generate(prompt, max_tokens=40, raw=True, method=method)
-            assert out.token_ids == ref.token_ids, (method, prompt)
-    assert engine.generate("def add(a, b):", max_tokens=40, raw=True, method="chain").stats["mean_accepted_tokens"] > 1.2
+    assert_every_method_matches_ar(engine)
 
 
 def test_load_int8_mode(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):

@@ -6,6 +6,7 @@ import argparse
 import numpy as np
 import pytest
 import torch
+from conftest import assert_every_method_matches_ar
 from torch import nn
 
 from specwood.engine.api import Engine
@@ -131,12 +132,7 @@ def test_q4_model_stays_close_to_fp32(tiny_pair):
 def test_every_method_matches_ar_in_q4_mode(tiny_pair, tiny_tokenizer):
     """fp32 activations: the q4 linears are row-exact, so trees verify to what one-token steps give."""
     engine = Engine(q4_copy(tiny_pair.target), tiny_tokenizer, draft=q4_copy(tiny_pair.draft))
-    for prompt in ("def add(a, b):", "The quick brown fox"):
-        ref = engine.generate(prompt, max_tokens=40, raw=True)
-        for method in ("chain", "dyspec", "eagle", "pld", "dyspec-threshold", "sequoia"):
-            out = engine.generate(prompt, max_tokens=40, raw=True, method=method)
-            assert out.token_ids == ref.token_ids, (method, prompt)
-    assert engine.generate("def add(a, b):", max_tokens=40, raw=True, method="chain").stats["mean_accepted_tokens"] > 1.2
+    assert_every_method_matches_ar(engine)
 
 
 def test_load_q4_mode(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):
