@@ -160,3 +160,17 @@ def test_cli_accepts_q4():
     add_model_args(p)
     args = p.parse_args(["--dtype", "q4", "--draft-dtype", "q4"])
     assert args.dtype == "q4" and args.draft_dtype == "q4"
+
+
+def test_a_cpu_without_vnni_gets_one_line_naming_int8(monkeypatch):
+    """Where the kernel cannot run, loading q4 stops before any model is read, with one line."""
+    import specwood
+    from specwood.models import w4a8
+
+    monkeypatch.setattr(w4a8, "_kernel", None)
+    monkeypatch.setattr(w4a8, "_failure", None)
+    monkeypatch.setattr(w4a8, "_cpu_flags", lambda: {"sse2", "avx2"})  # what such a CPU reports
+    reason = w4a8.q4_unavailable_reason()
+    assert reason is not None and "avx512_vnni" in reason and "--dtype int8" in reason and "\n" not in reason
+    with pytest.raises(specwood.SpecwoodError, match="--dtype int8"):
+        specwood.load("/nonexistent/model.gguf", None, dtype="q4", progress=False)
