@@ -298,13 +298,9 @@ def check_q4(device: str) -> None:
     require_q4()
 
 
-def exact_q4_weights(path: Path, q4: bool, device: str) -> dict[str, Any] | None:
-    """For the q4 weight mode: the GGUF's own Q4_K values (None for other sources and modes).
-    Checks first that the q4 kernel runs here, with a one-line error naming --dtype int8."""
-    if not q4:
-        return None
-    check_q4(device)
-    if path.is_dir():
+def exact_q4_weights(path: Path, q4: bool) -> dict[str, Any] | None:
+    """For the q4 weight mode: the GGUF's own Q4_K values (None for other sources and modes)."""
+    if not q4 or path.is_dir():
         return None
     from specwood.models.gguf_loader import q4k_weights
 
@@ -370,7 +366,7 @@ def load(
         positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
         # the int8 head too: a step's vocabulary matmul in 7.6 instead of 13.7 ms (one row; BENCHMARKS §7f)
         model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8, int8_head=int8,
-                            q4=q4, q4_exact=exact_q4_weights(path, q4, device))
+                            q4=q4, q4_exact=exact_q4_weights(path, q4))
         del sd
     tokenizer = load_tokenizer(target)
     draft_model: Any = None
@@ -383,7 +379,7 @@ def load(
                   else resolve_dtype(draft_dtype, device))
         dcfg, dsd, dpath = load_checkpoint(str(draft), dtype=ddtype)
         draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8,
-                                  int8_head=dint8, q4=dq4, q4_exact=exact_q4_weights(dpath, dq4, device),
+                                  int8_head=dint8, q4=dq4, q4_exact=exact_q4_weights(dpath, dq4),
                                   q4_embeddings=True)  # a draft's precision changes speed, never output
         del dsd
     release_freed_memory()

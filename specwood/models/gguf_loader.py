@@ -384,11 +384,11 @@ def _k_quant_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (d * sc).reshape(n, 8, 1), (dmin * mn).reshape(n, 8, 1)
 
 
-def _unpack_k_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Q4_K/Q5_K 128 nibble bytes -> float32 [n, 8, 32] (chunk c of 32 bytes: low nibbles = sub-block 2c)."""
+def _unpack_k_nibbles(qs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Q4_K/Q5_K 128 nibble bytes -> [n, 8, 32] (chunk c of 32 bytes: low nibbles = sub-block 2c)."""
     n = qs.shape[0]
     qs = qs.reshape(n, 4, 1, 32)
-    q = torch.empty(n, 4, 2, 32)
+    q = torch.empty(n, 4, 2, 32, dtype=dtype)
     q[:, :, 0:1] = qs & 0x0F
     q[:, :, 1:2] = qs >> 4
     return q.view(n, 8, 32)
@@ -622,8 +622,6 @@ def q4k_weights(path: str | os.PathLike[str], layers: range | None = None
     requantising floats."""
     from gguf.constants import GGMLQuantizationType as Q
 
-    from specwood.models.w4a8 import q4k_groups
-
     path = Path(path)
     header = read_gguf_header(path)
     config = config_from_gguf(header)
@@ -641,7 +639,11 @@ def q4k_weights(path: str | os.PathLike[str], layers: range | None = None
             if li is not None and layers is not None and li not in layers:
                 continue
             blocks = torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8).reshape(-1, 144)
-            parts = q4k_groups(blocks, info.shape[0])
+            # the codes and each sub-block's d * sc and dmin * m, as _dq_q4_k combines them
+            rows = info.shape[0]
+            scales, mins = _k_quant_scales(blocks)
+            parts = (_unpack_k_nibbles(blocks[:, 16:], torch.uint8).reshape(rows, -1), scales.reshape(rows, -1),
+                     mins.reshape(rows, -1))
             if permute and cname.endswith("attention.wq.weight"):
                 parts = tuple(unpermute_qk(t, config.n_heads).contiguous() for t in parts)
             elif permute and cname.endswith("attention.wk.weight"):

@@ -99,22 +99,6 @@ def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.reshape(n, k), scale, mins
 
 
-def q4k_groups(blocks: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw GGUF Q4_K blocks (uint8 [n_blocks, 144]) of a [rows, K] tensor -> (codes [rows, K],
-    scales [rows, K/32], minimums [rows, K/32]) with w = scale * q - min: llama.cpp's values (its
-    dequantisation computes d * sc * q - dmin * m in fp32)."""
-    from specwood.models.gguf_loader import _f16, _k_scale_min
-
-    n = blocks.shape[0]
-    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    sc, mn = _k_scale_min(blocks[:, 4:16])
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32)
-    q = torch.empty(n, 4, 2, 32, dtype=torch.uint8)
-    q[:, :, 0:1] = qs & 0x0F  # chunk c of 32 bytes: low nibbles are sub-block 2c, high 2c + 1
-    q[:, :, 1:2] = qs >> 4
-    return q.reshape(rows, -1), (d * sc).reshape(rows, -1), (dmin * mn).reshape(rows, -1)
-
-
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, scales, minimums) -> the kernel's layout: for each block of 32 output channels and
