@@ -264,7 +264,7 @@ def start_background_plan(args: argparse.Namespace, engine: Any):
             or load_plan(plan_key_for(engine, DEFAULT_METHOD)) is not None):
         return None
     cmd = [sys.executable, "-m", "specwood.cli", "plan", "--method", DEFAULT_METHOD, "--quick",
-           "--dtype", args.dtype, "--torch-device", args.device, "--no-plots"]
+           "--dtype", args.dtype, "--draft-dtype", args.draft_dtype, "--torch-device", args.device, "--no-plots"]
     if args.target:
         cmd += ["--target", str(args.target)]
     if args.draft not in (None, "auto"):

@@ -271,6 +271,8 @@ def test_request_plan_is_interleaved_and_bounded() -> None:
     cmd = lt.serve_command(8123, max_batch=8, draft="none", dtype="fp32")
     assert cmd[1:] == ["-m", "specwood.cli", "serve", "--host", "127.0.0.1", "--port", "8123", "--max-batch", "8",
                        "--no-plan-in-background", "--draft", "none", "--dtype", "fp32"]
+    cmd = lt.serve_command(8123, max_batch=8, dtype="q4", draft_dtype="q4")
+    assert cmd[-4:] == ["--dtype", "q4", "--draft-dtype", "q4"]
 
 
 # ------------------------------------------------------------------------ real HTTP, fake server

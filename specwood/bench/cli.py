@@ -192,7 +192,9 @@ def add_loadtest_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("the spawned server (and the --inprocess engine)")
     g.add_argument("--target", default=None, help="registry name, .gguf file or HF folder (default: the server's)")
     g.add_argument("--draft", default=None, help="draft model name/path or 'none' (default: the server's)")
-    g.add_argument("--dtype", default=None, choices=["auto", "bf16", "fp32"], help="default: the server's")
+    g.add_argument("--dtype", default=None, choices=["auto", "bf16", "fp32", "int8", "q4"], help="default: the server's")
+    g.add_argument("--draft-dtype", default=None, choices=["auto", "int4", "int8", "q4", "bf16", "fp32"],
+                   help="the draft's weight mode (default: the server's)")
     g.add_argument("--max-context", type=int, default=None, help="cap the context length")
     g.add_argument("--max-batch", type=int, default=None, help="server batch size (default: the largest level)")
     g.add_argument("--max-queue", type=int, default=None, help="server queue length (default: the server's)")
@@ -275,7 +277,8 @@ def _load_inprocess_engine(args: argparse.Namespace, methods: list[str]) -> Any:
         except SpecwoodError:
             need = True
     draft = None if (args.draft == "none" or not need) else (args.draft or "auto")
-    return specwood.load(args.target, draft, dtype=args.dtype or "auto", max_context=args.max_context)
+    return specwood.load(args.target, draft, dtype=args.dtype or "auto", draft_dtype=args.draft_dtype or "auto",
+                         max_context=args.max_context)
 
 
 def run_loadtest_cli(args: argparse.Namespace) -> int:
@@ -307,7 +310,8 @@ def run_loadtest_cli(args: argparse.Namespace) -> int:
         else:
             assert port is not None
             cmd = lt.serve_command(port, max_batch=args.max_batch or max(concurrency), target=args.target,
-                                   draft=args.draft, dtype=args.dtype, max_context=args.max_context,
+                                   draft=args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                                   max_context=args.max_context,
                                    max_queue=args.max_queue)
             shown = ["specwood", *cmd[3:]] if cmd[1:3] == ["-m", "specwood.cli"] else cmd
             run_info["server"] = {"spawned": True, "command": shlex.join(shown), "argv": cmd,

@@ -722,14 +722,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def serve_command(port: int, *, host: str = "127.0.0.1", max_batch: int, target: str | None = None,
-                  draft: str | None = None, dtype: str | None = None, max_context: int | None = None,
-                  max_queue: int | None = None, python: str | None = None) -> list[str]:
+                  draft: str | None = None, dtype: str | None = None, draft_dtype: str | None = None,
+                  max_context: int | None = None, max_queue: int | None = None, python: str | None = None) -> list[str]:
     """`specwood serve ...` run with this interpreter (the same installation as the loadtest). No
     plan is measured in the background: it would compete with the requests being timed."""
     cmd = [python or sys.executable, "-m", "specwood.cli", "serve", "--host", host, "--port", str(port),
            "--max-batch", str(max_batch), "--no-plan-in-background"]
-    for flag, v in (("--target", target), ("--draft", draft), ("--dtype", dtype), ("--max-context", max_context),
-                    ("--max-queue", max_queue)):
+    for flag, v in (("--target", target), ("--draft", draft), ("--dtype", dtype), ("--draft-dtype", draft_dtype),
+                    ("--max-context", max_context), ("--max-queue", max_queue)):
         if v is not None:
             cmd += [flag, str(v)]
     return cmd

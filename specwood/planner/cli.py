@@ -47,6 +47,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                   "'one-layer' (analytic) = an EAGLE-style one-layer draft; 'none'")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8", "int4", "q4"],
                    help="the local target's weight mode (auto, bf16, fp32, int8, q4), or an analytic device's weights (int8, int4)")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "int4", "int8", "q4", "bf16", "fp32"],
+                   help="the local draft's weight mode (auto = int4 on CPUs); part of the plan's key")
     p.add_argument("--method", default="dyspec", help="speculative method to tune: dyspec, chain, static, sequoia, "
                                                      "eagle, dyspec-threshold, pld, early-exit, prior")
     p.add_argument("--device", default="local", help="'local' (measure here) or a device model name")
@@ -66,7 +68,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="do not measure the parallel executor (DuoDecoding); auto then stays sequential")
     p.add_argument("--choose-config", action="store_true",
                    help="time every runtime configuration of the pair here (target and draft backend and weight "
-                        "mode: torch bf16/int8, llama.cpp) and store the fastest for --backend auto "
+                        "mode: torch bf16/int8/q4, llama.cpp) and store the fastest for --backend auto "
                         "(about a minute per configuration)")
     p.set_defaults(func=run_plan_cli)
     return p
@@ -116,8 +118,8 @@ def _local_plan(args: argparse.Namespace) -> Any:
     from specwood.planner.store import load_plan, plan_key_for, save_plan
 
     draft = None if (args.draft in (None, "none") or not needs_draft(args.method)) else args.draft
-    engine = specwood.load(args.target, draft, dtype=args.dtype, device=args.torch_device,
-                           max_context=args.max_context)
+    engine = specwood.load(args.target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                           device=args.torch_device, max_context=args.max_context)
     key = plan_key_for(engine, args.method)
     plan = None if args.force else load_plan(key)
     mode = "quick" if args.quick else "full"

@@ -91,8 +91,8 @@ def choice_path(device: str, target: str, draft: str | None) -> Path:
 
 def candidate_configs(target: str, draft: str | None, device: str = "cpu") -> list[RuntimeConfig]:
     """The configurations worth timing for this pair here: torch in bf16, int8 and (where our
-    AVX512-VNNI kernel runs) q4 on the CPU, and, for GGUF models with llama-cpp-python installed,
-    llama.cpp for the draft and for both."""
+    AVX512-VNNI kernel runs) q4 on the CPU, the q4 target also with a q4 draft, and, for GGUF
+    models with llama-cpp-python installed, llama.cpp for the draft and for both."""
     from specwood.engine.backends import _is_gguf
 
     if not str(device).startswith("cpu"):
@@ -101,6 +101,8 @@ def candidate_configs(target: str, draft: str | None, device: str = "cpu") -> li
 
     modes = ["auto", "int8"] + (["q4"] if q4_available() else [])
     out = [RuntimeConfig(dtype=mode) for mode in modes]
+    if "q4" in modes and draft is not None:  # a q4 draft: one copy of its weights, and flat over a tree's rows
+        out.append(RuntimeConfig(dtype="q4", draft_dtype="q4"))
     if llama_cpp_available():
         if draft is not None and _is_gguf(draft):
             out += [RuntimeConfig(dtype=mode, draft_backend="llama.cpp") for mode in modes]
