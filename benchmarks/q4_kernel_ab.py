@@ -25,7 +25,6 @@ from specwood.models import w4a8
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "specwood/models/kernels/q4_vnni.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
 
 
 def build_old(rev: str, folder: Path):
@@ -35,7 +34,7 @@ def build_old(rev: str, folder: Path):
                           text=True).stdout
     src = folder / "q4_vnni_old.cpp"
     src.write_text(text)
-    return load(name="specwood_q4_vnni_old", sources=[str(src)], build_directory=str(folder), extra_cflags=FLAGS,
+    return load(name="specwood_q4_vnni_old", sources=[str(src)], build_directory=str(folder), extra_cflags=w4a8.KERNEL_CFLAGS,
                 verbose=False)
 
 

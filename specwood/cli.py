@@ -57,16 +57,18 @@ def width_arg(value: str) -> int | str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from specwood.engine.backends import DRAFT_DTYPE_CHOICES, DTYPE_CHOICES
+
     p.add_argument("--target", default=None, help="registry name, .gguf file or HF folder (default: qwen2.5-coder-1.5b-instruct)")
     p.add_argument("--draft", default="auto",
                    help="draft model name/path; 'auto' = the target's default draft; 'none' = no draft. "
                         "Loaded only when the method drafts with a model")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8", "q4"],
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto = bf16 on CPUs with AVX512-BF16/AMX and on GPUs, else fp32; int8 = W8A8 linears "
                         "(int8 weights, per-token int8 activations; lossy against bf16, every method still "
                         "token-identical to ar in that mode); q4 = the GGUF's Q4_K weights as they are (other "
                         "linears int8) times int8 activations, on specwood's AVX512-VNNI kernel (CPU)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "int4", "int8", "q4", "bf16", "fp32"],
+    p.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPE_CHOICES,
                    help="auto = int4 weights on CPUs (drafts never change the output, only the speed), else --dtype")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")

@@ -153,6 +153,8 @@ _MODEL_ARGS = ("target", "draft", "dtype", "max_context")
 
 
 def add_loadtest_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from specwood.engine.backends import DRAFT_DTYPE_CHOICES, DTYPE_CHOICES
+
     p = subparsers.add_parser(
         "loadtest",
         help="load-test the OpenAI-compatible server: aggregate tokens/s, TTFT and TBT vs concurrency",
@@ -192,8 +194,8 @@ def add_loadtest_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("the spawned server (and the --inprocess engine)")
     g.add_argument("--target", default=None, help="registry name, .gguf file or HF folder (default: the server's)")
     g.add_argument("--draft", default=None, help="draft model name/path or 'none' (default: the server's)")
-    g.add_argument("--dtype", default=None, choices=["auto", "bf16", "fp32", "int8", "q4"], help="default: the server's")
-    g.add_argument("--draft-dtype", default=None, choices=["auto", "int4", "int8", "q4", "bf16", "fp32"],
+    g.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, help="default: the server's")
+    g.add_argument("--draft-dtype", default=None, choices=DRAFT_DTYPE_CHOICES,
                    help="the draft's weight mode (default: the server's)")
     g.add_argument("--max-context", type=int, default=None, help="cap the context length")
     g.add_argument("--max-batch", type=int, default=None, help="server batch size (default: the largest level)")

@@ -26,6 +26,7 @@ LANES = 16  # output channels interleaved in one 512-bit register
 BLOCK = 32  # output channels per block of the packed layout (two registers)
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 _SOURCE = Path(__file__).with_name("kernels") / "q4_vnni.cpp"
+KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
 
 _lock = threading.Lock()
 _kernel: Any = None
@@ -70,8 +71,7 @@ def _load() -> Any:
             if not any(build.glob("specwood_q4_vnni*.so")):
                 print("[load] compiling the q4 kernel (once, about a minute)", file=sys.stderr)
             _kernel = load(name="specwood_q4_vnni", sources=[str(_SOURCE)], build_directory=str(build),
-                           extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c",
-                                         "-fopenmp"], verbose=False)
+                           extra_cflags=KERNEL_CFLAGS, verbose=False)
         except Exception as e:  # no compiler, no ninja, a failed build: one line, not a traceback
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             _failure = f"the q4 kernel could not be built ({first[:200]}); install a C++ compiler and ninja, or use --dtype int8"

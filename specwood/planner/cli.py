@@ -36,6 +36,8 @@ def _aat(text: str):
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from specwood.engine.backends import DRAFT_DTYPE_CHOICES
+
     p = subparsers.add_parser(
         "plan", help="profile the hardware and choose SD vs AR and the tree size per context length",
         description="Roofline planner: P_eff(x) = AAT(x) / (T_v(x) + T_d(x)) per context bucket. "
@@ -47,7 +49,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                   "'one-layer' (analytic) = an EAGLE-style one-layer draft; 'none'")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8", "int4", "q4"],
                    help="the local target's weight mode (auto, bf16, fp32, int8, q4), or an analytic device's weights (int8, int4)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "int4", "int8", "q4", "bf16", "fp32"],
+    p.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPE_CHOICES,
                    help="the local draft's weight mode (auto = int4 on CPUs); part of the plan's key")
     p.add_argument("--method", default="dyspec", help="speculative method to tune: dyspec, chain, static, sequoia, "
                                                      "eagle, dyspec-threshold, pld, early-exit, prior")

@@ -27,6 +27,8 @@ constexpr int HALF_BYTES = 256;      // one group of 16 channels: 16 x 32 nibble
 constexpr int GROUP_BYTES = 512;     // one group of a block of 32 channels
 constexpr int MAX_TILE = 8;          // rows multiplied per pass over a block's weights
 constexpr int PREFETCH = 2048;       // bytes of weights ahead of the group being multiplied
+// the same groups ahead in the fp16 scales and minimums (32 of each, 64 bytes, a group)
+constexpr int PREFETCH_SCALES = PREFETCH / GROUP_BYTES * 2 * LANES * 2;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -77,8 +79,8 @@ void run_tile(const uint8_t* w, const at::Half* scales, const at::Half* mins, in
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * GROUP_BYTES;
     for (int line = 0; line < GROUP_BYTES; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wg + PREFETCH + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(scales + g * 2 * LANES) + PREFETCH / 8, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mins + g * 2 * LANES) + PREFETCH / 8, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(scales + g * 2 * LANES) + PREFETCH_SCALES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mins + g * 2 * LANES) + PREFETCH_SCALES, _MM_HINT_T0);
     __m512i dot[TILE][2];
     for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
