@@ -117,6 +117,7 @@ def make_tiny_model(vocab_size: int = TINY_VOCAB, seed: int = 0, arch: str = "qw
     model = Transformer(cfg).eval().requires_grad_(False)
     with torch.no_grad():  # peakier next-token distributions than the default init gives
         model.output.weight.mul_(4.0)
+    model.use_layer_kernels()  # as build_model does: the CPU path users run
     return model
 
 

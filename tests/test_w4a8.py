@@ -168,9 +168,12 @@ def test_a_cpu_without_vnni_gets_one_line_naming_int8(monkeypatch):
     import specwood
     from specwood.models import w4a8
 
-    monkeypatch.setattr(w4a8, "_kernel", None)
-    monkeypatch.setattr(w4a8, "_failure", None)
-    monkeypatch.setattr(w4a8, "_cpu_flags", lambda: {"sse2", "avx2"})  # what such a CPU reports
+    from specwood.models import kernels
+
+    fresh = kernels.CpuKernel(w4a8.KERNEL.name, w4a8.KERNEL.source.name, w4a8.KERNEL.cflags, w4a8.KERNEL.required,
+                              w4a8.KERNEL.use)
+    monkeypatch.setattr(w4a8, "KERNEL", fresh)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx2"})  # what such a CPU reports
     reason = w4a8.q4_unavailable_reason()
     assert reason is not None and "avx512_vnni" in reason and "--dtype int8" in reason and "\n" not in reason
     with pytest.raises(specwood.SpecwoodError, match="--dtype int8"):

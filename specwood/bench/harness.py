@@ -80,16 +80,10 @@ def _cpu_model() -> str:
 
 def _cpu_flags() -> list[str]:
     # the flags that decide whether bf16 / int8 matmuls are fast on this CPU
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return [w for w in wanted if w in have]
-    except OSError:
-        pass
-    return []
+    from specwood.models.kernels import cpu_flags
+
+    have = cpu_flags()
+    return [w for w in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if w in have]
 
 
 def machine_info() -> dict[str, Any]:

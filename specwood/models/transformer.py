@@ -15,7 +15,8 @@ from torch import nn
 from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
 from specwood.models.cache import KVCache, Rows
 from specwood.models.config import ModelConfig
-from specwood.models.rope import apply_rope, rope_tables
+from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, kernel_layer_ops
+from specwood.models.rope import rope_tables
 
 
 def cpu_packing_available() -> bool:
@@ -232,12 +233,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 like the reference implementations, so bf16 stays close to them
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def cpu_attention_mask(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -274,6 +273,7 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one weight read and one kernel launch per layer
         self.wqkv = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None, layer: int) -> torch.Tensor:
         # x is [B, T, dim] for one block, or [1, N, dim]: the blocks' tokens one after another
@@ -288,23 +288,11 @@ class Attention(nn.Module):
 
     def attend(self, qkv: torch.Tensor, blk: RowBlock, cache: KVCache | None, layer: int) -> torch.Tensor:
         """One block's attention: qkv [B, T, (H + 2 H_kv) D] -> [B, T, H D]."""
-        B, T, _ = qkv.shape
-        q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
-        q = q.reshape(B, T, self.n_heads, self.hd).transpose(1, 2)
-        k = k.reshape(B, T, self.n_kv, self.hd).transpose(1, 2)
-        v = v.reshape(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, blk.cos, blk.sin), apply_rope(k, blk.cos, blk.sin)
-        mask = blk.mask
+        q, k, v = self.ops.rope_qk(qkv, blk.cos, blk.sin, self.n_heads, self.n_kv)
         if cache is not None:
             cache.write(layer, blk.slots, k, v, blk.rows)
-            k, v = cache.read(layer, mask.shape[-1], blk.rows)
-        if not q.is_cuda:  # the mask was made for this path once per forward (cpu_attention_mask)
-            g = self.n_heads // self.n_kv
-            out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, g * T, self.hd), k, v,
-                                                 attn_mask=mask).view(B, self.n_heads, T, self.hd)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd)
+            k, v = cache.read(layer, blk.mask.shape[-1], blk.rows)
+        return self.ops.attention(q, k, v, blk.mask)
 
 
 class FeedForward(nn.Module):
@@ -313,10 +301,10 @@ class FeedForward(nn.Module):
         self.inter = c.intermediate_size
         self.w13 = nn.Linear(c.dim, 2 * c.intermediate_size, bias=False)  # gate and up fused
         self.w2 = nn.Linear(c.intermediate_size, c.dim, bias=False)
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.inter, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.ops.silu_mul(self.w13(x)))
 
 
 class Block(nn.Module):
@@ -455,6 +443,20 @@ class Transformer(nn.Module):
                 f"position {last_position} exceeds the model's context of {self.max_positions} tokens "
                 "(shorten the prompt or lower --max-tokens)"
             )
+
+    def use_layer_kernels(self) -> bool:
+        """Run norms, RoPE, the gated product and attention through our C++ kernels (CPU, fp32 or
+        bf16 activations, shapes they take); True if they are in use."""
+        c = self.config
+        if self.device.type != "cpu" or not KernelLayerOps.fits(c.dim, c.head_dim, c.intermediate_size, self.dtype):
+            return False
+        ops = kernel_layer_ops()
+        if ops is None:
+            return False
+        for m in self.modules():
+            if hasattr(m, "ops"):
+                m.ops = ops
+        return True
 
     def pack_for_cpu(self) -> bool:
         """Swap every bf16 Linear for a PackedLinear; True if anything was packed."""
@@ -612,13 +614,15 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
                 max_positions: int | None = None, pack: bool = True, int4: bool = False, int8: bool = False,
                 int8_head: bool = False, q4: bool = False,
                 q4_exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                q4_embeddings: bool = False) -> Transformer:
+                q4_embeddings: bool = False, layer_kernels: bool = True) -> Transformer:
     """Instantiate (without random init) and load canonical weights; bf16 on a CPU gets packed
     weights (see PackedLinear) unless `pack` is False, int4 weights with `int4` (drafts), or W8A8
     int8 layer linears with `int8` (`dtype` is then the activations' dtype; `int8_head` quantises
     the vocabulary head too). `q4` gives the linears 4-bit weights on our W4A8 kernel (exact GGUF
     Q4_K values where `q4_exact` has them; see specwood.models.w4a8), int8 where a shape does not
-    fit it; `q4_embeddings` stores any token table in 4 bits too (drafts)."""
+    fit it; `q4_embeddings` stores any token table in 4 bits too (drafts). On a CPU with AVX512 the
+    layers' small operations run on our kernels unless `layer_kernels` is False (see
+    specwood.models.layer_ops)."""
     if sum((int4, int8, q4)) > 1:
         raise ValueError("int4, int8 and q4 weights exclude each other")
     with torch.device("meta"):
@@ -637,4 +641,6 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
             raise SpecwoodError("int8 weights need torch._int_mm (torch >= 2.2)")
     if pack:
         model.pack_for_cpu()  # whatever int4 left (e.g. odd-sized layers)
+    if layer_kernels:
+        model.use_layer_kernels()
     return model

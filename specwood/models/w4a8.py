@@ -10,78 +10,36 @@ one-line error naming the alternative (--dtype int8).
 """
 from __future__ import annotations
 
-import os
-import sys
-import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from specwood.errors import SpecwoodError
+from specwood.models.kernels import AVX512_FLAGS, CpuKernel
 
 GROUP = 32
 LANES = 16  # output channels interleaved in one 512-bit register
 BLOCK = 32  # output channels per block of the packed layout (two registers)
-_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
-_SOURCE = Path(__file__).with_name("kernels") / "q4_vnni.cpp"
 KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
-
-_lock = threading.Lock()
-_kernel: Any = None
-_failure: str | None = None
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+KERNEL = CpuKernel("specwood_q4_vnni", "q4_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
+                   "the q4 weight mode")
 
 
 def q4_unavailable_reason() -> str | None:
     """Why the q4 kernel cannot run here (None: it can). Compiles it on first call."""
-    _load()
-    return _failure
+    KERNEL.load()
+    return None if KERNEL.failure is None else f"{KERNEL.failure}; use --dtype int8"
 
 
 def q4_available() -> bool:
     return q4_unavailable_reason() is None
 
 
-def _load() -> Any:
-    global _kernel, _failure
-    with _lock:
-        if _kernel is not None or _failure is not None:
-            return _kernel
-        missing = [f for f in _REQUIRED_FLAGS if f not in _cpu_flags()]
-        if missing:
-            _failure = f"the q4 weight mode needs an x86 CPU with {', '.join(missing)}; use --dtype int8"
-            return None
-        try:
-            from torch.utils.cpp_extension import load
-
-            build = Path(os.environ.get("SPECWOOD_KERNEL_DIR", Path.home() / ".cache" / "specwood" / "kernels"))
-            build.mkdir(parents=True, exist_ok=True)
-            if not any(build.glob("specwood_q4_vnni*.so")):
-                print("[load] compiling the q4 kernel (once, about a minute)", file=sys.stderr)
-            _kernel = load(name="specwood_q4_vnni", sources=[str(_SOURCE)], build_directory=str(build),
-                           extra_cflags=KERNEL_CFLAGS, verbose=False)
-        except Exception as e:  # no compiler, no ninja, a failed build: one line, not a traceback
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            _failure = f"the q4 kernel could not be built ({first[:200]}); install a C++ compiler and ninja, or use --dtype int8"
-        return _kernel
-
-
 def require_q4() -> Any:
-    kernel = _load()
+    kernel = KERNEL.load()
     if kernel is None:
-        raise SpecwoodError(_failure or "the q4 kernel is unavailable; use --dtype int8")
+        raise SpecwoodError(q4_unavailable_reason() or "the q4 kernel is unavailable; use --dtype int8")
     return kernel
 
 

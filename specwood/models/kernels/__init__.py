@@ -1,0 +1,65 @@
+"""Our C++ CPU kernels: compiled on first use with torch's cpp_extension and cached on disk.
+
+Each kernel is one source file here; `CpuKernel` builds it once per process (thread-safe) and
+remembers why it could not (no AVX512 on this CPU, no compiler), so callers can fall back or
+print one line instead of a traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def build_directory() -> Path:
+    return Path(os.environ.get("SPECWOOD_KERNEL_DIR", Path.home() / ".cache" / "specwood" / "kernels"))
+
+
+class CpuKernel:
+    """One extension module: `source` (a file in this folder) built as `name` with `cflags`,
+    on CPUs with every flag in `required` (as /proc/cpuinfo names them)."""
+
+    def __init__(self, name: str, source: str, cflags: list[str], required: tuple[str, ...], use: str):
+        self.name, self.source, self.cflags, self.required = name, Path(__file__).with_name(source), cflags, required
+        self.use = use  # what the kernel is for, in the one-line failure message
+        self._lock = threading.Lock()
+        self._module: Any = None
+        self.failure: str | None = None
+
+    def load(self) -> Any:
+        """The module, or None (then `failure` says why)."""
+        with self._lock:
+            if self._module is not None or self.failure is not None:
+                return self._module
+            missing = [f for f in self.required if f not in cpu_flags()]
+            if missing:
+                self.failure = f"{self.use} needs an x86 CPU with {', '.join(missing)}"
+                return None
+            try:
+                from torch.utils.cpp_extension import load
+
+                build = build_directory()
+                build.mkdir(parents=True, exist_ok=True)
+                if not any(build.glob(f"{self.name}*.so")):
+                    print(f"[load] compiling {self.source.name} (once, about a minute)", file=sys.stderr)
+                self._module = load(name=self.name, sources=[str(self.source)], build_directory=str(build),
+                                    extra_cflags=self.cflags, verbose=False)
+            except Exception as e:  # no compiler, no ninja, a failed build: one line, not a traceback
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.failure = f"{self.use}: the kernel could not be built ({first[:200]}); install a C++ compiler and ninja"
+            return self._module

@@ -1,0 +1,290 @@
+// The small operations of a decoder layer for x86 CPUs with AVX512: RMSNorm, the rotary embedding,
+// the SiLU-gated product and attention for a few query rows.
+//
+// Why: at one to a few rows a forward, each of these is a microsecond of arithmetic behind torch's
+// dispatch (a norm is 7 operators, RoPE 9, flash attention's setup tens of microseconds a layer),
+// so a 0.5B draft's one-token forward spent about as long between the weight kernels as in them
+// (BENCHMARKS.md §7o). Here each is one call.
+//
+// Row-exact: every row is computed on its own, in one fixed order, whatever the other rows are.
+// Attention goes further: it skips masked keys before anything is summed, so a query's result
+// depends only on the keys it may see, in slot order -- a tree node attends over its prefix and
+// ancestors exactly as the one-token forward along its path does once those tokens sit in
+// consecutive slots.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even, as torch's casts
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+// the value a store to T and a load back would give (bf16 rounding; identity for fp32)
+inline __m512 round_to(__m512 v, const float*) { return v; }
+inline __m512 round_to(__m512 v, const at::BFloat16*) {
+  alignas(64) at::BFloat16 tmp[16];
+  store16(tmp, v);
+  return load16(tmp);
+}
+
+// One fixed association for every 16-lane sum: halves, then quarters, ...
+inline float sum16(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)));
+}
+
+// e^x, 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6 (relative error
+// ~2e-7); lanes below -87 give exactly 0 (masked scores are -inf).
+inline __m512 exp16(__m512 x) {
+  const __mmask16 alive = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(alive, _mm512_scalef_ps(p, n));
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t m, int64_t k, float eps) {
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = x + r * k;
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < k; i += 16) {
+        const __m512 v = load16(row + i);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(sum16(ss) / static_cast<float>(k) + eps));
+      // normalised, rounded to the activations' dtype, then times the weight (as the torch module)
+      for (int64_t i = 0; i < k; i += 16)
+        store16(out + r * k + i, _mm512_mul_ps(load16(w + i), round_to(_mm512_mul_ps(load16(row + i), inv), x)));
+    }
+  });
+}
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
+  alignas(64) at::BFloat16 tmp[16];
+  store16(tmp, v);
+  _mm256_mask_storeu_epi16(p, m, _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+}
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+
+// In place: the first `heads` heads of each row (head_dim d, even) rotated by that row's cos/sin [d].
+template <typename T>
+void rope_rows(T* x, int64_t row_stride, const float* cos, const float* sin, int64_t m, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* c = cos + r * d;
+      const float* s = sin + r * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + r * row_stride + h * d;
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 lanes = first_lanes(half - i);
+          const __m512 a = load16(v + i, lanes), b = load16(v + half + i, lanes);
+          // x * cos + rotate_half(x) * sin, rotate_half(x) = (-b, a); no fused multiply-add
+          const __m512 lo = _mm512_add_ps(_mm512_mul_ps(a, load16(c + i, lanes)),
+                                          _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), load16(s + i, lanes)));
+          const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, load16(c + half + i, lanes)), _mm512_mul_ps(a, load16(s + half + i, lanes)));
+          store16(v + i, lo, lanes);
+          store16(v + half + i, hi, lanes);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t m, int64_t inter) {
+  at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * 2 * inter;
+      const T* u = g + inter;
+      for (int64_t i = 0; i < inter; i += 16) {
+        const __m512 x = load16(g + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 silu = round_to(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), g);
+        store16(out + r * inter + i, _mm512_mul_ps(silu, load16(u + i)));
+      }
+    }
+  });
+}
+
+// Attention of one token's `groups` query heads (sharing KV head kvh) over the keys its mask row
+// lets it see. q [groups, d] at q (head stride d), k/v rows at key_stride, bias [S] additive
+// (-inf = masked), out [groups, d].
+template <typename T>
+void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const T* bias, int64_t s_len,
+                  int64_t groups, int64_t d, float scale, T* out, std::vector<float>& qf, std::vector<int32_t>& keys,
+                  std::vector<float>& scores) {
+  const int64_t chunks = d / 16;
+  keys.clear();
+  for (int64_t j = 0; j < s_len; ++j)
+    if (static_cast<float>(bias[j]) != -std::numeric_limits<float>::infinity()) keys.push_back(static_cast<int32_t>(j));
+  const int64_t n = static_cast<int64_t>(keys.size());
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t i = 0; i < d; i += 16) store16(qf.data() + g * d + i, load16(q + g * d + i));
+  scores.resize(groups * n);
+  __m512 kreg[16];  // d <= 256
+  for (int64_t a = 0; a < n; ++a) {
+    const int64_t j = keys[a];
+    for (int64_t c = 0; c < chunks; ++c) kreg[c] = load16(k + j * key_stride + c * 16);
+    const float b = static_cast<float>(bias[j]);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* qg = qf.data() + g * d;
+      __m512 acc = _mm512_mul_ps(load16(qg), kreg[0]);
+      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(load16(qg + c * 16), kreg[c], acc);
+      scores[g * n + a] = sum16(acc) * scale + b;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float* sg = scores.data() + g * n;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t a = 0; a < n; ++a) top = std::max(top, sg[a]);
+    __m512 total = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(top);
+    for (int64_t a = 0; a < n; a += 16) {
+      const __mmask16 lanes = first_lanes(n - a);
+      const __m512 p = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, sg + a), shift)));
+      _mm512_mask_storeu_ps(sg + a, lanes, p);
+      total = _mm512_add_ps(total, p);
+    }
+    const float inv = n > 0 ? 1.f / sum16(total) : 0.f;
+    __m512 acc[16];
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t a = 0; a < n; ++a) {
+      const __m512 p = _mm512_set1_ps(sg[a]);
+      const T* vr = v + keys[a] * key_stride;
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vr + c * 16), acc[c]);
+    }
+    const __m512 norm = _mm512_set1_ps(inv);
+    for (int64_t c = 0; c < chunks; ++c) store16(out + g * d + c * 16, _mm512_mul_ps(acc[c], norm));
+  }
+}
+
+template <typename T>
+void attention_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& bias,
+                    float scale, torch::Tensor& out) {
+  const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), d = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), groups = H / Hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const T* bp = bias.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * Hkv * T_, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(groups * d), scores;
+    std::vector<int32_t> keys;
+    keys.reserve(S);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (Hkv * T_), h = (i / T_) % Hkv, t = i % T_;
+      attend_token(qp + b * q.stride(0) + t * q.stride(1) + h * groups * q.stride(2),
+                   kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1), k.stride(2),
+                   bp + b * bias.stride(0) + t * bias.stride(2), S, groups, d, scale,
+                   op + (b * T_ + t) * H * d + h * groups * d, qf, keys, scores);
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& x, int64_t width, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what, ": fp32 or bf16 only");
+  TORCH_CHECK(width % 16 == 0, what, ": the row width must be a multiple of 16");
+}
+
+}  // namespace
+
+// x [M, K] contiguous, weight [K] (x's dtype) -> [M, K]
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: x [M, K] contiguous and a weight of its dtype");
+  check_rows(x, x.size(1), "rms_norm");
+  auto out = torch::empty_like(x);
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), eps);
+  else
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                  x.size(0), x.size(1), eps);
+  return out;
+}
+
+// In place on x [M, W] (rows at any stride, elements contiguous): heads 0..heads-1 of width d
+// rotated by cos/sin [M, d] fp32.
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t d) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && heads * d <= x.size(1), "rope_: x must be [M, W] with unit stride");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+              cos.numel() == x.size(0) * d && sin.numel() == cos.numel(), "rope_: cos/sin must be [M, d] fp32");
+  TORCH_CHECK(d % 2 == 0 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "rope_: even d, fp32 or bf16");
+  if (x.scalar_type() == at::kFloat)
+    rope_rows(x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), x.size(0), heads, d);
+  else
+    rope_rows(x.data_ptr<at::BFloat16>(), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), x.size(0), heads, d);
+}
+
+// gate_up [M, 2I] contiguous -> silu(gate) * up [M, I]
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "silu_mul: [M, 2I] contiguous");
+  const int64_t inter = gate_up.size(1) / 2;
+  check_rows(gate_up, inter, "silu_mul");
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), inter);
+  else
+    silu_mul_rows(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), gate_up.size(0), inter);
+  return out;
+}
+
+// q [B, T, H, d] (last dim contiguous), k/v [B, Hkv, S, d] (last dim contiguous, same strides),
+// bias [B, 1, >=T, S] additive (-inf = masked; row t is token t's) -> [B, T, H * d]
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bias, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "attention: 4-d inputs");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1 &&
+              k.strides() == v.strides() && k.sizes() == v.sizes(), "attention: unit stride in the last dim");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+              bias.scalar_type() == q.scalar_type(), "attention: one dtype");
+  const int64_t d = q.size(3);
+  TORCH_CHECK(d % 16 == 0 && d <= 256 && q.size(2) % k.size(1) == 0 && k.size(3) == d, "attention: head sizes");
+  TORCH_CHECK(bias.size(0) == q.size(0) && bias.size(2) >= q.size(1) && bias.size(3) == k.size(2), "attention: bias shape");
+  check_rows(q, d, "attention");
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2) * d}, q.options());
+  if (q.scalar_type() == at::kFloat)
+    attention_impl<float>(q, k, v, bias, static_cast<float>(scale), out);
+  else
+    attention_impl<at::BFloat16>(q, k, v, bias, static_cast<float>(scale), out);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  mod.def("rope_", &rope_, "rotary embedding, in place");
+  mod.def("silu_mul", &silu_mul, "silu(gate) * up");
+  mod.def("attention", &attention, "attention for a few query rows, masked keys skipped");
+}
