@@ -1,0 +1,103 @@
+"""The layer kernels (kernels/layer_ops.cpp) against torch's operators, alternated in one process.
+
+Loads the default pair in one weight mode and points every module's `ops` at one implementation
+and then the other, round after round:
+  (1) forward: one forward of --rows tree tokens (a causal chain) after --context cached tokens,
+      of the target and of the draft; ms, median of 11 per round; plus how far the two
+      implementations' logits are apart;
+  (2) tv: T_v(x) of the target as the planner measures it (random tree masks), ctx 128 and 1,500.
+
+    python benchmarks/layer_ops.py --parts forward,tv --dtype q4
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import specwood
+from specwood.models.layer_ops import TORCH_OPS, kernel_layer_ops
+
+
+def use(model: torch.nn.Module, ops) -> None:
+    for m in model.modules():
+        if hasattr(m, "ops"):
+            m.ops = ops
+
+
+def bench_forward(models: dict, impls: dict, rows: list[int], context: int, rounds: int) -> None:
+    print(f"\n## (1) one forward after {context} tokens, ms (median of 11; one value per round)\n")
+    print("| model | rows | " + " | ".join(impls) + " | max logit difference |")
+    print("|---|---:|" + "---:|" * (len(impls) + 1))
+    for label, model in models.items():
+        cache = model.new_cache(context + max(rows) + 1)
+        prompt = torch.randint(0, 1000, (1, context), generator=torch.Generator().manual_seed(0))
+        use(model, TORCH_OPS)
+        model(prompt, torch.arange(context), None, cache, torch.arange(context))
+        for x in rows:
+            tokens = torch.randint(0, 1000, (1, x), generator=torch.Generator().manual_seed(x))
+            pos = torch.arange(context, context + x)
+            mask = torch.ones(x, context + x, dtype=torch.bool)
+            mask[:, context:] = torch.ones(x, x, dtype=torch.bool).tril()
+            times, logits = {name: [] for name in impls}, {}
+            for _ in range(rounds):
+                for name, ops in impls.items():
+                    use(model, ops)
+                    logits[name] = model(tokens, pos, mask, cache, pos)
+                    ts = []
+                    for _ in range(11):
+                        t0 = time.perf_counter()
+                        model(tokens, pos, mask, cache, pos)
+                        ts.append(time.perf_counter() - t0)
+                    times[name].append(statistics.median(ts) * 1e3)
+            a, b = logits.values()
+            cells = " | ".join(" / ".join(f"{t:.1f}" for t in times[name]) for name in impls)
+            print(f"| {label} | {x} | {cells} | {(a - b).abs().max().item():.3f} |", flush=True)
+
+
+def bench_tv(target: torch.nn.Module, impls: dict, rounds: int) -> None:
+    from specwood.planner.profiler import measure_verify_times
+
+    xs = [1, 2, 4, 8, 16]
+    print("\n## (2) T_v(x) of the target, ms (measure_verify_times, 7 repeats)\n")
+    print("| round | ops | ctx | " + " | ".join(f"x = {x}" for x in xs) + " | T_v(8) / T_v(1) |")
+    print("|---:|---|---:|" + "---:|" * (len(xs) + 1))
+    for r in range(rounds):
+        for name, ops in impls.items():
+            use(target, ops)
+            table = measure_verify_times(target, xs=xs, contexts=(128, 1500), repeats=7, refine=False, progress=False)
+            for ctx in (128, 1500):
+                row = table[ctx]
+                print(f"| {r} | {name} | {ctx} | " + " | ".join(f"{row[x] * 1e3:.1f}" for x in xs)
+                      + f" | {row[8] / row[1]:.2f} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="forward,tv")
+    ap.add_argument("--dtype", default="q4", help="the target's weight mode (the draft's is --draft-dtype)")
+    ap.add_argument("--draft-dtype", default="q4")
+    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    kernels = kernel_layer_ops()
+    if kernels is None:
+        raise SystemExit("the layer kernels cannot run here (no AVX512 or no C++ compiler)")
+    impls = {"torch ops": TORCH_OPS, "layer kernels": kernels}
+    engine = specwood.load(dtype=args.dtype, draft_dtype=args.draft_dtype, progress=False)
+    print(f"# layer kernels against torch ops: target {args.dtype}, draft {args.draft_dtype}, "
+          f"{torch.get_num_threads()} threads")
+    parts = args.parts.split(",")
+    with torch.no_grad():
+        if "forward" in parts:
+            bench_forward({"target": engine.target, "draft": engine.draft_model}, impls,
+                          [int(r) for r in args.rows.split(",")], args.context, args.rounds)
+        if "tv" in parts:
+            bench_tv(engine.target, impls, max(1, args.rounds // 2))
+
+
+if __name__ == "__main__":
+    main()
