@@ -356,6 +356,10 @@ def load(
     check_backends(backend, draft_backend, dtype=dtype, draft_dtype=draft_dtype, device=device)
     if "q4" in (dtype, draft_dtype):  # before minutes of loading
         check_q4(device)
+    if device == "cpu" and "torch" in (backend, draft_backend):  # compiled while the model files are read
+        from specwood.models.layer_ops import KERNEL as LAYER_KERNEL
+
+        LAYER_KERNEL.build_in_background()
     int8, q4 = dtype == "int8", dtype == "q4"
     torch_dtype = resolve_dtype("auto" if int8 or q4 else dtype, device)
     if backend == "llama.cpp":

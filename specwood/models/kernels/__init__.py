@@ -41,6 +41,15 @@ class CpuKernel:
         self._module: Any = None
         self.failure: str | None = None
 
+    def build_in_background(self) -> None:
+        """Start building (if not built yet) while the caller does other work, e.g. reads model
+        files: a fresh machine's first run pays max(build, load) instead of their sum. A later
+        `load` waits for that build. Not a daemon thread: a process that ends early (a bad model
+        path) waits for the compiler instead of leaving torch's build lock behind, which would
+        make every later build wait forever."""
+        if self._module is None and self.failure is None:
+            threading.Thread(target=self.load, name=f"build {self.name}").start()
+
     def load(self) -> Any:
         """The module, or None (then `failure` says why)."""
         with self._lock:

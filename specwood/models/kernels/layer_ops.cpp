@@ -11,8 +11,13 @@
 // depends only on the keys it may see, in slot order -- a tree node attends over its prefix and
 // ancestors exactly as the one-token forward along its path does once those tokens sit in
 // consecutive slots.
-#include <torch/extension.h>
+// Only the headers it needs (not torch/extension.h): a third of the compile time, which a fresh
+// machine's first run waits for.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 #include <immintrin.h>
 #include <cmath>
 #include <limits>
@@ -192,8 +197,8 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
 }
 
 template <typename T>
-void attention_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& bias,
-                    float scale, torch::Tensor& out) {
+void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                    float scale, at::Tensor& out) {
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), d = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), groups = H / Hkv;
   const T* qp = q.data_ptr<T>();
@@ -215,7 +220,7 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& k, const torch:
   });
 }
 
-void check_rows(const torch::Tensor& x, int64_t width, const char* what) {
+void check_rows(const at::Tensor& x, int64_t width, const char* what) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what, ": fp32 or bf16 only");
   TORCH_CHECK(width % 16 == 0, what, ": the row width must be a multiple of 16");
 }
@@ -223,11 +228,11 @@ void check_rows(const torch::Tensor& x, int64_t width, const char* what) {
 }  // namespace
 
 // x [M, K] contiguous, weight [K] (x's dtype) -> [M, K]
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "rms_norm: x [M, K] contiguous and a weight of its dtype");
   check_rows(x, x.size(1), "rms_norm");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   if (x.scalar_type() == at::kFloat)
     rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), eps);
   else
@@ -238,7 +243,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 // In place on x [M, W] (rows at any stride, elements contiguous): heads 0..heads-1 of width d
 // rotated by cos/sin [M, d] fp32.
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t d) {
+void rope_(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t d) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && heads * d <= x.size(1), "rope_: x must be [M, W] with unit stride");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
               cos.numel() == x.size(0) * d && sin.numel() == cos.numel(), "rope_: cos/sin must be [M, d] fp32");
@@ -250,11 +255,11 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
 }
 
 // gate_up [M, 2I] contiguous -> silu(gate) * up [M, I]
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "silu_mul: [M, 2I] contiguous");
   const int64_t inter = gate_up.size(1) / 2;
   check_rows(gate_up, inter, "silu_mul");
-  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
   if (gate_up.scalar_type() == at::kFloat)
     silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), inter);
   else
@@ -264,7 +269,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // q [B, T, H, d] (last dim contiguous), k/v [B, Hkv, S, d] (last dim contiguous, same strides),
 // bias [B, 1, >=T, S] additive (-inf = masked; row t is token t's) -> [B, T, H * d]
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bias, double scale) {
+at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor bias, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && bias.dim() == 4, "attention: 4-d inputs");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && bias.stride(3) == 1 &&
               k.strides() == v.strides() && k.sizes() == v.sizes(), "attention: unit stride in the last dim");
@@ -274,7 +279,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   TORCH_CHECK(d % 16 == 0 && d <= 256 && q.size(2) % k.size(1) == 0 && k.size(3) == d, "attention: head sizes");
   TORCH_CHECK(bias.size(0) == q.size(0) && bias.size(2) >= q.size(1) && bias.size(3) == k.size(2), "attention: bias shape");
   check_rows(q, d, "attention");
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2) * d}, q.options());
+  auto out = at::empty({q.size(0), q.size(1), q.size(2) * d}, q.options());
   if (q.scalar_type() == at::kFloat)
     attention_impl<float>(q, k, v, bias, static_cast<float>(scale), out);
   else
