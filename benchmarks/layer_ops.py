@@ -21,12 +21,6 @@ import specwood
 from specwood.models.layer_ops import TORCH_OPS, kernel_layer_ops
 
 
-def use(model: torch.nn.Module, ops) -> None:
-    for m in model.modules():
-        if hasattr(m, "ops"):
-            m.ops = ops
-
-
 def bench_forward(models: dict, impls: dict, rows: list[int], context: int, rounds: int) -> None:
     print(f"\n## (1) one forward after {context} tokens, ms (median of 11; one value per round)\n")
     print("| model | rows | " + " | ".join(impls) + " | max logit difference |")
@@ -34,7 +28,7 @@ def bench_forward(models: dict, impls: dict, rows: list[int], context: int, roun
     for label, model in models.items():
         cache = model.new_cache(context + max(rows) + 1)
         prompt = torch.randint(0, 1000, (1, context), generator=torch.Generator().manual_seed(0))
-        use(model, TORCH_OPS)
+        model.use_ops(TORCH_OPS)
         model(prompt, torch.arange(context), None, cache, torch.arange(context))
         for x in rows:
             tokens = torch.randint(0, 1000, (1, x), generator=torch.Generator().manual_seed(x))
@@ -44,7 +38,7 @@ def bench_forward(models: dict, impls: dict, rows: list[int], context: int, roun
             times, logits = {name: [] for name in impls}, {}
             for _ in range(rounds):
                 for name, ops in impls.items():
-                    use(model, ops)
+                    model.use_ops(ops)
                     logits[name] = model(tokens, pos, mask, cache, pos)
                     ts = []
                     for _ in range(11):
@@ -66,7 +60,7 @@ def bench_tv(target: torch.nn.Module, impls: dict, rounds: int) -> None:
     print("|---:|---|---:|" + "---:|" * (len(xs) + 1))
     for r in range(rounds):
         for name, ops in impls.items():
-            use(target, ops)
+            target.use_ops(ops)
             table = measure_verify_times(target, xs=xs, contexts=(128, 1500), repeats=7, refine=False, progress=False)
             for ctx in (128, 1500):
                 row = table[ctx]

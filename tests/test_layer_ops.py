@@ -106,9 +106,7 @@ def test_every_method_matches_ar_on_torch_ops(tiny_tokenizer):
     target = make_tiny_model(seed=0)
     draft = make_tiny_model(seed=0)
     for m in (target, draft):
-        for mod in m.modules():
-            if hasattr(mod, "ops"):
-                mod.ops = TORCH_OPS
+        m.use_ops(TORCH_OPS)
     with torch.no_grad():  # a draft that agrees often but not always
         g = torch.Generator().manual_seed(1)
         for p in draft.parameters():

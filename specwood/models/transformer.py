@@ -15,7 +15,7 @@ from torch import nn
 from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
 from specwood.models.cache import KVCache, Rows
 from specwood.models.config import ModelConfig
-from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, kernel_layer_ops
+from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, kernel_layer_ops
 from specwood.models.rope import rope_tables
 
 
@@ -298,7 +298,6 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.inter = c.intermediate_size
         self.w13 = nn.Linear(c.dim, 2 * c.intermediate_size, bias=False)  # gate and up fused
         self.w2 = nn.Linear(c.intermediate_size, c.dim, bias=False)
         self.ops = TORCH_OPS
@@ -453,10 +452,14 @@ class Transformer(nn.Module):
         ops = kernel_layer_ops()
         if ops is None:
             return False
+        self.use_ops(ops)
+        return True
+
+    def use_ops(self, ops: TorchLayerOps) -> None:
+        """Point every module's small operations (norms, RoPE, gated product, attention) at `ops`."""
         for m in self.modules():
             if hasattr(m, "ops"):
                 m.ops = ops
-        return True
 
     def pack_for_cpu(self) -> bool:
         """Swap every bf16 Linear for a PackedLinear; True if anything was packed."""
