@@ -6,24 +6,28 @@ and then the other, round after round:
       of the target and of the draft; ms, median of 11 per round; plus how far the two
       implementations' logits are apart;
   (2) tv: T_v(x) of the target as the planner measures it (random tree masks), ctx 128 and 1,500.
+With --against REV the kernels as they were at git revision REV join as a third implementation.
 
     python benchmarks/layer_ops.py --parts forward,tv --dtype q4
+    python benchmarks/layer_ops.py --parts tv --against 0c7540d
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 import specwood
-from specwood.models.layer_ops import TORCH_OPS, kernel_layer_ops
+from specwood.models.layer_ops import KERNEL, TORCH_OPS, KernelLayerOps, kernel_layer_ops
 
 
 def bench_forward(models: dict, impls: dict, rows: list[int], context: int, rounds: int) -> None:
     print(f"\n## (1) one forward after {context} tokens, ms (median of 11; one value per round)\n")
-    print("| model | rows | " + " | ".join(impls) + " | max logit difference |")
+    print("| model | rows | " + " | ".join(impls) + " | max logit difference, first two |")
     print("|---|---:|" + "---:|" * (len(impls) + 1))
     for label, model in models.items():
         cache = model.new_cache(context + max(rows) + 1)
@@ -46,7 +50,7 @@ def bench_forward(models: dict, impls: dict, rows: list[int], context: int, roun
                         model(tokens, pos, mask, cache, pos)
                         ts.append(time.perf_counter() - t0)
                     times[name].append(statistics.median(ts) * 1e3)
-            a, b = logits.values()
+            a, b = list(logits.values())[:2]
             cells = " | ".join(" / ".join(f"{t:.1f}" for t in times[name]) for name in impls)
             print(f"| {label} | {x} | {cells} | {(a - b).abs().max().item():.3f} |", flush=True)
 
@@ -76,11 +80,19 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--against", help="git revision whose kernels join the comparison")
     args = ap.parse_args()
     kernels = kernel_layer_ops()
     if kernels is None:
         raise SystemExit("the layer kernels cannot run here (no AVX512 or no C++ compiler)")
     impls = {"torch ops": TORCH_OPS, "layer kernels": kernels}
+    if args.against:
+        from q4_kernel_ab import build_old
+
+        old = KernelLayerOps.__new__(KernelLayerOps)
+        old.kernel = build_old(args.against, Path(tempfile.mkdtemp()), "specwood/models/kernels/layer_ops.cpp",
+                               KERNEL.cflags)
+        impls[f"kernels @{args.against}"] = old
     engine = specwood.load(dtype=args.dtype, draft_dtype=args.draft_dtype, progress=False)
     print(f"# layer kernels against torch ops: target {args.dtype}, draft {args.draft_dtype}, "
           f"{torch.get_num_threads()} threads")

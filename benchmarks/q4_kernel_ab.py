@@ -27,15 +27,17 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCE = "specwood/models/kernels/q4_vnni.cpp"
 
 
-def build_old(rev: str, folder: Path):
+def build_old(rev: str, folder: Path, source: str = SOURCE, cflags: list[str] | None = None):
+    """`source` (a kernel file of this repository) as it was at `rev`, built into `folder`."""
     from torch.utils.cpp_extension import load
 
-    text = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=REPO, check=True, capture_output=True,
+    text = subprocess.run(["git", "show", f"{rev}:{source}"], cwd=REPO, check=True, capture_output=True,
                           text=True).stdout
-    src = folder / "q4_vnni_old.cpp"
+    stem = Path(source).stem
+    src = folder / f"{stem}_old.cpp"
     src.write_text(text)
-    return load(name="specwood_q4_vnni_old", sources=[str(src)], build_directory=str(folder), extra_cflags=w4a8.KERNEL_CFLAGS,
-                verbose=False)
+    return load(name=f"specwood_{stem}_old", sources=[str(src)], build_directory=str(folder),
+                extra_cflags=w4a8.KERNEL_CFLAGS if cflags is None else cflags, verbose=False)
 
 
 def bench_linears(kernels: dict, rows: list[int], calls: int, rounds: int) -> None:

@@ -221,6 +221,45 @@ def test_planned_shape_follows_observed_acceptance():
     assert adaptive.choose_x(128) == planned
 
 
+def test_copy_steps_are_priced_by_what_they_measured():
+    """A copied chain is verified as a tree; where such steps cost more than the plan's T_v says
+    (a prompt longer than the plan's widest bucket), the request stops copying, and after some
+    plain steps it tries again."""
+    from types import SimpleNamespace
+
+    from specwood.engine.step import StepRecord
+    from specwood.verify import Verdict
+
+    plan = cost_plan(AATFit(1.0, 1.0, 0.0))
+    shape = PlannedShape(plan, lambda budget: ("tree", budget), lookup=True, model=False)
+    context, root = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 5, 6, 7], 8
+
+    def step():
+        drafter = shape.for_batch(1, 128)
+        gen = drafter.draft(context, root, SimpleNamespace(greedy=True), None)
+        try:
+            next(gen)
+        except StopIteration as done:
+            return drafter, done.value
+        raise AssertionError("copying and plain steps need no draft forward")
+
+    drafter, tree = step()
+    assert drafter.copied == 10 and len(tree) == 11  # at the plan's price a copy pays
+    for _ in range(20):  # copies accept 4 of 10, but each costs 4x its predicted T_v
+        drafter, tree = step()
+        if not drafter.copied:
+            break
+        shape.on_step(tree, Verdict([1, 2, 3, 4], 0),
+                      StepRecord(1, len(tree), 0.0, verify_s=4 * float(plan.t_v(128, len(tree)))))
+    assert not drafter.copied and len(tree) == 1 and shape.copy_cost.ratio > 2.5
+    for _ in range(60):  # plain steps at the plan's price: the copy price drifts back, copying resumes
+        shape.on_step(tree, Verdict([], 0), StepRecord(1, 1, 0.0, verify_s=float(plan.t_v(128, 1))))
+        drafter, tree = step()
+        if drafter.copied:
+            break
+    assert drafter.copied == 10
+
+
 def test_batch_aware_decision_shrinks_trees_under_load():
     """Requests sharing a step share the target forward: T_v of the whole batch's tokens decides."""
     plan = cost_plan(AATFit(1.0, 1.0, 0.0))

@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specwood.models.kernels import AVX512_FLAGS, CpuKernel
+from specwood.models.kernels import AVX512_FLAGS, CpuKernel, cpu_flags
 from specwood.models.rope import apply_rope
 
-# -ffp-contract=off: RoPE's products and sums rounded one by one, as torch's operators do
+# -ffp-contract=off: RoPE's products and sums rounded one by one, as torch's operators do.
+# AVX512-BF16 where the CPU has it: bf16 attention multiplies pairs without widening them.
 KERNEL = CpuKernel("specwood_layer_ops", "layer_ops.cpp",
-                   ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-ffp-contract=off", "-fopenmp"],
+                   ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-ffp-contract=off", "-fopenmp"]
+                   + (["-mavx512bf16"] if "avx512_bf16" in cpu_flags() else []),
                    AVX512_FLAGS, "the fused layer operations")
 
 

@@ -78,7 +78,28 @@ class AcceptanceTracker:
         return lambda x: 1.0 if x <= 1 else 1.0 + min(x - 1.0, r * (float(aat(x)) - 1.0))
 
 
-class DraftCostTracker:
+class CostRatio:
+    """A decayed ratio of what something measured to cost against what the plan predicted."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.ratio = 1.0
+
+    def record(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s > 0:
+            self.ratio = self.decay * self.ratio + (1 - self.decay) * self._clamp(measured_s / predicted_s)
+
+    def relax(self, decay: float) -> None:
+        """Drift back towards the plan's price, so one bad phase is tried again later."""
+        self.ratio = decay * self.ratio + (1 - decay)
+
+    @staticmethod
+    def _clamp(ratio: float) -> float:
+        """One step's (or a stored) ratio, within what a real step can make of the plan's price."""
+        return min(4.0, max(0.5, ratio))
+
+
+class DraftCostTracker(CostRatio):
     """What drafting in shared steps really costs against the plan's batch model, shared by all
     requests one prepared `auto` serves (a property of the machine and the batching, not of a
     request).
@@ -97,7 +118,7 @@ class DraftCostTracker:
     SAVE_EVERY = 8  # records between writes
 
     def __init__(self, decay: float = 0.9, path: Path | None = None):
-        self.decay = decay
+        super().__init__(decay)
         self.path = path
         self.ratio = self._stored_ratio(path) if path is not None else 1.0
         self._unsaved = 0
@@ -107,8 +128,7 @@ class DraftCostTracker:
 
     def record(self, predicted_s: float, measured_s: float) -> None:
         if predicted_s > 0:
-            r = self._clamp(measured_s / predicted_s)
-            self.ratio = self.decay * self.ratio + (1 - self.decay) * r
+            super().record(predicted_s, measured_s)
             self._unsaved += 1
             if self.path is not None and self._unsaved >= self.SAVE_EVERY:
                 self.save()
@@ -129,11 +149,6 @@ class DraftCostTracker:
         except (OSError, ValueError, KeyError, TypeError):
             return 1.0  # none yet, or damaged: learn it
         return DraftCostTracker._clamp(ratio) if ratio == ratio else 1.0
-
-    @staticmethod
-    def _clamp(ratio: float) -> float:
-        """One step's (or a stored) ratio, within what a real batch can make of the plan's price."""
-        return min(4.0, max(0.5, ratio))
 
 
 def drafting_costs_path(key: PlanKey) -> Path:
@@ -207,7 +222,10 @@ class PlannedShape:
 
     With `lookup`, a step the request has to itself copies from the context instead when an
     n-gram recurs and the copy's expected tokens per T_v(1 + chain) beat the model's rate
-    (LookupOrModelShape; LookupTracker learns how well copying does in this request). Shared
+    (LookupOrModelShape; LookupTracker learns how well copying does in this request). A copy's
+    T_v is the plan's, corrected by what this request's copy steps measured against its plain
+    steps: the plan's widest context bucket may be far shorter than the prompt, and a wide
+    forward's attention grows with the context faster than a one-token one's. Shared
     steps do not copy: measured under load, the wider forward cost more than the copies earned.
     With `model=False` the draft model is never used (its prefill did not pay): the request
     copies or decodes plainly.
@@ -224,6 +242,8 @@ class PlannedShape:
         self._shapes: dict[int, Any] = {}
         self.tracker = AcceptanceTracker()
         self.lookup_tracker = LookupTracker()
+        # measured against predicted verify time, this request's copy steps and its plain steps
+        self.copy_cost, self.plain_cost = CostRatio(decay=0.7), CostRatio(decay=0.7)
         self.draft_costs = draft_costs or DraftCostTracker()
         self._predicted_draft_s = 0.0  # the plan's price of this step's drafting, in a shared step
         self._context_len = 0
@@ -268,9 +288,10 @@ class PlannedShape:
         x = d.x if (self.model and d.method == "sd") else 1
         model_rate = d.p_eff if x > 1 else d.p_ar
         lt = self.lookup_tracker
+        copy_price = self.copy_cost.ratio / self.plain_cost.ratio
 
         def worth(chain: int) -> bool:
-            return lt.expected_tokens(chain) / float(self.plan.t_v(context_len, 1 + chain)) > model_rate
+            return lt.expected_tokens(chain) / (float(self.plan.t_v(context_len, 1 + chain)) * copy_price) > model_rate
 
         self._step = LookupOrModelShape(self._model_shape(x), LOOKUP_K, worth)
         self._step_x = x
@@ -283,10 +304,15 @@ class PlannedShape:
         if step is not None and step.copied:
             self.lookup_steps += 1
             self.lookup_tracker.record(step.copied, len(verdict.accepted))
+            if cost is not None:
+                self.copy_cost.record(float(self.plan.t_v(self._context_len, 1 + step.copied)), cost.verify_s)
             return
+        if step is not None and len(tree) <= 1 and cost is not None:
+            self.plain_cost.record(float(self.plan.t_v(self._context_len, 1)), cost.verify_s)
         if step is not None:
             self.x_used[self._step_x] = self.x_used.get(self._step_x, 0) + 1
             self.lookup_tracker.relax()
+            self.copy_cost.relax(self.lookup_tracker.relax_decay)
         if len(tree) <= 1:
             self.tracker.relax()
         else:

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -144,37 +145,138 @@ void silu_mul_rows(const T* gu, T* out, int64_t m, int64_t inter) {
   });
 }
 
-// Attention of one token's `groups` query heads (sharing KV head kvh) over the keys its mask row
-// lets it see. q [groups, d] at q (head stride d), k/v rows at key_stride, bias [S] additive
-// (-inf = masked), out [groups, d].
+// Lane i of the result is the sum of v[i]'s 16 lanes. Every register goes through the same tree
+// ((e0 + e2) + (e1 + e3) in each 128-bit quarter, then (Q0 + Q1) + (Q2 + Q3)), so a score does not
+// depend on the position its key takes in a block. Three shuffles and an add per pair of registers
+// at each of four levels: about 3 operations a sum instead of sum16's 7.
+inline __m512 sum16x16(const __m512 (&v)[16]) {
+  __m512 t[8], u[4], w[2];
+  for (int p = 0; p < 8; ++p) t[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+  for (int p = 0; p < 4; ++p) {
+    const __m512d a = _mm512_castps_pd(t[2 * p]), b = _mm512_castps_pd(t[2 * p + 1]);
+    u[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int p = 0; p < 2; ++p)
+    w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// bf16 pairs straight into fp32 sums (vdpbf16ps) where the CPU has AVX512-BF16 and d is a
+// multiple of 32: no widening of q, k or v, and half the multiply instructions. Products of two
+// bf16 values are exact in fp32, so the scores lose nothing; the probabilities go to bf16 for the
+// product with v, as torch's flash attention does for bf16.
+#ifdef __AVX512BF16__
+constexpr bool kBf16Pairs = true;
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+#else
+constexpr bool kBf16Pairs = false;
+inline __m512 dot_pairs(__m512 acc, __m512i, __m512i) { return acc; }  // never called
+#endif
 template <typename T>
-void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const T* bias, int64_t s_len,
-                  int64_t groups, int64_t d, float scale, T* out, std::vector<float>& qf, std::vector<int32_t>& keys,
-                  std::vector<float>& scores) {
-  const int64_t chunks = d / 16;
-  keys.clear();
-  for (int64_t j = 0; j < s_len; ++j)
-    if (static_cast<float>(bias[j]) != -std::numeric_limits<float>::infinity()) keys.push_back(static_cast<int32_t>(j));
-  const int64_t n = static_cast<int64_t>(keys.size());
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t i = 0; i < d; i += 16) store16(qf.data() + g * d + i, load16(q + g * d + i));
-  scores.resize(groups * n);
-  __m512 kreg[16];  // d <= 256
-  for (int64_t a = 0; a < n; ++a) {
-    const int64_t j = keys[a];
-    for (int64_t c = 0; c < chunks; ++c) kreg[c] = load16(k + j * key_stride + c * 16);
-    const float b = static_cast<float>(bias[j]);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* qg = qf.data() + g * d;
-      __m512 acc = _mm512_mul_ps(load16(qg), kreg[0]);
-      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(load16(qg + c * 16), kreg[c], acc);
-      scores[g * n + a] = sum16(acc) * scale + b;
+inline bool use_pairs(int64_t d) { return kBf16Pairs && std::is_same<T, at::BFloat16>::value && (d == 64 || d == 128); }
+
+// Lane-wise partial products of q and k (d values each); their 16 lanes sum to q . k.
+template <typename T>
+inline __m512 partial_dot(const T* q, const T* k, int64_t d, bool pairs) {
+  if (pairs) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) acc = dot_pairs(acc, _mm512_loadu_si512(q + i), _mm512_loadu_si512(k + i));
+    return acc;
+  }
+  __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+  for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(load16(q + i), load16(k + i), acc);
+  return acc;
+}
+
+// sum_a p[a] v[keys[a]] for HB heads at once, two keys per vdpbf16ps: lane pairs (v_a[i], v_a+1[i])
+// against the probability pair (p_a, p_a+1) in bf16. The pairs follow the order of the visible
+// keys, so a tree node pairs its keys as the one-token forward along its path does.
+template <int HB, int D>
+void weigh_values_pairs(const at::BFloat16* v, int64_t key_stride, const int32_t* keys, int64_t n,
+                        const uint32_t* const (&prob_pairs)[HB], const at::BFloat16* zero_row, __m512 (&acc)[HB][8]) {
+  alignas(64) static const int16_t lo_order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo_idx = _mm512_load_si512(lo_order);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  constexpr int chunks = D / 32;
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < 2 * chunks; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t a = 0; a < n; a += 2) {
+    const at::BFloat16* v0 = v + keys[a] * key_stride;
+    const at::BFloat16* v1 = a + 1 < n ? v + keys[a + 1] * key_stride : zero_row;
+    __m512i p[HB];
+    for (int h = 0; h < HB; ++h) p[h] = _mm512_set1_epi32(static_cast<int32_t>(prob_pairs[h][a / 2]));
+    for (int c = 0; c < chunks; ++c) {
+      const __m512i x = _mm512_loadu_si512(v0 + 32 * c), y = _mm512_loadu_si512(v1 + 32 * c);
+      const __m512i lo = _mm512_permutex2var_epi16(x, lo_idx, y), hi = _mm512_permutex2var_epi16(x, hi_idx, y);
+      for (int h = 0; h < HB; ++h) {
+        acc[h][2 * c] = dot_pairs(acc[h][2 * c], lo, p[h]);
+        acc[h][2 * c + 1] = dot_pairs(acc[h][2 * c + 1], hi, p[h]);
+      }
     }
   }
+}
+
+// Per-call scratch of one thread.
+struct AttentionScratch {
+  std::vector<int32_t> keys;
+  std::vector<float> key_bias, scores;
+  std::vector<at::BFloat16> probs;
+};
+
+// Attention of one token's `groups` query heads (sharing KV head kvh) over the keys its mask row
+// lets it see. q [groups, d] at q (head stride d), k/v rows at key_stride, bias [S] additive
+// (-inf = masked), out [groups, d]. D: d known at compile time (0: any), so the value sums of the
+// bf16 path stay in registers.
+template <typename T, int D>
+void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const T* bias, int64_t s_len,
+                  int64_t groups, int64_t any_d, float scale, T* out, AttentionScratch& scratch) {
+  const int64_t d = D ? D : any_d;
+  const int64_t chunks = d / 16;
+  const bool pairs = use_pairs<T>(d);
+  // The visible keys in slot order, 16 bias entries at a time (compressed in a register: Zen 4's
+  // compressing store to memory is microcoded and slow).
+  std::vector<int32_t>& keys = scratch.keys;
+  std::vector<float>& key_bias = scratch.key_bias;
+  keys.resize(s_len + 16);
+  key_bias.resize(s_len + 16);
+  const __m512 masked = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t n = 0;
+  for (int64_t j = 0; j < s_len; j += 16) {
+    const __m512 b = load16(bias + j, first_lanes(s_len - j));
+    const __mmask16 seen = _mm512_cmp_ps_mask(b, masked, _CMP_NEQ_UQ) & first_lanes(s_len - j);
+    const __m512i idx = _mm512_add_epi32(lane_index, _mm512_set1_epi32(static_cast<int32_t>(j)));
+    _mm512_storeu_si512(keys.data() + n, _mm512_maskz_compress_epi32(seen, idx));
+    _mm512_storeu_ps(key_bias.data() + n, _mm512_maskz_compress_ps(seen, b));
+    n += __builtin_popcount(seen);
+  }
+  const int64_t padded = (n + 31) / 32 * 32;  // whole blocks of 16 scores, whole pairs of bf16
+  std::vector<float>& scores = scratch.scores;
+  scores.resize(groups * padded);
+  // Scores, 16 keys a block: each key's row is read from L1 by every head of the group.
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t a0 = 0; a0 < n; a0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - a0);
+    const __m512 kb = _mm512_maskz_loadu_ps(first_lanes(count), key_bias.data() + a0);
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 acc[16];
+      for (int64_t i = 0; i < 16; ++i)
+        acc[i] = i < count ? partial_dot(q + g * d, k + keys[a0 + i] * key_stride, d, pairs) : _mm512_setzero_ps();
+      _mm512_storeu_ps(scores.data() + g * padded + a0, _mm512_add_ps(_mm512_mul_ps(sum16x16(acc), scale16), kb));
+    }
+  }
+  // Softmax of each head's scores, in the order of the visible keys.
+  std::vector<float> inverse(groups);
   for (int64_t g = 0; g < groups; ++g) {
-    float* sg = scores.data() + g * n;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t a = 0; a < n; ++a) top = std::max(top, sg[a]);
+    float* sg = scores.data() + g * padded;
+    __m512 highest = masked;
+    for (int64_t a = 0; a < n; a += 16) highest = _mm512_max_ps(highest, _mm512_mask_loadu_ps(masked, first_lanes(n - a), sg + a));
+    const float top = _mm512_reduce_max_ps(highest);
     __m512 total = _mm512_setzero_ps();
     const __m512 shift = _mm512_set1_ps(top);
     for (int64_t a = 0; a < n; a += 16) {
@@ -183,7 +285,40 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
       _mm512_mask_storeu_ps(sg + a, lanes, p);
       total = _mm512_add_ps(total, p);
     }
-    const float inv = n > 0 ? 1.f / sum16(total) : 0.f;
+    inverse[g] = n > 0 ? 1.f / sum16(total) : 0.f;
+  }
+  if (pairs) {
+    if constexpr (std::is_same<T, at::BFloat16>::value && D != 0) {
+      std::vector<at::BFloat16>& probs = scratch.probs;
+      probs.resize(groups * padded);
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t a = 0; a < padded; a += 16)
+          store16(probs.data() + g * padded + a, _mm512_maskz_loadu_ps(a < n ? first_lanes(n - a) : 0, scores.data() + g * padded + a));
+      alignas(64) static const at::BFloat16 zero_row[128] = {};
+      auto pairs_of = [&](int64_t g) { return reinterpret_cast<const uint32_t*>(probs.data() + g * padded); };
+      auto finish = [&](int64_t g, const __m512* acc) {
+        const __m512 norm = _mm512_set1_ps(inverse[g]);
+        for (int64_t c = 0; c < chunks; ++c) store16(out + g * d + c * 16, _mm512_mul_ps(acc[c], norm));
+      };
+      int64_t g = 0;
+      for (; g + 2 <= groups; g += 2) {
+        __m512 acc[2][8];
+        const uint32_t* const pp[2] = {pairs_of(g), pairs_of(g + 1)};
+        weigh_values_pairs<2, D>(v, key_stride, keys.data(), n, pp, zero_row, acc);
+        finish(g, acc[0]);
+        finish(g + 1, acc[1]);
+      }
+      if (g < groups) {
+        __m512 acc[1][8];
+        const uint32_t* const pp[1] = {pairs_of(g)};
+        weigh_values_pairs<1, D>(v, key_stride, keys.data(), n, pp, zero_row, acc);
+        finish(g, acc[0]);
+      }
+      return;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* sg = scores.data() + g * padded;
     __m512 acc[16];
     for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
     for (int64_t a = 0; a < n; ++a) {
@@ -191,7 +326,7 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
       const T* vr = v + keys[a] * key_stride;
       for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vr + c * 16), acc[c]);
     }
-    const __m512 norm = _mm512_set1_ps(inv);
+    const __m512 norm = _mm512_set1_ps(inverse[g]);
     for (int64_t c = 0; c < chunks; ++c) store16(out + g * d + c * 16, _mm512_mul_ps(acc[c], norm));
   }
 }
@@ -206,16 +341,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const T* vp = v.data_ptr<T>();
   const T* bp = bias.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  auto* attend = d == 128 ? attend_token<T, 128> : d == 64 ? attend_token<T, 64> : attend_token<T, 0>;
   at::parallel_for(0, B * Hkv * T_, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(groups * d), scores;
-    std::vector<int32_t> keys;
-    keys.reserve(S);
+    AttentionScratch scratch;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (Hkv * T_), h = (i / T_) % Hkv, t = i % T_;
-      attend_token(qp + b * q.stride(0) + t * q.stride(1) + h * groups * q.stride(2),
+      attend(qp + b * q.stride(0) + t * q.stride(1) + h * groups * q.stride(2),
                    kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1), k.stride(2),
                    bp + b * bias.stride(0) + t * bias.stride(2), S, groups, d, scale,
-                   op + (b * T_ + t) * H * d + h * groups * d, qf, keys, scores);
+                   op + (b * T_ + t) * H * d + h * groups * d, scratch);
     }
   });
 }
