@@ -224,17 +224,16 @@ def test_planned_shape_follows_observed_acceptance():
 def test_copy_steps_are_priced_by_what_they_measured():
     """A copied chain is verified as a tree; where such steps cost more than the plan's T_v says
     (a prompt longer than the plan's widest bucket), the request stops copying, and after some
-    plain steps it tries again."""
+    plain steps it tries again. The same acceptance at the plan's price keeps copying."""
     from types import SimpleNamespace
 
     from specwood.engine.step import StepRecord
     from specwood.verify import Verdict
 
     plan = cost_plan(AATFit(1.0, 1.0, 0.0))
-    shape = PlannedShape(plan, lambda budget: ("tree", budget), lookup=True, model=False)
     context, root = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 5, 6, 7], 8
 
-    def step():
+    def step(shape):
         drafter = shape.for_batch(1, 128)
         gen = drafter.draft(context, root, SimpleNamespace(greedy=True), None)
         try:
@@ -243,21 +242,45 @@ def test_copy_steps_are_priced_by_what_they_measured():
             return drafter, done.value
         raise AssertionError("copying and plain steps need no draft forward")
 
-    drafter, tree = step()
-    assert drafter.copied == 10 and len(tree) == 11  # at the plan's price a copy pays
-    for _ in range(20):  # copies accept 4 of 10, but each costs 4x its predicted T_v
-        drafter, tree = step()
-        if not drafter.copied:
-            break
-        shape.on_step(tree, Verdict([1, 2, 3, 4], 0),
-                      StepRecord(1, len(tree), 0.0, verify_s=4 * float(plan.t_v(128, len(tree)))))
-    assert not drafter.copied and len(tree) == 1 and shape.copy_cost.ratio > 2.5
+    copied = {}
+    for price in (1, 4):
+        shape = PlannedShape(plan, lambda budget: ("tree", budget), lookup=True, model=False)
+        drafter, tree = step(shape)
+        assert drafter.copied > 0 and len(tree) == 1 + drafter.copied  # at the plan's price a copy pays
+        for _ in range(20):  # copies accept all but their last token; each costs `price` x its T_v
+            shape.on_step(tree, Verdict(list(range(1, drafter.copied)), 0),
+                          StepRecord(1, len(tree), 0.0, verify_s=price * float(plan.t_v(128, len(tree)))))
+            drafter, tree = step(shape)
+            if not drafter.copied:
+                break
+        copied[price] = drafter.copied
+    assert copied[1] > 0 and copied[4] == 0 and len(tree) == 1 and shape.copy_cost.ratio > 1.5
     for _ in range(60):  # plain steps at the plan's price: the copy price drifts back, copying resumes
         shape.on_step(tree, Verdict([], 0), StepRecord(1, 1, 0.0, verify_s=float(plan.t_v(128, 1))))
-        drafter, tree = step()
+        drafter, tree = step(shape)
         if drafter.copied:
             break
-    assert drafter.copied == 10
+    assert drafter.copied > 0
+
+
+def test_copied_chains_are_cut_to_what_the_request_accepts():
+    """Where copied tokens are rarely accepted, a long chain costs a wide verify for nothing:
+    the chain is cut short (or not copied); where they are, the whole chain is copied."""
+    from specwood.planner.auto import LookupTracker
+
+    # T_v grows with the chain: 1 + 10% a token
+    plan = Plan(key=KEY, contexts=[128], verify_times={128: {x: 0.1 * (1 + 0.1 * (x - 1)) for x in (1, 2, 4, 8, 16)}},
+                draft_times={128: {x: 0.02 * (x - 1) for x in (1, 2, 4, 8, 16)}}, aat=AATFit(1.0, 1.0, 0.0)).refresh()
+    lengths = {}
+    for name, (accepted, of) in {"good": (10, 10), "poor": (0, 10)}.items():
+        shape = PlannedShape(plan, lambda budget: ("tree", budget), lookup=True, model=False)
+        for _ in range(6):
+            shape.lookup_tracker.record(of, accepted)
+        shape.for_batch(1, 128)
+        lengths[name] = shape._step.chain_length(10)
+    assert lengths["good"] == 10 and lengths["poor"] < 3
+    tracker = LookupTracker()
+    assert tracker.expected_tokens(10) < 2.0 < LookupTracker(prior=0.9).expected_tokens(10)
 
 
 def test_batch_aware_decision_shrinks_trees_under_load():

@@ -158,46 +158,59 @@ def drafting_costs_path(key: PlanKey) -> Path:
 
 
 class LookupTracker:
-    """How well copying from the context (prompt lookup) does in this request: an exponentially
-    decayed fraction of each copied chain that verification accepted. It starts at `prior` and
-    drifts back to it on model steps, so a request where copying failed tries again later."""
+    """How well copying from the context (prompt lookup) does in this request: the chance `a` that
+    a copied token is accepted given the one before it was, from decayed counts of accepted copied
+    tokens and of rejections (a chain stops at its first). A chain of c tokens is then expected to
+    emit 1 + a + a^2 + ... + a^c tokens, so where copies fail, long chains are worth far less
+    than short ones. The counts start at a prior and drift back to it on steps that do not copy,
+    so a request where copying failed tries again later."""
 
-    def __init__(self, prior: float = 0.4, decay: float = 0.7, relax_decay: float = 0.95):
-        self.prior, self.decay, self.relax_decay = prior, decay, relax_decay
-        self.fraction = prior
+    def __init__(self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.7, relax_decay: float = 0.95):
+        self.prior_accepted, self.prior_rejected = prior * weight, (1 - prior) * weight
+        self.accepted, self.rejected = self.prior_accepted, self.prior_rejected
+        self.decay, self.relax_decay = decay, relax_decay
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
 
     def expected_tokens(self, chain: int) -> float:
         """Tokens a lookup step with a copied chain of `chain` tokens is expected to emit."""
-        return 1.0 + self.fraction * chain
+        a = self.acceptance
+        return 1.0 + sum(a ** i for i in range(1, chain + 1))
 
     def record(self, chain: int, accepted: int) -> None:
-        self.fraction = self.decay * self.fraction + (1 - self.decay) * accepted / max(chain, 1)
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + (1.0 if accepted < chain else 0.0)
 
     def relax(self) -> None:
-        self.fraction = self.relax_decay * self.fraction + (1 - self.relax_decay) * self.prior
+        r = self.relax_decay
+        self.accepted = r * self.accepted + (1 - r) * self.prior_accepted
+        self.rejected = r * self.rejected + (1 - r) * self.prior_rejected
 
 
 class LookupOrModelShape(ShapeBase):
-    """One step's tree: a chain copied from the context where an n-gram of it recurs and the
-    copy is expected to emit tokens faster than the model's tree (`worth(chain length)`), else
-    the model's shape (None: a plain step). Copying needs no draft forward, so a step costs
-    T_v(1 + chain) only. The choice depends on the context alone, never on this step's random
-    draws, so sampling stays lossless: each tree carries its own rule (copied chains are
-    "selected", i.e. a one-hot q)."""
+    """One step's tree: a chain copied from the context where an n-gram of it recurs, cut to the
+    length `chain_length(longest)` picks (0: do not copy; e.g. the copy would emit tokens slower
+    than the model's tree), else the model's shape (None: a plain step). Copying needs no draft
+    forward, so a step costs T_v(1 + chain) only. The choice depends on the context alone, never
+    on this step's random draws, so sampling stays lossless: each tree carries its own rule
+    (copied chains are "selected", i.e. a one-hot q)."""
 
-    def __init__(self, model_shape: Any | None, k: int, worth: Callable[[int], bool]):
+    def __init__(self, model_shape: Any | None, k: int, chain_length: Callable[[int], int]):
         self.model_shape = model_shape
         self.k = k
-        self.worth = worth
+        self.chain_length = chain_length
         self.name = f"lookup+{getattr(model_shape, 'name', 'ar')}"
         self.copied = 0  # the chain length of the last draft (0: the model drafted)
 
     def draft(self, context: list[int], root: int, params: Any, generator: Any) -> Any:
         chain = find_continuation([*context, root], self.k, LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
-        if chain and self.worth(len(chain)):
-            self.copied = len(chain)
+        length = self.chain_length(len(chain)) if chain else 0
+        if length:
+            self.copied = length
             yield from ()  # no draft calls
-            return copied_chain(root, chain)
+            return copied_chain(root, chain[:length])
         self.copied = 0
         if self.model_shape is None:
             yield from ()
@@ -221,7 +234,8 @@ class PlannedShape:
     uses the plan's per-bucket choices as stored (batch of one).
 
     With `lookup`, a step the request has to itself copies from the context instead when an
-    n-gram recurs and the copy's expected tokens per T_v(1 + chain) beat the model's rate
+    n-gram recurs and the copy's expected tokens per T_v(1 + chain), at the best chain length,
+    beat the model's rate
     (LookupOrModelShape; LookupTracker learns how well copying does in this request). A copy's
     T_v is the plan's, corrected by what this request's copy steps measured against its plain
     steps: the plan's widest context bucket may be far shorter than the prompt, and a wide
@@ -290,10 +304,14 @@ class PlannedShape:
         lt = self.lookup_tracker
         copy_price = self.copy_cost.ratio / self.plain_cost.ratio
 
-        def worth(chain: int) -> bool:
-            return lt.expected_tokens(chain) / (float(self.plan.t_v(context_len, 1 + chain)) * copy_price) > model_rate
+        def chain_length(longest: int) -> int:
+            """The copy length with the best expected rate, if that beats the model's (else 0)."""
+            rates = [(lt.expected_tokens(c) / (float(self.plan.t_v(context_len, 1 + c)) * copy_price), c)
+                     for c in range(1, longest + 1)]
+            rate, best = max(rates)
+            return best if rate > model_rate else 0
 
-        self._step = LookupOrModelShape(self._model_shape(x), LOOKUP_K, worth)
+        self._step = LookupOrModelShape(self._model_shape(x), LOOKUP_K, chain_length)
         self._step_x = x
         return self._step
 
