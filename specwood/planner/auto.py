@@ -298,9 +298,12 @@ class PlannedShape:
             if x > 1 and batch_size > 1:
                 self._predicted_draft_s = float(self.plan.step_costs(context_len, batch_size)[1](x))
             return self._model_shape(x)
-        d = self._decision(context_len, batch_size)
-        x = d.x if (self.model and d.method == "sd") else 1
-        model_rate = d.p_eff if x > 1 else d.p_ar
+        if self.model:
+            d = self._decision(context_len, batch_size)
+            x = d.x if d.method == "sd" else 1
+            model_rate = d.p_eff if x > 1 else d.p_ar
+        else:  # copying or plain steps only: no need to weigh every tree size each step
+            x, model_rate = 1, 1.0 / float(self.plan.t_v(context_len, 1))
         lt = self.lookup_tracker
         copy_price = self.copy_cost.ratio / self.plain_cost.ratio
 
