@@ -5,11 +5,14 @@ and then the other, round after round:
   (1) forward: one forward of --rows tree tokens (a causal chain) after --context cached tokens,
       of the target and of the draft; ms, median of 11 per round; plus how far the two
       implementations' logits are apart;
-  (2) tv: T_v(x) of the target as the planner measures it (random tree masks), ctx 128 and 1,500.
+  (2) tv: T_v(x) of the target as the planner measures it (random tree masks), ctx 128 and 1,500;
+  (3) attention: one call of the kernel attention alone (bf16, random data), in the target's and
+      the draft's head shapes, min over rounds of the median of 50 calls; the kernels only.
 With --against REV the kernels as they were at git revision REV join as a third implementation.
 
     python benchmarks/layer_ops.py --parts forward,tv --dtype q4
     python benchmarks/layer_ops.py --parts tv --against 0c7540d
+    python benchmarks/layer_ops.py --parts attention --against 0c7540d --rounds 3
 """
 from __future__ import annotations
 
@@ -72,9 +75,38 @@ def bench_tv(target: torch.nn.Module, impls: dict, rounds: int) -> None:
                       + f" | {row[8] / row[1]:.2f} |", flush=True)
 
 
+def bench_attention(impls: dict, rounds: int) -> None:
+    from specwood.models.transformer import cpu_attention_mask
+
+    kernels = {name: ops for name, ops in impls.items() if hasattr(ops, "kernel")}
+    print("\n## (3) kernel attention alone, bf16, us a call (min over rounds of the median of 50)\n")
+    print("| heads (q / kv) | head dim | context | query tokens | " + " | ".join(kernels) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(kernels))
+    g = torch.Generator().manual_seed(0)
+    for heads, kv, dim in [(12, 2, 128), (14, 2, 64)]:  # the default target's and draft's
+        for context in (300, 1500):
+            for tokens in (1, 8):
+                q = torch.randn(1, tokens, heads, dim, generator=g).bfloat16()
+                k, v = (torch.randn(1, kv, context + tokens, dim, generator=g).bfloat16() for _ in range(2))
+                mask = torch.ones(1, 1, tokens, context + tokens, dtype=torch.bool)
+                mask[..., context:] = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+                bias = cpu_attention_mask(mask, heads // kv, torch.bfloat16)
+                best = {name: float("inf") for name in kernels}
+                for _ in range(rounds):
+                    for name, ops in kernels.items():
+                        ts = []
+                        for _ in range(50):
+                            t0 = time.perf_counter()
+                            ops.kernel.attention(q, k, v, bias, dim ** -0.5)
+                            ts.append(time.perf_counter() - t0)
+                        best[name] = min(best[name], statistics.median(ts) * 1e6)
+                print(f"| {heads} / {kv} | {dim} | {context} | {tokens} | "
+                      + " | ".join(f"{best[name]:.0f}" for name in kernels) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="forward,tv")
+    ap.add_argument("--parts", default="forward,tv", help="forward, tv, attention (comma-separated)")
     ap.add_argument("--dtype", default="q4", help="the target's weight mode (the draft's is --draft-dtype)")
     ap.add_argument("--draft-dtype", default="q4")
     ap.add_argument("--rows", default="1,4,8")
@@ -86,6 +118,7 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("the layer kernels cannot run here (no AVX512 or no C++ compiler)")
     impls = {"torch ops": TORCH_OPS, "layer kernels": kernels}
+    parts = args.parts.split(",")
     if args.against:
         from q4_kernel_ab import build_old
 
@@ -93,16 +126,20 @@ def main() -> None:
         old.kernel = build_old(args.against, Path(tempfile.mkdtemp()), "specwood/models/kernels/layer_ops.cpp",
                                KERNEL.cflags)
         impls[f"kernels @{args.against}"] = old
+    if parts == ["attention"]:  # no model needed
+        bench_attention(impls, args.rounds)
+        return
     engine = specwood.load(dtype=args.dtype, draft_dtype=args.draft_dtype, progress=False)
     print(f"# layer kernels against torch ops: target {args.dtype}, draft {args.draft_dtype}, "
           f"{torch.get_num_threads()} threads")
-    parts = args.parts.split(",")
     with torch.no_grad():
         if "forward" in parts:
             bench_forward({"target": engine.target, "draft": engine.draft_model}, impls,
                           [int(r) for r in args.rows.split(",")], args.context, args.rounds)
         if "tv" in parts:
             bench_tv(engine.target, impls, max(1, args.rounds // 2))
+        if "attention" in parts:
+            bench_attention(impls, args.rounds)
 
 
 if __name__ == "__main__":

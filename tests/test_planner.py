@@ -247,8 +247,8 @@ def test_copy_steps_are_priced_by_what_they_measured():
         shape = PlannedShape(plan, lambda budget: ("tree", budget), lookup=True, model=False)
         drafter, tree = step(shape)
         assert drafter.copied > 0 and len(tree) == 1 + drafter.copied  # at the plan's price a copy pays
-        for _ in range(20):  # copies accept all but their last token; each costs `price` x its T_v
-            shape.on_step(tree, Verdict(list(range(1, drafter.copied)), 0),
+        for _ in range(20):  # copies accept half their tokens; each costs `price` x its T_v
+            shape.on_step(tree, Verdict(list(range(1, drafter.copied // 2 + 1)), 0),
                           StepRecord(1, len(tree), 0.0, verify_s=price * float(plan.t_v(128, len(tree)))))
             drafter, tree = step(shape)
             if not drafter.copied:
@@ -280,7 +280,7 @@ def test_copied_chains_are_cut_to_what_the_request_accepts():
         lengths[name] = shape._step.chain_length(10)
     assert lengths["good"] == 10 and lengths["poor"] < 3
     tracker = LookupTracker()
-    assert tracker.expected_tokens(10) < 2.0 < LookupTracker(prior=0.9).expected_tokens(10)
+    assert LookupTracker(prior=0.3).expected_tokens(10) < 2.0 < 4.0 < tracker.expected_tokens(10)
 
 
 def test_batch_aware_decision_shrinks_trees_under_load():
