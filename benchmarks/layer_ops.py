@@ -122,10 +122,8 @@ def main() -> None:
     if args.against:
         from q4_kernel_ab import build_old
 
-        old = KernelLayerOps.__new__(KernelLayerOps)
-        old.kernel = build_old(args.against, Path(tempfile.mkdtemp()), "specwood/models/kernels/layer_ops.cpp",
-                               KERNEL.cflags)
-        impls[f"kernels @{args.against}"] = old
+        impls[f"kernels @{args.against}"] = KernelLayerOps(
+            build_old(args.against, Path(tempfile.mkdtemp()), "specwood/models/kernels/layer_ops.cpp", KERNEL.cflags))
     if parts == ["attention"]:  # no model needed
         bench_attention(impls, args.rounds)
         return

@@ -7,6 +7,8 @@ versions are mostly dispatch (BENCHMARKS.md §7o).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -69,8 +71,10 @@ class KernelLayerOps(TorchLayerOps):
 
     MAX_QUERY_TOKENS = 32
 
-    def __init__(self) -> None:
-        self.kernel = KERNEL.load()
+    def __init__(self, kernel: Any = None) -> None:
+        """`kernel`: a built module of `kernels/layer_ops.cpp` (default: this checkout's, built on
+        first use); benchmarks pass an earlier revision's."""
+        self.kernel = kernel if kernel is not None else KERNEL.load()
         if self.kernel is None:
             raise RuntimeError(KERNEL.failure)
 

@@ -163,8 +163,8 @@ inline __m512 sum16x16(const __m512 (&v)[16]) {
                        _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// bf16 pairs straight into fp32 sums (vdpbf16ps) where the CPU has AVX512-BF16 and d is a
-// multiple of 32: no widening of q, k or v, and half the multiply instructions. Products of two
+// bf16 pairs straight into fp32 sums (vdpbf16ps) where the CPU has AVX512-BF16 and the head size
+// is 64 or 128 (compiled in, see attend_token): no widening of q, k or v, and half the multiply instructions. Products of two
 // bf16 values are exact in fp32, so the scores lose nothing; the probabilities go to bf16 for the
 // product with v, as torch's flash attention does for bf16.
 #ifdef __AVX512BF16__
@@ -198,6 +198,7 @@ inline __m512 partial_dot(const T* q, const T* k, int64_t d, bool pairs) {
 template <int HB, int D>
 void weigh_values_pairs(const at::BFloat16* v, int64_t key_stride, const int32_t* keys, int64_t n,
                         const uint32_t* const (&prob_pairs)[HB], const at::BFloat16* zero_row, __m512 (&acc)[HB][8]) {
+  static_assert(D % 32 == 0 && D <= 128, "acc holds 8 registers of 16 sums a head");
   alignas(64) static const int16_t lo_order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i lo_idx = _mm512_load_si512(lo_order);
@@ -224,9 +225,16 @@ void weigh_values_pairs(const at::BFloat16* v, int64_t key_stride, const int32_t
 // Per-call scratch of one thread.
 struct AttentionScratch {
   std::vector<int32_t> keys;
-  std::vector<float> key_bias, scores;
+  std::vector<float> key_bias, scores, inverse;
   std::vector<at::BFloat16> probs;
 };
+
+// out[i] = acc[i / 16] * inverse for i < 16 * chunks: a head's value sums, normalised.
+template <typename T>
+inline void store_normalised(T* out, const __m512* acc, int64_t chunks, float inverse) {
+  const __m512 norm = _mm512_set1_ps(inverse);
+  for (int64_t c = 0; c < chunks; ++c) store16(out + c * 16, _mm512_mul_ps(acc[c], norm));
+}
 
 // Attention of one token's `groups` query heads (sharing KV head kvh) over the keys its mask row
 // lets it see. q [groups, d] at q (head stride d), k/v rows at key_stride, bias [S] additive
@@ -271,7 +279,8 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
     }
   }
   // Softmax of each head's scores, in the order of the visible keys.
-  std::vector<float> inverse(groups);
+  std::vector<float>& inverse = scratch.inverse;
+  inverse.resize(groups);
   for (int64_t g = 0; g < groups; ++g) {
     float* sg = scores.data() + g * padded;
     __m512 highest = masked;
@@ -296,10 +305,7 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
           store16(probs.data() + g * padded + a, _mm512_maskz_loadu_ps(a < n ? first_lanes(n - a) : 0, scores.data() + g * padded + a));
       alignas(64) static const at::BFloat16 zero_row[128] = {};
       auto pairs_of = [&](int64_t g) { return reinterpret_cast<const uint32_t*>(probs.data() + g * padded); };
-      auto finish = [&](int64_t g, const __m512* acc) {
-        const __m512 norm = _mm512_set1_ps(inverse[g]);
-        for (int64_t c = 0; c < chunks; ++c) store16(out + g * d + c * 16, _mm512_mul_ps(acc[c], norm));
-      };
+      auto finish = [&](int64_t g, const __m512* acc) { store_normalised(out + g * d, acc, chunks, inverse[g]); };
       int64_t g = 0;
       for (; g + 2 <= groups; g += 2) {
         __m512 acc[2][8];
@@ -326,8 +332,7 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
       const T* vr = v + keys[a] * key_stride;
       for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vr + c * 16), acc[c]);
     }
-    const __m512 norm = _mm512_set1_ps(inverse[g]);
-    for (int64_t c = 0; c < chunks; ++c) store16(out + g * d + c * 16, _mm512_mul_ps(acc[c], norm));
+    store_normalised(out + g * d, acc, chunks, inverse[g]);
   }
 }
 
@@ -347,9 +352,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (Hkv * T_), h = (i / T_) % Hkv, t = i % T_;
       attend(qp + b * q.stride(0) + t * q.stride(1) + h * groups * q.stride(2),
-                   kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1), k.stride(2),
-                   bp + b * bias.stride(0) + t * bias.stride(2), S, groups, d, scale,
-                   op + (b * T_ + t) * H * d + h * groups * d, scratch);
+             kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1), k.stride(2),
+             bp + b * bias.stride(0) + t * bias.stride(2), S, groups, d, scale,
+             op + (b * T_ + t) * H * d + h * groups * d, scratch);
     }
   });
 }
