@@ -178,3 +178,25 @@ def test_a_cpu_without_vnni_gets_one_line_naming_int8(monkeypatch):
     assert reason is not None and "avx512_vnni" in reason and "--dtype int8" in reason and "\n" not in reason
     with pytest.raises(specwood.SpecwoodError, match="--dtype int8"):
         specwood.load("/nonexistent/model.gguf", None, dtype="q4", progress=False)
+
+
+def test_auto_weight_mode_is_q4_for_q4k_gguf_targets_and_for_drafts(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):
+    """--dtype auto runs a Q4_K GGUF (the shipped target) in q4, other targets in floats; a draft
+    runs in q4 whatever its file; a CPU without VNNI keeps the older defaults (float, int4 draft)."""
+    import specwood
+    import specwood.models.loader as loader
+    from specwood.engine.api import gguf_is_q4k
+    from specwood.models import kernels
+    from specwood.models.transformer import int4_available
+
+    assert gguf_is_q4k("qwen2.5-coder-1.5b-instruct")  # Q4_K_M: most layer weights are Q4_K
+    files = tiny_checkpoint_files
+    assert not gguf_is_q4k(files.gguf) and not gguf_is_q4k(files.hf)  # F32 blocks, a float folder
+    monkeypatch.setattr(loader, "load_tokenizer", lambda path: tiny_tokenizer)
+    engine = specwood.load(files.gguf, files.gguf, progress=False)
+    assert engine.target.weight_mode in ("bf16", "fp32") and engine.draft_model.weight_mode == "q4"
+    ids = [3, 4, 5, 6]
+    assert engine.generate(ids, max_tokens=6, method="dyspec").token_ids == engine.generate(ids, max_tokens=6).token_ids
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx2", "avx512f"})  # no VNNI
+    engine = specwood.load(files.gguf, files.gguf, progress=False)
+    assert engine.draft_model.weight_mode == ("int4" if int4_available() else engine.target.weight_mode)

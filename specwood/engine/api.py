@@ -298,6 +298,44 @@ def check_q4(device: str) -> None:
     require_q4()
 
 
+def gguf_is_q4k(name_or_path: str | os.PathLike[str]) -> bool:
+    """True for a GGUF model (a registry name or a file) whose layers' matmul weights are mostly Q4_K."""
+    from gguf.constants import GGMLQuantizationType as Q
+
+    from specwood.models.gguf_loader import canonical_name, read_gguf_header
+    from specwood.models.loader import layer_index
+    from specwood.models.registry import resolve_model
+
+    path = resolve_model(name_or_path)
+    if path.is_dir():
+        return False
+    types = [info.ggml_type for gname, info in read_gguf_header(path).tensors.items()
+             if (c := canonical_name(gname)) and c.endswith(".weight") and layer_index(c) is not None
+             and len(info.shape) == 2]
+    return bool(types) and 2 * sum(t == Q.Q4_K for t in types) > len(types)
+
+
+def auto_weight_mode(name_or_path: str | os.PathLike[str], device: str, draft: bool = False) -> str | None:
+    """The weight mode that "auto" means for a torch model on a CPU where the q4 kernel runs: "q4"
+    for a target that is a GGUF file of Q4_K weights (the file's own weights times int8
+    activations, as llama.cpp computes them: 2.7x bf16's decode rate and a third of its memory,
+    BENCHMARKS §7m-§7o) and for any draft (its precision changes speed, never output; the q4 draft
+    is faster than the int4 one at every tree size, §7n). None: the older default (a float target,
+    an int4 draft). A kernel that cannot be built leaves that default, with a line saying why."""
+    from specwood.models.kernels import cpu_flags
+    from specwood.models.w4a8 import KERNEL, q4_unavailable_reason
+
+    if not str(device).startswith("cpu") or not set(KERNEL.required) <= cpu_flags():
+        return None
+    if not draft and not gguf_is_q4k(name_or_path):
+        return None
+    why = q4_unavailable_reason()
+    if why is not None:
+        print(f"[load] {why.split('; use')[0]}; running the float weights instead", file=sys.stderr)
+        return None
+    return "q4"
+
+
 def exact_q4_weights(path: Path, q4: bool) -> dict[str, Any] | None:
     """For the q4 weight mode: the GGUF's own Q4_K values (None for other sources and modes)."""
     if not q4 or path.is_dir():
@@ -322,9 +360,11 @@ def load(
     """Load a target model (a registry name, a .gguf file or a Hugging Face folder) and a draft.
 
     draft="auto" picks the registry's default draft for a registry target (none otherwise);
-    draft=None (or "none") loads no draft. draft_dtype="auto" runs the draft with int4 weights on CPUs
-    (bf16 activations; drafting never affects the output, only the speed) and in the target's
-    dtype elsewhere; "int4", "int8", "q4", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
+    draft=None (or "none") loads no draft. On a CPU with AVX512-VNNI dtype="auto" is "q4" for a GGUF
+    of Q4_K weights and draft_dtype="auto" is "q4" (auto_weight_mode); otherwise dtype="auto" is
+    bf16 where it is fast, else fp32, and draft_dtype="auto" runs the draft with int4 weights on CPUs (bf16 activations;
+    drafting never affects the output, only the speed) and in the target's dtype elsewhere; "int4",
+    "int8", "q4", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
     is W8A8: int8 weights and per-token int8 activations in the linears of the layers and the
     vocabulary head (see Int8Linear), activations in the "auto" dtype elsewhere; lossy against the
     float model, but every method stays token-identical to "ar" in that mode.
@@ -354,6 +394,10 @@ def load(
     if note:  # a measured choice sets the weight modes too
         dtype, draft_dtype = runtime.dtype, runtime.draft_dtype
     check_backends(backend, draft_backend, dtype=dtype, draft_dtype=draft_dtype, device=device)
+    if dtype == "auto" and backend == "torch":
+        dtype = auto_weight_mode(target, device) or dtype
+    if draft_dtype == "auto" and draft is not None and draft_backend == "torch":
+        draft_dtype = auto_weight_mode(str(draft), device, draft=True) or draft_dtype
     if "q4" in (dtype, draft_dtype):  # before minutes of loading
         check_q4(device)
     if device == "cpu" and "torch" in (backend, draft_backend):  # compiled while the model files are read
