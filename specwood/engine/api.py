@@ -315,25 +315,18 @@ def gguf_is_q4k(name_or_path: str | os.PathLike[str]) -> bool:
     return bool(types) and 2 * sum(t == Q.Q4_K for t in types) > len(types)
 
 
-def auto_weight_mode(name_or_path: str | os.PathLike[str], device: str, draft: bool = False) -> str | None:
-    """The weight mode that "auto" means for a torch model on a CPU where the q4 kernel runs: "q4"
-    for a target that is a GGUF file of Q4_K weights (the file's own weights times int8
-    activations, as llama.cpp computes them: 2.7x bf16's decode rate and a third of its memory,
-    BENCHMARKS §7m-§7o) and for any draft (its precision changes speed, never output; the q4 draft
-    is faster than the int4 one at every tree size, §7n). None: the older default (a float target,
-    an int4 draft). A kernel that cannot be built leaves that default, with a line saying why."""
-    from specwood.models.kernels import cpu_flags
-    from specwood.models.w4a8 import KERNEL, q4_unavailable_reason
+def q4_runs_here(device: str) -> bool:
+    """Whether "auto" may pick the q4 weight mode: a CPU with the kernel's instructions, where the
+    kernel builds (compiled here on first use). A failed build says so in one line; the caller
+    keeps the older defaults (a float target, an int4 draft)."""
+    from specwood.models.w4a8 import KERNEL
 
-    if not str(device).startswith("cpu") or not set(KERNEL.required) <= cpu_flags():
-        return None
-    if not draft and not gguf_is_q4k(name_or_path):
-        return None
-    why = q4_unavailable_reason()
-    if why is not None:
-        print(f"[load] {why.split('; use')[0]}; running the float weights instead", file=sys.stderr)
-        return None
-    return "q4"
+    if not str(device).startswith("cpu") or KERNEL.missing_flags():
+        return False
+    if KERNEL.load() is None:
+        print(f"[load] {KERNEL.failure}; running without the q4 weight mode", file=sys.stderr)
+        return False
+    return True
 
 
 def exact_q4_weights(path: Path, q4: bool) -> dict[str, Any] | None:
@@ -361,7 +354,7 @@ def load(
 
     draft="auto" picks the registry's default draft for a registry target (none otherwise);
     draft=None (or "none") loads no draft. On a CPU with AVX512-VNNI dtype="auto" is "q4" for a GGUF
-    of Q4_K weights and draft_dtype="auto" is "q4" (auto_weight_mode); otherwise dtype="auto" is
+    of Q4_K weights and draft_dtype="auto" is "q4" (q4_runs_here); otherwise dtype="auto" is
     bf16 where it is fast, else fp32, and draft_dtype="auto" runs the draft with int4 weights on CPUs (bf16 activations;
     drafting never affects the output, only the speed) and in the target's dtype elsewhere; "int4",
     "int8", "q4", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
@@ -394,10 +387,14 @@ def load(
     if note:  # a measured choice sets the weight modes too
         dtype, draft_dtype = runtime.dtype, runtime.draft_dtype
     check_backends(backend, draft_backend, dtype=dtype, draft_dtype=draft_dtype, device=device)
-    if dtype == "auto" and backend == "torch":
-        dtype = auto_weight_mode(target, device) or dtype
-    if draft_dtype == "auto" and draft is not None and draft_backend == "torch":
-        draft_dtype = auto_weight_mode(str(draft), device, draft=True) or draft_dtype
+    # "auto" is q4 where the kernel runs: for a target of Q4_K weights (the GGUF's own weights times
+    # int8 activations, as llama.cpp computes them: 2.7x bf16's decode rate and a third of its
+    # memory, BENCHMARKS §7m-§7o) and for any draft (its precision changes speed, never output; q4
+    # is faster than int4 at every tree size, §7n)
+    q4_target = dtype == "auto" and backend == "torch" and gguf_is_q4k(target)
+    q4_draft = draft_dtype == "auto" and draft is not None and draft_backend == "torch"
+    if (q4_target or q4_draft) and q4_runs_here(device):
+        dtype, draft_dtype = ("q4" if q4_target else dtype), ("q4" if q4_draft else draft_dtype)
     if "q4" in (dtype, draft_dtype):  # before minutes of loading
         check_q4(device)
     if device == "cpu" and "torch" in (backend, draft_backend):  # compiled while the model files are read

@@ -41,6 +41,10 @@ class CpuKernel:
         self._module: Any = None
         self.failure: str | None = None
 
+    def missing_flags(self) -> list[str]:
+        """The required CPU flags this machine lacks (none: the kernel can run here, if it builds)."""
+        return [f for f in self.required if f not in cpu_flags()]
+
     def build_in_background(self) -> None:
         """Start building (if not built yet) while the caller does other work, e.g. reads model
         files: a fresh machine's first run pays max(build, load) instead of their sum. A later
@@ -55,7 +59,7 @@ class CpuKernel:
         with self._lock:
             if self._module is not None or self.failure is not None:
                 return self._module
-            missing = [f for f in self.required if f not in cpu_flags()]
+            missing = self.missing_flags()
             if missing:
                 self.failure = f"{self.use} needs an x86 CPU with {', '.join(missing)}"
                 return None
