@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from specwood.errors import SpecwoodError
 from specwood.planner import devices as dev
 from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat, fit_roofline
 from specwood.planner.analytic import build_analytic_plan
-from specwood.planner.auto import AcceptanceTracker, DraftCostTracker, PlannedShape
+from specwood.planner.auto import AcceptanceTracker, DraftCostTracker, LateDraft, PlannedShape, scaled_aat
 from specwood.planner.build import build_plan, get_plan
 from specwood.planner.decision import ParallelProfile, decide
 from specwood.planner.store import (
@@ -219,6 +220,96 @@ def test_planned_shape_follows_observed_acceptance():
     for _ in range(12):  # after some plain steps it tries speculation again
         adaptive.tracker.relax()
     assert adaptive.choose_x(128) == planned
+
+
+def peaked_logits(p_top: float, vocab: int = 64) -> torch.Tensor:
+    """Logits whose softmax gives the first token probability p_top (the rest shared equally)."""
+    probs = torch.full((vocab,), (1.0 - p_top) / (vocab - 1))
+    probs[0] = p_top
+    return probs.log()
+
+
+def test_late_draft_comes_in_when_the_target_is_sure():
+    """A request that started without the draft (its prefill would not pay at the plan's AAT)
+    brings it in once the target's mean confidence over 6 steps is >= the threshold and the chain
+    that confidence implies saves more over the tokens left than the catch-up costs."""
+    plan = cost_plan(AATFit(0.5, 1.0, 0.0))
+    prompt, max_tokens = 100, 200
+    start = plan.choice_for(prompt)
+    per_token = 1 / start.p_ar - 1 / start.p_eff
+    plan.draft_prefill_s = 1.5 * max_tokens * per_token / prompt  # the plan's own AAT: no draft
+    assert not plan.speculation_pays(prompt, max_tokens)
+
+    def shape(p_top: float, threshold: float = 0.95) -> tuple[PlannedShape, LateDraft]:
+        late = LateDraft(prompt, max_tokens, threshold=threshold)
+        s = PlannedShape(plan, lambda b: f"shape{b}", lookup=True, model=False, late=late)
+        for k in range(8):
+            assert s.model is (k > 6 and p_top >= threshold)
+            s.for_batch(1, prompt + k)
+            s.on_root_logits(peaked_logits(p_top))
+        return s, late
+
+    sure, late = shape(0.995)
+    assert sure.model and late.joined_at == 6 and late.confidence == pytest.approx(0.995)
+    ratio = late.ratio(plan, prompt + 6)
+    assert sure.tracker.ratio == pytest.approx(min(4.0, ratio)) and ratio > 2
+    assert sure.choose_x(prompt + 6) > plan.choose(prompt)[1]  # the evidence asks for deeper trees
+    unsure, late = shape(0.9)
+    assert not unsure.model and late.joined_at is None and late.ratio(plan, prompt + 8) is None
+    # a lower threshold accepts a less sure target
+    assert shape(0.9, threshold=0.85)[0].model
+    # under load, or with tokens too few to earn the catch-up back at any acceptance: never
+    late = LateDraft(prompt, max_tokens)
+    loaded = PlannedShape(plan, lambda b: f"shape{b}", lookup=True, model=False, late=late)
+    for k in range(8):
+        loaded.for_batch(2, prompt + k)
+        loaded.on_root_logits(peaked_logits(1.0))
+    assert not loaded.model
+    late = LateDraft(prompt, 12)
+    short = PlannedShape(plan, lambda b: f"shape{b}", lookup=True, model=False, late=late)
+    for k in range(8):
+        short.for_batch(1, prompt + k)
+        short.on_root_logits(peaked_logits(1.0))
+    assert not short.model and late.hopeless and len(late.confidences) < 8
+    # the curve a ratio gives: the drafted part scaled, capped at x
+    curve = scaled_aat(plan.aat, 2.0)
+    assert curve(1) == 1.0 and curve(4) == pytest.approx(min(4.0, 1 + 2 * (plan.aat(4) - 1)))
+
+
+def test_late_draft_is_lossless_end_to_end(tiny_pair, tiny_tokenizer):
+    """Through the engine: a target sure of its tokens brings the draft in mid-request (it reads
+    the prompt and the tokens so far in its first forward); greedy output equals ar's, and
+    sampling with a seed is reproduced token for token."""
+    from specwood.engine.api import Engine
+    from specwood.models.transformer import build_model
+
+    sd = tiny_pair.target.canonical_state_dict()
+    sd["output.weight"] = sd["output.weight"] * 25.0  # a target sure of its tokens
+    target = build_model(tiny_pair.target.config, sd, torch.float32, max_positions=tiny_pair.target.max_positions)
+    engine = Engine(target, tiny_tokenizer, draft=target, target_name="tiny", draft_name="tiny-draft")
+    engine.eos_token_ids = set()  # so sure a target would otherwise stop at once
+    ids = engine.encode(RAW_PROMPTS[0], raw=True)
+    max_tokens = 40
+    xs = (1, 2, 4, 8, 16)
+    plan = Plan(key=plan_key_for(engine, "dyspec"), contexts=[32], verify_times={32: {x: 0.01 for x in xs}},
+                draft_times={32: {x: 0.001 * (x - 1) for x in xs}}, aat=AATFit(0.3, 1.0, 0.0),
+                draft_row_times={1: 0.001, 2: 0.001}, created="2025-01-01T00:00:00+00:00").refresh()
+    start = plan.choice_for(len(ids))
+    assert start.method == "dyspec"
+    plan.draft_prefill_s = 1.5 * max_tokens * (1 / start.p_ar - 1 / start.p_eff) / len(ids)
+    save_plan(plan)
+    ar = engine.generate(ids, max_tokens=max_tokens, method="ar")
+    res = engine.generate(ids, max_tokens=max_tokens, method="auto", progress=False)
+    assert res.token_ids == ar.token_ids
+    assert res.stats["auto"] == "sd" and res.stats["auto_draft_from_token"] == 7  # 6 plain steps after the first token
+    assert res.stats["auto_target_confidence"] > 0.95 and res.stats["mean_accepted_tokens"] > 2
+    off = engine.generate(ids, max_tokens=max_tokens, method="auto", progress=False, late_draft=False)
+    assert off.token_ids == ar.token_ids and off.stats["auto"] == "ar" and "auto_draft_from_token" not in off.stats
+    sampled = [engine.generate(ids, max_tokens=max_tokens, method=m, temperature=0.8, seed=3, progress=False)
+               for m in ("auto", "auto")]
+    assert sampled[0].token_ids == sampled[1].token_ids
+    with pytest.raises(SpecwoodError, match="late_draft_confidence"):
+        engine.generate(ids, max_tokens=4, method="auto", late_draft_confidence=1.5)
 
 
 def test_copy_steps_are_priced_by_what_they_measured():

@@ -70,6 +70,11 @@ class ModelDraftSource:
         self.cache.lengths[self.row] = 0
         self.pending, self.slot_of, self.node_logits, self.seen = [], {}, {}, None
 
+    def defer(self, prompt_tokens: list[int]) -> None:
+        """Skip the prefill: the prompt waits as pending tokens, read in the first draft forward
+        (if any: a request that never drafts never pays for it)."""
+        self.pending = list(prompt_tokens)
+
     def prefill_part(self, prompt_tokens: list[int], start: int, end: int) -> None:
         prefill_chunk(self.model, self.cache, prompt_tokens, start, end, self.row)
 

@@ -42,6 +42,9 @@ class Drafter:
     shape: Any = None
     hooks: list[StepHook] = field(default_factory=list)
     extra_stats: Callable[[], dict[str, Any]] | None = None  # what the method adds to the stats
+    # the draft model reads the prompt in its first forward instead of a prefill before the first
+    # token (a source with `defer`): auto's late draft, which may never draft at all
+    defer_draft_prefill: bool = False
 
     def shape_for_step(self, batch_size: int, context_len: int, riding: int = 0) -> TreeShape | None:
         choose = getattr(self.shape, "for_batch", None)
@@ -157,6 +160,14 @@ class Request:
     @property
     def uses_draft_model(self) -> bool:
         return hasattr(self.drafter.source, "attach")
+
+    def attach_draft(self) -> None:
+        """Give the draft source its cache row at admission; a deferred one takes the prompt as
+        tokens still to read, so the draft's prefill is done (Drafter.defer_draft_prefill)."""
+        self.drafter.source.attach(len(self.prompt_ids), self.max_tokens)
+        if self.drafter.defer_draft_prefill:
+            self.drafter.source.defer(self.prompt_ids)
+            self.draft_prefilled = len(self.prompt_ids)
 
     @property
     def cancelled(self) -> bool:

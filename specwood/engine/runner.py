@@ -117,7 +117,7 @@ class RunnerScheduler(Scheduler):
                 try:
                     self.runner.reset()
                     if req.uses_draft_model:
-                        req.drafter.source.attach(len(req.prompt_ids), req.max_tokens)
+                        req.attach_draft()
                 except Exception as e:  # noqa: BLE001
                     self._fail(req, e)
                     continue
@@ -133,7 +133,7 @@ class RunnerScheduler(Scheduler):
                 with torch.inference_mode():
                     req.prefill_logits = self.runner.prefill(req.prompt_ids)
                     req.prefilled = len(req.prompt_ids)
-                    if req.uses_draft_model:
+                    if req.uses_draft_model and req.draft_prefilled < len(req.prompt_ids):
                         req.drafter.source.prefill_part(req.prompt_ids, 0, len(req.prompt_ids))
                         req.draft_prefilled = len(req.prompt_ids)
             except Exception as e:  # noqa: BLE001

@@ -122,7 +122,7 @@ class Scheduler(QueueCounts):
                 try:
                     req.row = self.cache.allocate()
                     if req.uses_draft_model:
-                        req.drafter.source.attach(len(req.prompt_ids), req.max_tokens)
+                        req.attach_draft()
                 except Exception as e:  # noqa: BLE001
                     self._fail(req, e)
                     continue

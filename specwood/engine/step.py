@@ -110,7 +110,11 @@ def tree_row(row: int, tree: TokenTree, L: int) -> RowInput:
 
 
 def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verdict:
-    """Greedy or lossless sampling verification; a lone root is exactly the autoregressive sampler."""
+    """Greedy or lossless sampling verification; a lone root is exactly the autoregressive sampler.
+    A shape with `on_root_logits` sees the target's logits after the context (auto's late draft)."""
+    watch = getattr(request.drafter.shape, "on_root_logits", None)
+    if watch is not None:
+        watch(logits[0])
     if len(tree) == 1:
         return Verdict([], int(next_token(logits[0], request.params, request.target_generator)))
     return verify(tree, logits, request.params, request.target_generator)

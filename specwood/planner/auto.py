@@ -74,8 +74,16 @@ class AcceptanceTracker:
 
     def scale(self, aat: Callable[[float], float]) -> Callable[[float], float]:
         """The curve corrected for this request."""
-        r = self.ratio
-        return lambda x: 1.0 if x <= 1 else 1.0 + min(x - 1.0, r * (float(aat(x)) - 1.0))
+        return scaled_aat(aat, self.ratio)
+
+    def assume(self, ratio: float) -> None:
+        """Start from an estimate of the ratio instead of the plan's (auto's late draft)."""
+        self.observed = ratio * self.predicted
+
+
+def scaled_aat(aat: Callable[[float], float], ratio: float) -> Callable[[float], float]:
+    """AAT(x) with its drafted part scaled by `ratio`: 1 + min(x - 1, ratio * (AAT(x) - 1))."""
+    return lambda x: 1.0 if x <= 1 else 1.0 + min(x - 1.0, ratio * (float(aat(x)) - 1.0))
 
 
 class CostRatio:
@@ -190,6 +198,55 @@ class LookupTracker:
         self.rejected = r * self.rejected + (1 - r) * self.prior_rejected
 
 
+class LateDraft:
+    """A second look at a request that started without its draft model because the draft's
+    prefill of the prompt would cost more than the plan's average acceptance saves (a near tie
+    for a prompt of a few hundred tokens and a short answer).
+
+    The evidence is free: the target's probability of its top token after each step's context.
+    Where the target is nearly sure of its next tokens (extracting fields into JSON, restating a
+    text), the draft agrees with it nearly always too; below that, confidence overstates the
+    draft's agreement (measured on the built-in workload, BENCHMARKS.md §7r). So from `steps`
+    observations on, while their mean a is at least `threshold`, each step asks whether a draft
+    whose tokens are each accepted with probability a -- a chain of x tokens then emits
+    1 + a + ... + a^(x-1) -- would save more over the tokens left than its catch-up over the
+    context costs; the first yes brings the draft in, once. The choice depends on the context
+    only, never on a step's random draws, so sampling stays lossless."""
+
+    REFERENCE_X = 8  # the tree size at which a's chain is compared with the plan's AAT curve
+    STEPS, THRESHOLD = 6, 0.95
+
+    def __init__(self, prompt_len: int, max_tokens: int, steps: int = STEPS, threshold: float = THRESHOLD,
+                 announce: Callable[["LateDraft"], None] | None = None):
+        self.prompt_len, self.max_tokens = prompt_len, max_tokens
+        self.steps, self.threshold = steps, threshold
+        self.announce = announce
+        self.confidences: list[float] = []
+        self.joined_at: int | None = None  # tokens generated when the draft came in
+        self.hopeless = False  # too few tokens left to earn the catch-up back at any acceptance
+
+    @property
+    def confidence(self) -> float:
+        return sum(self.confidences) / max(1, len(self.confidences))
+
+    def observe(self, logits: Any) -> None:
+        import torch
+
+        self.confidences.append(float(torch.softmax(logits.float(), -1).max()))
+
+    def ratio(self, plan: Plan, context_len: int) -> float | None:
+        """The AcceptanceTracker ratio a's chain implies for the plan's curve at this context
+        (None: not enough evidence yet, or the target is not sure enough)."""
+        if len(self.confidences) < self.steps or self.confidence < self.threshold:
+            return None
+        a, x = min(self.confidence, 1.0 - 1e-6), self.REFERENCE_X
+        chain = (1.0 - a ** x) / (1.0 - a)
+        return max(1e-3, (chain - 1.0) / max(float(plan.aat_for(context_len)(x)) - 1.0, 1e-3))
+
+    def tokens_left(self, context_len: int) -> int:
+        return self.max_tokens - (context_len - self.prompt_len)
+
+
 class LookupOrModelShape(ShapeBase):
     """One step's tree: a chain copied from the context where an n-gram of it recurs, cut to the
     length `chain_length(longest)` picks (0: do not copy; e.g. the copy would emit tokens slower
@@ -242,13 +299,15 @@ class PlannedShape:
     steps: the plan's widest context bucket may be far shorter than the prompt, and a wide
     forward's attention grows with the context faster than a one-token one's. Shared
     steps do not copy: measured under load, the wider forward cost more than the copies earned.
-    With `model=False` the draft model is never used (its prefill did not pay): the request
-    copies or decodes plainly.
+    With `model=False` the draft model is not used (its prefill did not pay): the request
+    copies or decodes plainly -- unless `late` (LateDraft) finds the target sure enough of its
+    tokens that the draft, reading the context in its first forward, now pays.
     """
 
     def __init__(self, plan: Plan, make_shape: Callable[[int], Any], adapt: bool = True, lookup: bool = False,
-                 model: bool = True, draft_costs: DraftCostTracker | None = None):
+                 model: bool = True, draft_costs: DraftCostTracker | None = None, late: LateDraft | None = None):
         self.plan = plan
+        self.late = late if not model else None
         self.name = f"auto:{plan.key.method}"
         self.adapt = adapt
         self.lookup = lookup
@@ -287,9 +346,33 @@ class PlannedShape:
             self._shapes[x] = self._make_shape(x - 1)
         return self._shapes[x]
 
+    def on_root_logits(self, logits: Any) -> None:
+        if self.late is not None and not self.model and not self.late.hopeless:
+            self.late.observe(logits)
+
+    def _bring_in_draft(self, context_len: int) -> None:
+        """LateDraft's question, asked before a step of this request alone."""
+        late = self.late
+        left, catch_up = late.tokens_left(context_len), context_len * (self.plan.draft_prefill_s or 0.0)
+        if left * float(self.plan.t_v(context_len, 1)) <= catch_up:  # even free tokens would not earn it
+            late.hopeless = True
+            return
+        ratio = late.ratio(self.plan, context_len)
+        if ratio is None:
+            return
+        d = self.plan.decide(context_len, scaled_aat(self.plan.aat_for(context_len), ratio))
+        if self.plan.prefill_is_earned(d, left, context_len):
+            self.model = True
+            self.tracker.assume(ratio)
+            late.joined_at = context_len - late.prompt_len
+            if late.announce is not None:
+                late.announce(late)
+
     def for_batch(self, batch_size: int, context_len: int, riding: int = 0) -> Any | None:
         """The shape for a step shared by `batch_size` requests, with `riding` prefill tokens of
         newcomers in its target forward (or None: a plain step)."""
+        if self.late is not None and not self.model and not self.late.hopeless and batch_size == 1 and not riding:
+            self._bring_in_draft(context_len)
         self._context_len = context_len
         self._step = None
         self._predicted_draft_s = 0.0
@@ -439,6 +522,10 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     base = str(options.get("shape") or DEFAULT_METHOD)
     adapt = bool(options.get("adapt", True))
     lookup = adapt and bool(options.get("lookup", True))
+    late_draft = lookup and bool(options.get("late_draft", True))
+    late_threshold = float(options.get("late_draft_confidence", LateDraft.THRESHOLD))
+    if not 0.0 <= late_threshold <= 1.0:
+        raise SpecwoodError(f"late_draft_confidence must be a probability in [0, 1], got {late_threshold}")
     progress = bool(options.get("progress", True))
     base_method = get_method(base)
     if base_method.name in ("auto", "ar"):
@@ -496,6 +583,15 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                     print(f"[plan] method auto: now following the measured plan for '{base}'", file=sys.stderr)
         return current["plan"]
 
+    def announce_late(late: LateDraft) -> None:
+        if progress and not told_late:  # once, as above
+            told_late.append(True)
+            print(f"[plan] method auto: the target is sure of its tokens (mean p {late.confidence:.3f} over "
+                  f"{len(late.confidences)} steps): the draft model comes in at token {late.joined_at} and reads "
+                  "the context in its first forward", file=sys.stderr)
+
+    told_late: list[bool] = []
+
     def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
         plan = latest_plan()
         model = plan.speculation_pays(prompt_len, max_tokens, load, draft_costs.scale(load)) and not (
@@ -511,16 +607,26 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                                                    if lookup else "decoding autoregressively"), file=sys.stderr)
             if not lookup:
                 return Drafter(extra_stats=lambda: {"auto": "ar"})
-        shape = PlannedShape(plan, make_shape, adapt=adapt, lookup=lookup, model=model, draft_costs=draft_costs)
-        source = sources(draft_model) if (model and draft_model is not None) else None
+        # alone on the machine, a request without the draft may still bring it in (LateDraft)
+        late = (LateDraft(prompt_len, max_tokens, threshold=late_threshold, announce=announce_late)
+                if not model and late_draft and load == 1 and draft_model is not None else None)
+        source = sources(draft_model) if ((model or late) and draft_model is not None) else None
+        if late is not None and not hasattr(source, "defer"):  # e.g. a llama.cpp draft: it prefills itself
+            late, source = None, None
+        shape = PlannedShape(plan, make_shape, adapt=adapt, lookup=lookup, model=model, draft_costs=draft_costs,
+                             late=late)
 
         def stats() -> dict[str, Any]:
-            out: dict[str, Any] = {"auto": "sd" if model else "ar", "auto_x_steps": dict(sorted(shape.x_used.items()))}
+            out: dict[str, Any] = {"auto": "sd" if shape.model else "ar",
+                                   "auto_x_steps": dict(sorted(shape.x_used.items()))}
             if lookup:
                 out["auto_lookup_steps"] = shape.lookup_steps
+            if late is not None:
+                out["auto_target_confidence"] = round(late.confidence, 4)
+                out["auto_draft_from_token"] = late.joined_at
             return out
 
-        return Drafter(source, shape, extra_stats=stats)
+        return Drafter(source, shape, extra_stats=stats, defer_draft_prefill=late is not None)
 
     return new_drafter
 
@@ -600,7 +706,7 @@ def _prepare_prior(engine: Any, options: dict[str, Any]) -> Callable[..., Drafte
 
 
 register(Method("auto", "the planner's choice: SD or AR and the tree size per step, per request and per load",
-                False, ("shape", "adapt", "lookup", "progress"), _prepare_auto, wants_draft=True,
+                False, ("shape", "adapt", "lookup", "late_draft", "late_draft_confidence", "progress"), _prepare_auto, wants_draft=True,
                 choose_executor=_auto_executor))
 register(Method("prior", "seed-000 prior-score tree (top-x node positions by measured acceptance)", True,
                 ("budget",), _prepare_prior))

@@ -200,17 +200,19 @@ class Plan:
         decision's, whose per-token machine time shrinks as the batch fills the hardware, while
         the draft's prefill costs the same machine time as ever -- so a loaded server stops
         paying for drafts it cannot earn back (vLLM's speculation-under-load complaint)."""
-        d = self.choice_for(prompt_len)
+        d: BucketChoice | Decision = self.choice_for(prompt_len)
+        if load > 1 and d.method != "ar" and d.p_eff > 0:
+            d = self.decide(d.context, batch=load, draft_scale=draft_scale)
+        return self.prefill_is_earned(d, max_tokens, prompt_len)
+
+    def prefill_is_earned(self, d: BucketChoice | Decision, tokens: int, context_len: int) -> bool:
+        """Whether decoding `tokens` tokens at d's speculative rate instead of its plain one saves
+        more than the draft's prefill of `context_len` tokens costs (unknown cost: True)."""
         if d.method == "ar" or d.p_eff <= 0:
             return False
-        if load > 1:
-            d = self.decide(d.context, batch=load, draft_scale=draft_scale)
-            if d.method == "ar" or d.p_eff <= 0:
-                return False
         if not self.draft_prefill_s:
             return True
-        saving = max_tokens * (1.0 / d.p_ar - 1.0 / d.p_eff)
-        return saving > prompt_len * self.draft_prefill_s
+        return tokens * (1.0 / d.p_ar - 1.0 / d.p_eff) > context_len * self.draft_prefill_s
 
     # --- JSON ---------------------------------------------------------------------------------
 
