@@ -47,8 +47,9 @@ def main() -> None:
             conf = torch.softmax(every_position_logits(engine.target, ids)[at], -1).max(-1).values
             agree = (every_position_logits(engine.draft_model, ids)[at].argmax(-1) == torch.tensor(out)).float()
             chain = engine.generate(p.content, raw=p.raw, max_tokens=args.max_tokens, method="chain")
-            print(f"| {p.id} | {n} | {conf[:8].mean():.3f} | {conf[:16].mean():.3f} | {(conf[:8] > 0.9).float().mean():.2f} "
-                  f"| {agree[:16].mean():.3f} | {agree.mean():.3f} | {chain.stats['mean_accepted_tokens']:.2f} |", flush=True)
+            print(f"| {p.id} | {n} | {conf[:8].mean():.3f} | {conf[:16].mean():.3f} "
+                  f"| {(conf[:8] > 0.9).float().mean():.2f} | {agree[:16].mean():.3f} | {agree.mean():.3f} "
+                  f"| {chain.stats['mean_accepted_tokens']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

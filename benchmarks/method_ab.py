@@ -30,7 +30,8 @@ def method_and_options(spec: str) -> tuple[str, dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--categories", default="json-extraction,translation")
-    ap.add_argument("--methods", default="ar,auto,dyspec,chain", help="comma-separated; options after ':', ';'-separated")
+    ap.add_argument("--methods", default="ar,auto,dyspec,chain",
+                    help="comma-separated; options after ':', ';'-separated")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--limit", type=int, default=8, help="the workload's first N prompts (as specwood bench --limit)")

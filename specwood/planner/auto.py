@@ -706,7 +706,7 @@ def _prepare_prior(engine: Any, options: dict[str, Any]) -> Callable[..., Drafte
 
 
 register(Method("auto", "the planner's choice: SD or AR and the tree size per step, per request and per load",
-                False, ("shape", "adapt", "lookup", "late_draft", "late_draft_confidence", "progress"), _prepare_auto, wants_draft=True,
-                choose_executor=_auto_executor))
+                False, ("shape", "adapt", "lookup", "late_draft", "late_draft_confidence", "progress"), _prepare_auto,
+                wants_draft=True, choose_executor=_auto_executor))
 register(Method("prior", "seed-000 prior-score tree (top-x node positions by measured acceptance)", True,
                 ("budget",), _prepare_prior))
