@@ -18,7 +18,7 @@ from specwood.bench.workload import load_workload
 
 
 def method_and_options(spec: str) -> tuple[str, dict[str, Any]]:
-    """'auto:late_draft=False,lookup=True' -> ('auto', {'late_draft': False, 'lookup': True})."""
+    """'auto:late_draft=False;lookup=True' -> ('auto', {'late_draft': False, 'lookup': True})."""
     method, _, opts = spec.partition(":")
     options: dict[str, Any] = {}
     for item in filter(None, opts.split(";")):

@@ -346,8 +346,13 @@ class PlannedShape:
             self._shapes[x] = self._make_shape(x - 1)
         return self._shapes[x]
 
+    @property
+    def _awaiting_draft(self) -> bool:
+        """A LateDraft still deciding: no draft yet, and it could still pay."""
+        return self.late is not None and not self.model and not self.late.hopeless
+
     def on_root_logits(self, logits: Any) -> None:
-        if self.late is not None and not self.model and not self.late.hopeless:
+        if self._awaiting_draft:
             self.late.observe(logits)
 
     def _bring_in_draft(self, context_len: int) -> None:
@@ -371,7 +376,7 @@ class PlannedShape:
     def for_batch(self, batch_size: int, context_len: int, riding: int = 0) -> Any | None:
         """The shape for a step shared by `batch_size` requests, with `riding` prefill tokens of
         newcomers in its target forward (or None: a plain step)."""
-        if self.late is not None and not self.model and not self.late.hopeless and batch_size == 1 and not riding:
+        if self._awaiting_draft and batch_size == 1 and not riding:
             self._bring_in_draft(context_len)
         self._context_len = context_len
         self._step = None
