@@ -299,6 +299,40 @@ def test_run_bench_fake_engine(tmp_path: Path) -> None:
     assert "| **overall** | lossy |" in md and "0/2" in md.split("| **overall** | lossy |")[1].splitlines()[0]
 
 
+def test_run_bench_repeats_keep_the_median_run(tmp_path: Path) -> None:
+    """--repeats 3: every (prompt, method) runs three times, the methods in a rotated order each
+    time; the record is the run with the median rate, with all three rates; a failing prompt is
+    not repeated; a method whose output changes between runs is named in the report."""
+
+    class Varying(FakeEngine):
+        def generate(self, prompt: Any, **kw: Any) -> Any:
+            res = super().generate(prompt, **kw)
+            n = sum(c["method"] == kw["method"] and c["prompt"] == prompt for c in self.calls)
+            res.stats["tokens_per_s"] = {1: 30.0, 2: 10.0, 3: 20.0}[n] * (2 if kw["method"] == "dyspec" else 1)
+            if kw["method"] == "lossy" and n == 2:
+                res.token_ids = res.token_ids[:-1] + [9]
+            return res
+
+    eng = Varying()
+    recs = run_bench(eng, _wl(), "ar,dyspec,lossy", tmp_path, max_tokens=8, progress=False, warmup=False,
+                     repeats=3)
+    assert len(recs) == 9
+    timed = [c["method"] for c in eng.calls if c["prompt"] == "def add(a, b):"]
+    assert timed == ["ar", "dyspec", "lossy", "dyspec", "lossy", "ar", "lossy", "ar", "dyspec"]
+    by = {(r["id"], r["method"]): r for r in recs}
+    assert by[("p2", "ar")]["tokens_per_s"] == 20.0 and by[("p2", "ar")]["tokens_per_s_runs"] == [30.0, 10.0, 20.0]
+    assert by[("p2", "dyspec")]["tokens_per_s"] == 40.0 and by[("p2", "dyspec")]["same_tokens_every_run"]
+    assert by[("p2", "lossy")]["same_tokens_every_run"] is False
+    assert sum(c["prompt"] == "TOO LONG" for c in eng.calls) == 3  # once per method
+    assert "error" in by[("p3", "ar")]
+    assert json.loads((tmp_path / "run.json").read_text())["repeats"] == 3
+    md = (tmp_path / "report.md").read_text()
+    assert "each prompt ran 3 times" in md and "- p2 / lossy" in md.split("## outputs that changed")[1]
+    assert "| **overall** | dyspec | 2 | 40.0 | 2.00x |" in md
+    with pytest.raises(SpecwoodError, match="repeats must be >= 1"):
+        run_bench(eng, _wl(), "ar", tmp_path, progress=False, repeats=0)
+
+
 def test_run_bench_config_error_aborts_at_warmup(tmp_path: Path) -> None:
     with pytest.raises(SpecwoodError, match="unknown method 'broken'"):
         run_bench(FakeEngine(), _wl(), ["ar", "broken"], tmp_path, progress=False)

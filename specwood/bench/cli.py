@@ -49,6 +49,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="at most N prompts, picked round-robin over categories")
     p.add_argument("--categories", type=_csv, default=None, help="comma-separated categories to keep")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default ./{DEFAULT_OUT})")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every prompt with every method N times, the methods in a rotated order each time, "
+                        "and report the run with the median decode rate (all rates are kept in results.json; "
+                        "default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_method_options(p.add_argument_group("method options (passed to speculative engine methods)"))
     p.set_defaults(func=run_bench_cli)
@@ -117,6 +121,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             import_llama_cpp()  # the missing extra fails now, not after the model load
         if args.max_tokens < 1:
             raise SpecwoodError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+        if args.repeats < 1:
+            raise SpecwoodError(f"--repeats must be >= 1 (got {args.repeats})")
         workload = load_workload(args.workload, limit=args.limit, categories=args.categories)
         for note in workload.notes:
             print(f"specwood bench: {note}", file=sys.stderr)
@@ -129,7 +135,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         records = run_bench(engine, workload, methods, args.out, sampling=sampling,
                             method_options=method_options(args), max_tokens=args.max_tokens,
                             run_info={k: v for k, v in run_info.items() if v is not None},
-                            progress=not args.no_progress, executor_options=executor_options)
+                            progress=not args.no_progress, executor_options=executor_options,
+                            repeats=args.repeats)
     except SpecwoodError as e:
         print(f"specwood bench: error: {e}", file=sys.stderr)
         return 2

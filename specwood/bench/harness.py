@@ -330,6 +330,21 @@ class _Runner:
         self.generate(method, WARMUP_MESSAGES, False, min(WARMUP_TOKENS, self.max_tokens))
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (prompt, method)'s record from its repeated runs: the run with the median decode rate
+    (the lower one of an even count), so every field of the record comes from one real run, plus
+    every run's rate (`tokens_per_s_runs`) and whether all runs produced the same tokens. A
+    failed run is the record."""
+    failed = next((r for r in runs if r.get("error")), None)
+    if failed is not None or len(runs) == 1:
+        return failed or runs[0]
+    ordered = sorted(runs, key=lambda r: r.get("tokens_per_s") or 0.0)
+    rec = dict(ordered[(len(ordered) - 1) // 2])
+    rec["tokens_per_s_runs"] = [r.get("tokens_per_s") for r in runs]
+    rec["same_tokens_every_run"] = all(r["token_ids"] == runs[0]["token_ids"] for r in runs)
+    return rec
+
+
 def _progress(total: int, enabled: bool) -> Any:
     try:
         from tqdm.auto import tqdm
@@ -382,7 +397,7 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
               method_options: dict[str, Any] | None = None, max_tokens: int = 128, *,
               run_info: dict[str, Any] | None = None, warmup: bool = True, progress: bool = True,
               on_record: Callable[[dict[str, Any]], None] | None = None,
-              executor_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+              executor_options: dict[str, Any] | None = None, repeats: int = 1) -> list[dict[str, Any]]:
     """Benchmark `methods` on `workload` with one loaded engine; write results into `out_dir`.
 
     sampling: temperature/top_p/top_k/seed (greedy by default). method_options: passed to every
@@ -390,7 +405,9 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
     runs NAME on the DuoDecoding parallel executor and 'NAME@pipeline' on the pipeline executor
     (executor_options: {"parallel": ParallelExecutor options, "pipeline": PipelineExecutor
     options}), so rows of every executor come from the same run. run_info: extra metadata for
-    run.json (command, target, draft, dtype, device...). Returns the per-(prompt, method) records.
+    run.json (command, target, draft, dtype, device...). repeats: run every (prompt, method) that
+    many times, the methods in a rotated order each time, and keep the run with the median decode
+    rate (`median_run`): one record per (prompt, method) either way. Returns those records.
     A generation that raises SpecwoodError is recorded with an `error` and the run goes on; an
     interrupt still writes what finished (run.json says completed: false) and re-raises.
     """
@@ -399,6 +416,8 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
     method_options = {k: v for k, v in (method_options or {}).items() if v is not None}
     if max_tokens < 1:
         raise SamplingParamsError(f"max tokens must be >= 1 (got {max_tokens})")
+    if repeats < 1:
+        raise SpecwoodError(f"repeats must be >= 1 (got {repeats})")
     if isinstance(workload, str):
         workload = load_workload(workload)
     elif not isinstance(workload, Workload):
@@ -409,6 +428,7 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
     out.mkdir(parents=True, exist_ok=True)
 
     meta = run_metadata(engine, workload, methods, sampling, method_options, max_tokens, run_info)
+    meta["repeats"] = repeats
     runner = _Runner(engine, methods, sampling, method_options, max_tokens, executor_options)
     if runner.llamacpp is not None:
         meta["llama.cpp"] = runner.llamacpp.settings()
@@ -419,21 +439,29 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
     meta["completed"] = False
     bar = None
     try:
-        bar = _progress(len(workload.prompts) * len(methods), progress)
+        bar = _progress(len(workload.prompts) * len(methods) * repeats, progress)
         if warmup:
             for m in methods:
                 bar.set_postfix_str(f"warm-up [{m}]")
                 runner.warmup(m)
         for prompt in workload.prompts:
+            runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+            for k in range(repeats):
+                for m in methods[k % len(methods):] + methods[:k % len(methods)]:  # no method always first
+                    if runs[m] and runs[m][-1].get("error"):  # the same input fails the same way again
+                        bar.update(1)
+                        continue
+                    bar.set_postfix_str(f"{prompt.id} [{m}]" + (f" {k + 1}/{repeats}" if repeats > 1 else ""))
+                    rec = runner.run(prompt, m)
+                    if rec.get("error"):
+                        bar.write(f"specwood bench: {prompt.id} [{m}] failed: {rec['error']}")
+                    runs[m].append(rec)
+                    bar.update(1)
             for m in methods:
-                bar.set_postfix_str(f"{prompt.id} [{m}]")
-                rec = runner.run(prompt, m)
-                if rec.get("error"):
-                    bar.write(f"specwood bench: {prompt.id} [{m}] failed: {rec['error']}")
+                rec = median_run(runs[m])
                 records.append(rec)
                 if on_record:
                     on_record(rec)
-                bar.update(1)
         meta["completed"] = True
     finally:
         runner.close()

@@ -210,6 +210,10 @@ def markdown_report(records: Sequence[dict[str, Any]], meta: dict[str, Any] | No
         "tokens/s: decode throughput (tokens after the first / time after the first token), mean over prompts; "
         "e2e tok/s: new tokens / wall time of the whole call (tokenising, prefill, decode).",
     ]
+    if (meta.get("repeats") or 1) > 1:
+        notes.append(f"each prompt ran {meta['repeats']} times with every method, the methods in a rotated order; "
+                     "each figure is from the run with the median decode rate (all rates: results.json, "
+                     "`tokens_per_s_runs`).")
     if any(r["method"] == AR for r in rows):
         notes.append("speedup: mean tokens/s of the method / mean tokens/s of `ar` on the same prompts, same run "
                      "(e2e speedup: the same with e2e tok/s).")
@@ -222,6 +226,9 @@ def markdown_report(records: Sequence[dict[str, Any]], meta: dict[str, Any] | No
         out += ["", "## speedup vs ar", "", pivot]
     for n in (meta.get("workload") or {}).get("notes") or []:
         out.append(f"\n> note: {n}")
+    varied = [r for r in records if r.get("same_tokens_every_run") is False]
+    if varied:
+        out += ["", "## outputs that changed between repeats", ""] + [f"- {r['id']} / {r['method']}" for r in varied]
     errs = [r for r in records if r.get("error")]
     if errs:
         out += ["", "## errors", ""] + [f"- {r['id']} / {r['method']}: {r['error']}" for r in errs[:50]]
