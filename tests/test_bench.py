@@ -321,6 +321,7 @@ def test_run_bench_repeats_keep_the_median_run(tmp_path: Path) -> None:
     assert timed == ["ar", "dyspec", "lossy", "dyspec", "lossy", "ar", "lossy", "ar", "dyspec"]
     by = {(r["id"], r["method"]): r for r in recs}
     assert by[("p2", "ar")]["tokens_per_s"] == 20.0 and by[("p2", "ar")]["tokens_per_s_runs"] == [30.0, 10.0, 20.0]
+    assert by[("p2", "ar")]["ttft_s_runs"] == [0.001] * 3
     assert by[("p2", "dyspec")]["tokens_per_s"] == 40.0 and by[("p2", "dyspec")]["same_tokens_every_run"]
     assert by[("p2", "lossy")]["same_tokens_every_run"] is False
     assert sum(c["prompt"] == "TOO LONG" for c in eng.calls) == 3  # once per method

@@ -333,7 +333,7 @@ class _Runner:
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One (prompt, method)'s record from its repeated runs: the run with the median decode rate
     (the lower one of an even count), so every field of the record comes from one real run, plus
-    every run's rate (`tokens_per_s_runs`) and whether all runs produced the same tokens. A
+    every run's rate and TTFT (`tokens_per_s_runs`, `ttft_s_runs`) and whether all runs produced the same tokens. A
     failed run is the record."""
     failed = next((r for r in runs if r.get("error")), None)
     if failed is not None or len(runs) == 1:
@@ -341,6 +341,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ordered = sorted(runs, key=lambda r: r.get("tokens_per_s") or 0.0)
     rec = dict(ordered[(len(ordered) - 1) // 2])
     rec["tokens_per_s_runs"] = [r.get("tokens_per_s") for r in runs]
+    rec["ttft_s_runs"] = [r.get("ttft_s") for r in runs]
     rec["same_tokens_every_run"] = all(r["token_ids"] == runs[0]["token_ids"] for r in runs)
     return rec
 
