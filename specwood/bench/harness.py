@@ -333,8 +333,8 @@ class _Runner:
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One (prompt, method)'s record from its repeated runs: the run with the median decode rate
     (the lower one of an even count), so every field of the record comes from one real run, plus
-    every run's rate and TTFT (`tokens_per_s_runs`, `ttft_s_runs`) and whether all runs produced the same tokens. A
-    failed run is the record."""
+    every run's rate and TTFT (`tokens_per_s_runs`, `ttft_s_runs`) and whether all runs produced
+    the same tokens. A failed run is the record."""
     failed = next((r for r in runs if r.get("error")), None)
     if failed is not None or len(runs) == 1:
         return failed or runs[0]
