@@ -11,7 +11,7 @@ from torch import nn
 
 from specwood.engine.api import Engine
 from specwood.models.transformer import Int8Linear, build_model
-from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, q4_unavailable_reason, quantize_q4
+from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, Q4Weights, pack_q4, q4_unavailable_reason, quantize_q4, unpack_q4
 
 pytestmark = pytest.mark.skipif(q4_unavailable_reason() is not None, reason=str(q4_unavailable_reason()))
 
@@ -20,7 +20,7 @@ def random_q4(n: int, k: int, seed: int = 0, bias: bool = False) -> tuple[Q4Line
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    return Q4Linear(*quantize_q4(w), b), w
+    return Q4Linear(quantize_q4(w), b), w
 
 
 def reference(lin: Q4Linear, x: torch.Tensor) -> torch.Tensor:
@@ -29,7 +29,7 @@ def reference(lin: Q4Linear, x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
     q = torch.round(xf * (1 / scale)).clamp(-127, 127)
-    out = (q.double() * scale.double()) @ lin.weight.double().t()  # weight: scale * q - min, fp16 scales
+    out = (q.double() * scale.double()) @ lin.weight.double().t()  # weight: d * sc * q - dmin * m
     return out + lin.bias.double() if lin.bias.numel() else out
 
 
@@ -70,22 +70,32 @@ def test_q4_rows_are_independent_of_the_batch():
         torch.set_num_threads(old)
 
 
-def test_quantize_q4_stores_what_it_rounds_to():
-    w = torch.randn(32, 64)
+@pytest.mark.parametrize("k", [64, 96, 256, 896])  # superblocks of 8 groups, whole and partial (the 0.5B draft: 896)
+def test_quantize_q4_stores_what_it_rounds_to(k):
+    w = torch.randn(64, k) * torch.rand(64, 1)
     w[0, :GROUP] = 5.0  # a constant group
-    codes, scales, mins = quantize_q4(w)
-    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
-    assert torch.equal(scales, scales.half().float()) and torch.equal(mins, mins.half().float())
-    deq = (codes.float().reshape(32, -1, GROUP) * scales[..., None] - mins[..., None]).reshape(32, 64)
-    assert ((deq - w).abs() <= scales.repeat_interleave(GROUP, 1) * 0.5 + 1e-2).all()
-    lin = Q4Linear(codes, scales, mins)
-    assert torch.equal(lin.weight, deq)  # the packed layout unpacks to the same values
+    w[1] = 0.0  # a row of zeros
+    w[2, GROUP:2 * GROUP] = -torch.rand(GROUP)  # a group below zero
+    q = quantize_q4(w)
+    assert q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
+    assert int(q.sub_scales.max()) <= 63 and int(q.sub_mins.max()) <= 63 and q.super_scales.dtype == torch.float16
+    assert q.super_scales.shape == (64, -(-k // 256))
+    deq = q.dequantize()
+    # every weight within half a step of its float (the range of each group is covered)
+    assert ((deq - w).abs() <= q.scales().repeat_interleave(GROUP, 1) * 0.5 + 1e-6).all()
+    assert torch.equal(deq[1], w[1])
+    lin = Q4Linear(q)
+    assert lin.packed.shape == (2, lin.kernel.block_bytes(k // GROUP))  # the kernel's own size
+    back = lin.weights
+    assert all(torch.equal(a, b) for a, b in zip(back, q))  # the packed layout unpacks to the same values
+    assert torch.equal(lin.weight, deq)
+    assert torch.equal(pack_q4(unpack_q4(lin.packed, k)), lin.packed)
 
 
 def test_q4_values_are_llamacpp_values_on_the_shipped_file():
-    """Q4_K exactness on real blocks: the codes, scales and minimums read from the default target's
-    GGUF give llama.cpp's dequantised values bit for bit (fp32); the kernel's copy keeps them up to
-    fp16 scales."""
+    """Q4_K exactness on real blocks: the values read from the default target's GGUF give llama.cpp's
+    dequantised values bit for bit (fp32), and so do the kernel's packed copy and the token table's
+    rows."""
     from specwood.models.gguf_loader import dequantize_tensor, q4k_weights, read_gguf_header
     from specwood.models.registry import DEFAULT_TARGET, ensure_model
 
@@ -97,18 +107,15 @@ def test_q4_values_are_llamacpp_values_on_the_shipped_file():
     for gname, cname in [("blk.0.attn_q.weight", "layers.0.attention.wq.weight"),
                          ("blk.0.ffn_up.weight", "layers.0.feed_forward.w3.weight")]:
         ref = dequantize_tensor(mm, header.tensors[gname], torch.float32)
-        codes, scales, mins = exact[cname]
-        n = codes.shape[0]
-        mine = (codes.float().reshape(n, -1, GROUP) * scales[..., None] - mins[..., None]).reshape(ref.shape)
+        mine = exact[cname].dequantize()
         assert torch.equal(mine, ref), gname
-        kept = Q4Linear(codes, scales, mins).weight
-        assert ((kept - ref).abs().max() / ref.abs().max()) < 1e-3
+        assert torch.equal(Q4Linear(exact[cname]).weight, ref), gname
     # the token table is Q4_K in this file too: kept as codes, rows dequantised on lookup
-    table = Q4Embedding(*q4k_weights(path, range(0))["tok_embeddings.weight"], torch.float32)
+    table = Q4Embedding(q4k_weights(path, range(0))["tok_embeddings.weight"], torch.float32)
     ids = torch.tensor([[0, 151643, 17]])
     rows = table(ids)[0]
     ref = dequantize_tensor(mm, header.tensors["token_embd.weight"], torch.float32)[ids[0]]
-    assert rows.shape == ref.shape and ((rows - ref).abs().max() / ref.abs().max()) < 1e-3
+    assert torch.equal(rows, ref)
     assert table.packed.numel() == ref.shape[1] // 2 * table.num_embeddings  # 4 bits a weight
 
 

@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ import torch
 from specwood.errors import ModelFileError
 from specwood.models.config import SUPPORTED_ARCHS, ModelConfig
 from specwood.models.loader import check_layers, layer_index, validate_state_dict
+
+if TYPE_CHECKING:
+    from specwood.models.w4a8 import Q4Weights
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -614,20 +617,21 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):  # -> transformers.PreTra
     return tok
 
 
-def q4k_weights(path: str | os.PathLike[str], layers: range | None = None
-                ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def q4k_weights(path: str | os.PathLike[str], layers: range | None = None) -> dict[str, Q4Weights]:
     """The layers' Q4_K weight tensors (and a Q4_K token table) of a GGUF file as llama.cpp holds
-    them: canonical name -> (codes uint8 [N, K], scales [N, K/32], minimums [N, K/32]), w = scale * q
-    - min. For the q4 weight mode (specwood.models.w4a8), which keeps these values instead of
-    requantising floats."""
+    them: canonical name -> Q4Weights (4-bit codes, 6-bit scale and minimum codes, fp16 d and dmin
+    per 256 inputs). For the q4 weight mode (specwood.models.w4a8), which keeps these values instead
+    of requantising floats."""
     from gguf.constants import GGMLQuantizationType as Q
+
+    from specwood.models.w4a8 import Q4Weights
 
     path = Path(path)
     header = read_gguf_header(path)
     config = config_from_gguf(header)
     permute = config.arch in _PERMUTED_QK_ARCHS
     mm = np.memmap(path, dtype=np.uint8, mode="c")
-    out: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    out: dict[str, Q4Weights] = {}
     try:
         for gname, info in header.tensors.items():
             cname = canonical_name(gname)
@@ -639,16 +643,16 @@ def q4k_weights(path: str | os.PathLike[str], layers: range | None = None
             if li is not None and layers is not None and li not in layers:
                 continue
             blocks = torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8).reshape(-1, 144)
-            # the codes and each sub-block's d * sc and dmin * m, as _dq_q4_k combines them
             rows = info.shape[0]
-            scales, mins = _k_quant_scales(blocks)
-            parts = (_unpack_k_nibbles(blocks[:, 16:], torch.uint8).reshape(rows, -1), scales.reshape(rows, -1),
-                     mins.reshape(rows, -1))
+            sc, mn = _k_scale_min(blocks[:, 4:16])
+            parts = Q4Weights(_unpack_k_nibbles(blocks[:, 16:], torch.uint8).reshape(rows, -1), sc.reshape(rows, -1),
+                              mn.reshape(rows, -1), blocks[:, 0:2].contiguous().view(torch.float16).reshape(rows, -1),
+                              blocks[:, 2:4].contiguous().view(torch.float16).reshape(rows, -1))
             if permute and cname.endswith("attention.wq.weight"):
-                parts = tuple(unpermute_qk(t, config.n_heads).contiguous() for t in parts)
+                parts = Q4Weights(*(unpermute_qk(t, config.n_heads).contiguous() for t in parts))
             elif permute and cname.endswith("attention.wk.weight"):
-                parts = tuple(unpermute_qk(t, config.n_kv_heads).contiguous() for t in parts)
-            out[cname] = parts  # type: ignore[assignment]
+                parts = Q4Weights(*(unpermute_qk(t, config.n_kv_heads).contiguous() for t in parts))
+            out[cname] = parts
     except (ValueError, RuntimeError) as e:
         raise ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}") from None
     finally:

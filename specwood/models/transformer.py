@@ -7,6 +7,7 @@ mask, and a pipeline stage is the same class built over a layer range.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from specwood.models.cache import KVCache, Rows
 from specwood.models.config import ModelConfig
 from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, kernel_layer_ops
 from specwood.models.rope import rope_tables
+
+if TYPE_CHECKING:
+    from specwood.models.w4a8 import Q4Weights
 
 
 def cpu_packing_available() -> bool:
@@ -500,19 +504,19 @@ class Transformer(nn.Module):
                     swapped = True
         return swapped
 
-    def quantize_q4(self, exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    def quantize_q4(self, exact: dict[str, Q4Weights] | None = None,
                     embeddings: bool = False) -> None:
         """Swap the linears, the vocabulary head included, for Q4Linear (4-bit weights, int8
         activations; see specwood.models.w4a8) where their shapes fit, and a Q4_K token table
         for a Q4Embedding (any token table with `embeddings`: for drafts, whose precision changes
         speed only).
 
-        `exact` maps canonical weight names to a GGUF file's Q4_K values (codes, scales, minimums):
+        `exact` maps canonical weight names to a GGUF file's Q4_K values (Q4Weights):
         a linear whose parts are all there takes them as they are. The others (Q6_K, Q5_0, Q8_0 in
         the file, or a float checkpoint) are quantised to 4 bits from their float weights: less
         exact than the file for Q6_K, but 1.27x faster decoding of the default target than int8
         for those linears (BENCHMARKS.md §7m)."""
-        from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, quantize_q4
+        from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, Q4Weights, quantize_q4
 
         exact = exact or {}
         parts = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"), "attention.wo": ("attention.wo",),
@@ -526,16 +530,15 @@ class Transformer(nn.Module):
         if self.output is not None:
             targets.append((self, "output", [None]))
         if self.tok_embeddings is not None and "tok_embeddings.weight" in exact:  # a Q4_K table: kept exactly
-            self.tok_embeddings = Q4Embedding(*exact["tok_embeddings.weight"], self.dtype)
+            self.tok_embeddings = Q4Embedding(exact["tok_embeddings.weight"], self.dtype)
         elif self.tok_embeddings is not None and embeddings and self.config.dim % GROUP == 0:
-            self.tok_embeddings = Q4Embedding(*quantize_q4(self.tok_embeddings.weight.data), self.dtype)
+            self.tok_embeddings = Q4Embedding(quantize_q4(self.tok_embeddings.weight.data), self.dtype)
         for owner, attr, found in targets:
             child = getattr(owner, attr)
             if type(child) is not nn.Linear or not Q4Linear.fits(child.out_features, child.in_features):
                 continue
             if all(f is not None for f in found):
-                codes, scales, mins = (torch.cat([f[j] for f in found]) for j in range(3))
-                setattr(owner, attr, Q4Linear(codes, scales, mins, child.bias))
+                setattr(owner, attr, Q4Linear(Q4Weights.cat(found), child.bias))
             else:
                 setattr(owner, attr, Q4Linear.from_linear(child))
 
@@ -616,7 +619,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
                 device: torch.device | str = "cpu", layers: range | None = None,
                 max_positions: int | None = None, pack: bool = True, int4: bool = False, int8: bool = False,
                 int8_head: bool = False, q4: bool = False,
-                q4_exact: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                q4_exact: dict[str, Q4Weights] | None = None,
                 q4_embeddings: bool = False, layer_kernels: bool = True) -> Transformer:
     """Instantiate (without random init) and load canonical weights; bf16 on a CPU gets packed
     weights (see PackedLinear) unless `pack` is False, int4 weights with `int4` (drafts), or W8A8

@@ -1,16 +1,16 @@
 """The q4 weight mode: 4-bit weights (GGUF Q4_K layout, exact) x int8 activations on our own kernel.
 
 A Q4_K_M file stores most of its linears as Q4_K: per group of 32 inputs a scale and a minimum,
-w = scale * q - min with q in 0..15. `Q4Linear` keeps exactly that (scales and minimums rounded
-to fp16), so a target read from the GGUF runs on the weights llama.cpp runs, at 5 bits a weight
-instead of int8's 8. torch 2.13 has no kernel that reads 4-bit weights at this CPU's bandwidth
-(BENCHMARKS.md §7k, §7l), so the multiply is `kernels/q4_vnni.cpp` (AVX512-VNNI), compiled on first
+w = scale * q - min with q in 0..15, the scales and minimums themselves 6-bit codes of an fp16
+factor per 256 inputs. `Q4Linear` keeps exactly that (Q4Weights), so a target read from the GGUF
+runs on the weights llama.cpp runs, at 4.6 bits a weight instead of int8's 8. torch 2.13 has no
+kernel that reads 4-bit weights at this CPU's bandwidth (BENCHMARKS.md §7k, §7l), so the multiply is `kernels/q4_vnni.cpp` (AVX512-VNNI), compiled on first
 use with torch's cpp_extension and cached. Machines without AVX512-VNNI or a C++ compiler get a
 one-line error naming the alternative (--dtype int8).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -21,6 +21,10 @@ from specwood.models.kernels import AVX512_FLAGS, CpuKernel
 GROUP = 32
 LANES = 16  # output channels interleaved in one 512-bit register
 BLOCK = 32  # output channels per block of the packed layout (two registers)
+SUPER = 8  # groups per superblock (Q4_K: 256 inputs)
+HEADER_BYTES = 2 * BLOCK * 2  # a superblock's d and dmin, fp16, per channel of a block
+GROUP_LINE = 2 * BLOCK + BLOCK * GROUP // 2  # a group's scale and minimum codes, then its nibbles
+SUPER_BYTES = HEADER_BYTES + SUPER * GROUP_LINE
 KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
 KERNEL = CpuKernel("specwood_q4_vnni", "q4_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
                    "the q4 weight mode")
@@ -43,55 +47,130 @@ def require_q4() -> Any:
     return kernel
 
 
-def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float weight [N, K] -> (codes uint8 [N, K] in 0..15, scales [N, K/32], minimums [N, K/32]):
-    w ~ scale * q - min per group of 32 inputs, the group's range split in 15 steps (scale and
-    minimum rounded to fp16 first, so the codes fit the stored values)."""
+class Q4Weights(NamedTuple):
+    """4-bit weights [N, K] as GGUF's Q4_K holds them: w = d * sc * q - dmin * m, with per group of
+    32 inputs a scale code sc and a minimum code m (0..63), and per superblock of 8 groups (256
+    inputs; the last may be shorter) an fp16 d and dmin. d * sc is exact in fp32, so these values
+    are the file's weights bit for bit."""
+
+    codes: torch.Tensor  # uint8 [N, K], 0..15
+    sub_scales: torch.Tensor  # uint8 [N, K/32], 0..63
+    sub_mins: torch.Tensor  # uint8 [N, K/32], 0..63
+    super_scales: torch.Tensor  # fp16 [N, ceil(K/256)]
+    super_mins: torch.Tensor  # fp16 [N, ceil(K/256)]
+
+    def scales(self) -> torch.Tensor:
+        """Each group's scale d * sc, fp32 [N, K/32]."""
+        return self.sub_scales.float() * _per_group(self.super_scales, self.sub_scales.shape[1])
+
+    def mins(self) -> torch.Tensor:
+        """Each group's minimum dmin * m, fp32 [N, K/32]."""
+        return self.sub_mins.float() * _per_group(self.super_mins, self.sub_mins.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights, fp32 [N, K] (as ggml computes them: q * (d * sc) - dmin * m)."""
+        n, k = self.codes.shape
+        g = self.codes.float().reshape(n, k // GROUP, GROUP)
+        return (g * self.scales()[..., None] - self.mins()[..., None]).reshape(n, k)
+
+    @classmethod
+    def cat(cls, parts: list[Q4Weights]) -> Q4Weights:
+        """Several weights stacked along the output channels (a fused qkv or gate/up linear)."""
+        return cls(*(torch.cat(field) for field in zip(*parts)))
+
+
+def _per_group(per_super: torch.Tensor, groups: int) -> torch.Tensor:
+    return per_super.float().repeat_interleave(SUPER, 1)[:, :groups]
+
+
+def _split_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-negative per-group values [N, G] -> (codes uint8 [N, G] in 0..63, fp16 [N, ceil(G/8)])
+    with codes * factor >= v: rounded up, so a group's range stays covered."""
+    n, groups = v.shape
+    supers = -(-groups // SUPER)
+    padded = torch.nn.functional.pad(v, (0, supers * SUPER - groups)).reshape(n, supers, SUPER)
+    # just above max/63 in fp16 (fp16 rounds by at most 2**-11), so no code needs 64
+    factor = (padded.amax(-1) / 63 * (1 + 2 ** -10)).half()
+    f = factor.float()[..., None]
+    codes = torch.where(f > 0, torch.ceil(padded / f.clamp(min=1e-30)), torch.zeros_like(padded))
+    return codes.clamp_(0, 63).to(torch.uint8).reshape(n, -1)[:, :groups], factor
+
+
+def quantize_q4(w: torch.Tensor) -> Q4Weights:
+    """Float weight [N, K] -> Q4Weights: per group of 32 inputs, a minimum covering the group's
+    lowest value and a scale splitting the rest of its range in 15 steps, both as 6-bit codes of
+    an fp16 factor per superblock (Q4_K's form); the 4-bit codes are rounded against the stored
+    values, so each weight is within half a step of its float."""
     n, k = w.shape
     g = w.float().reshape(n, k // GROUP, GROUP)
-    lo = g.amin(-1).clamp(max=0)
-    hi = g.amax(-1).clamp(min=0)
-    scale = ((hi - lo) / 15).clamp(min=1e-6).half().float()
-    mins = (-lo).half().float()
-    q = torch.round((g + mins[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-    return q.reshape(n, k), scale, mins
+    sub_mins, super_mins = _split_codes((-g.amin(-1)).clamp(min=0))
+    mins = sub_mins.float() * _per_group(super_mins, k // GROUP)
+    sub_scales, super_scales = _split_codes((g.amax(-1) + mins).clamp(min=0) / 15)
+    scales = sub_scales.float() * _per_group(super_scales, k // GROUP)
+    q = torch.round((g + mins[..., None]) / scales.clamp(min=1e-30)[..., None]).clamp_(0, 15).to(torch.uint8)
+    return Q4Weights(q.reshape(n, k), sub_scales, sub_mins, super_scales, super_mins)
 
 
-def pack_q4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, scales, minimums) -> the kernel's layout: for each block of 32 output channels and
-    group of 32 inputs, 512 bytes: two halves of 16 channels, each 4 chunks of 64 bytes; in chunk
-    c, channel n's bytes 4n..4n+3 hold inputs 8c..8c+3 in their low nibbles and 8c+4..8c+7 in
-    their high ones. Scales and minimums as fp16 [N/32, K/32, 32]."""
-    n, k = codes.shape
+def block_bytes(groups: int) -> int:
+    """Bytes of one block of 32 output channels in the kernel's layout (pack_q4)."""
+    full, rest = divmod(groups, SUPER)
+    return full * SUPER_BYTES + (HEADER_BYTES + rest * GROUP_LINE if rest else 0)
+
+
+def pack_q4(w: Q4Weights) -> torch.Tensor:
+    """Q4Weights -> the kernel's layout, uint8 [N/32, block_bytes(K/32)]: for each block of 32
+    output channels, per superblock a 128-byte header (d of the 32 channels, then dmin, fp16), then
+    per group a 576-byte line: the 32 scale codes, the 32 minimum codes, and 512 bytes of nibbles
+    (two halves of 16 channels, each 4 chunks of 64 bytes; in chunk c, channel n's bytes 4n..4n+3
+    hold inputs 8c..8c+3 in their low nibbles and 8c+4..8c+7 in their high ones)."""
+    n, k = w.codes.shape
     b, g = n // BLOCK, k // GROUP
-    v = codes.reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)  # block, group, half, chunk, channel, j, low/high
-    packed = (v[..., 0] | (v[..., 1] << 4)).contiguous().reshape(b, g, 512)
+    supers = -(-g // SUPER)
+    v = w.codes.reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)  # block, group, half, chunk, channel, j, low/high
+    nibbles = (v[..., 0] | (v[..., 1] << 4)).reshape(b, g, 512)
 
-    def lanes(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(b, BLOCK, g).permute(0, 2, 1).contiguous().half()
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [N, X] -> [N/32, X, 32]
+        return t.reshape(b, BLOCK, -1).permute(0, 2, 1)
 
-    return packed, lanes(scales), lanes(mins)
+    lines = torch.zeros(b, supers * SUPER, GROUP_LINE, dtype=torch.uint8)
+    lines[:, :g] = torch.cat([lanes(w.sub_scales), lanes(w.sub_mins), nibbles], -1)
+    header = torch.cat([lanes(w.super_scales.half()).contiguous().view(torch.uint8),
+                        lanes(w.super_mins.half()).contiguous().view(torch.uint8)], -1)
+    stream = torch.cat([header, lines.reshape(b, supers, SUPER * GROUP_LINE)], -1).reshape(b, -1)
+    return stream[:, :block_bytes(g)].contiguous()
+
+
+def unpack_q4(packed: torch.Tensor, in_features: int) -> Q4Weights:
+    """The inverse of pack_q4."""
+    b, g = packed.shape[0], in_features // GROUP
+    supers = -(-g // SUPER)
+    stream = torch.nn.functional.pad(packed, (0, supers * SUPER_BYTES - packed.shape[1])).reshape(b, supers, SUPER_BYTES)
+
+    def channels(t: torch.Tensor) -> torch.Tensor:  # [N/32, X, 32] -> [N, X]
+        return t.permute(0, 2, 1).reshape(b * BLOCK, -1)
+
+    header = stream[..., :HEADER_BYTES].contiguous().view(torch.float16)  # [b, supers, 64]
+    lines = stream[..., HEADER_BYTES:].reshape(b, supers * SUPER, GROUP_LINE)[:, :g]
+    nib = torch.stack([lines[..., 2 * BLOCK:] & 0x0F, lines[..., 2 * BLOCK:] >> 4], -1).reshape(b, g, 2, 4, LANES, 4, 2)
+    codes = nib.permute(0, 2, 4, 1, 3, 6, 5).reshape(b * BLOCK, in_features)
+    return Q4Weights(codes, channels(lines[..., :BLOCK]), channels(lines[..., BLOCK:2 * BLOCK]),
+                     channels(header[..., :BLOCK]), channels(header[..., BLOCK:]))
 
 
 class Q4Linear(nn.Module):
-    """W4A8 Linear on the q4 kernel: 4-bit weights per group of 32 (scale and minimum, GGUF Q4_K's
-    layout) times per-row int8 activations; fp32 accumulation, output in the input's dtype.
+    """W4A8 Linear on the q4 kernel: 4-bit weights in Q4_K's form (Q4Weights) times per-row int8
+    activations; fp32 accumulation, output in the input's dtype.
 
-    Lossy against float weights (exact against a Q4_K tensor up to fp16 scales, plus the int8
-    activations), but row-exact like Int8Linear: each row's output is computed by the same
-    operations whatever the other rows are, so a tree verified in one forward gives each node what
-    a one-token forward along its path gives. Needs N % 32 == 0 and K % 32 == 0."""
+    Lossy against float weights (exact against a Q4_K tensor, plus the int8 activations), but
+    row-exact like Int8Linear: each row's output is computed by the same operations whatever the
+    other rows are, so a tree verified in one forward gives each node what a one-token forward
+    along its path gives. Needs N % 32 == 0 and K % 32 == 0."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                 bias: torch.Tensor | None = None):
+    def __init__(self, weights: Q4Weights, bias: torch.Tensor | None = None):
         super().__init__()
         self.kernel = require_q4()
-        self.out_features, self.in_features = codes.shape
-        packed, s, m = pack_q4(codes, scales, mins)
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales", s, persistent=False)
-        self.register_buffer("mins", m, persistent=False)
+        self.out_features, self.in_features = weights.codes.shape
+        self.register_buffer("packed", pack_q4(weights), persistent=False)
         self.register_buffer("bias", bias.detach().float().clone() if bias is not None else torch.empty(0),
                              persistent=False)
 
@@ -102,44 +181,46 @@ class Q4Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Module) -> Q4Linear:
         w = linear.weight.data if isinstance(linear.weight, torch.Tensor) else linear.weight
-        return cls(*quantize_q4(w), getattr(linear, "bias", None))
+        return cls(quantize_q4(w), getattr(linear, "bias", None))
+
+    @property
+    def weights(self) -> Q4Weights:
+        """The stored values, unpacked (fresh tensors)."""
+        return unpack_q4(self.packed, self.in_features)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weight [N, K] (fp32, a fresh copy), e.g. for a reference model."""
-        b, g, _ = self.packed.shape
-        nib = torch.stack([self.packed & 0x0F, self.packed >> 4], -1).reshape(b, g, 2, 4, LANES, 4, 2)
-        codes = nib.permute(0, 2, 4, 1, 3, 6, 5).reshape(self.out_features, g, GROUP).float()
-        s = self.scales.float().permute(0, 2, 1).reshape(self.out_features, g, 1)
-        m = self.mins.float().permute(0, 2, 1).reshape(self.out_features, g, 1)
-        return (codes * s - m).reshape(self.out_features, self.in_features)
+        return self.weights.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = self.kernel.q4_linear(flat, self.packed, self.scales, self.mins, self.bias)
+        out = self.kernel.q4_linear(flat, self.packed, self.bias)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 class Q4Embedding(nn.Module):
-    """A token embedding kept as 4-bit codes with a scale and a minimum per group of 32 (a GGUF's
-    Q4_K `token_embd`, exactly): a step looks up a few rows and dequantises only those. A third
-    of the bf16 table's memory (151,936 x 1,536 for the default target: 146 against 467 MB)."""
+    """A token embedding kept in 4 bits (Q4Weights; a GGUF's Q4_K `token_embd`, exactly): a step
+    looks up a few rows and dequantises only those. Under a third of the bf16 table's memory
+    (151,936 x 1,536 for the default target: 135 against 467 MB)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, weights: Q4Weights, dtype: torch.dtype):
         super().__init__()
+        codes = weights.codes
         self.num_embeddings, self.embedding_dim = codes.shape
         self.dtype = dtype
         self.register_buffer("packed", codes[:, 0::2] | (codes[:, 1::2] << 4), persistent=False)
-        self.register_buffer("scales", scales.half(), persistent=False)
-        self.register_buffer("mins", mins.half(), persistent=False)
+        for name in ("sub_scales", "sub_mins", "super_scales", "super_mins"):
+            self.register_buffer(name, getattr(weights, name), persistent=False)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        packed = self.packed[ids]
-        codes = torch.stack([packed & 0x0F, packed >> 4], -1).reshape(*ids.shape, -1, GROUP).float()
-        out = codes * self.scales[ids].float()[..., None] - self.mins[ids].float()[..., None]
-        return out.reshape(*ids.shape, self.embedding_dim)
+        packed = self.packed[ids].reshape(-1, self.embedding_dim // 2)
+        codes = torch.stack([packed & 0x0F, packed >> 4], -1).reshape(-1, self.embedding_dim)
+        rows = Q4Weights(codes, *(getattr(self, name)[ids].reshape(codes.shape[0], -1)
+                                  for name in ("sub_scales", "sub_mins", "super_scales", "super_mins")))
+        return rows.dequantize().reshape(*ids.shape, self.embedding_dim)
 
     @property
     def weight(self) -> torch.Tensor:
