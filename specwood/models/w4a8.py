@@ -4,9 +4,10 @@ A Q4_K_M file stores most of its linears as Q4_K: per group of 32 inputs a scale
 w = scale * q - min with q in 0..15, the scales and minimums themselves 6-bit codes of an fp16
 factor per 256 inputs. `Q4Linear` keeps exactly that (Q4Weights), so a target read from the GGUF
 runs on the weights llama.cpp runs, at 4.6 bits a weight instead of int8's 8. torch 2.13 has no
-kernel that reads 4-bit weights at this CPU's bandwidth (BENCHMARKS.md §7k, §7l), so the multiply is `kernels/q4_vnni.cpp` (AVX512-VNNI), compiled on first
-use with torch's cpp_extension and cached. Machines without AVX512-VNNI or a C++ compiler get a
-one-line error naming the alternative (--dtype int8).
+kernel that reads 4-bit weights at this CPU's bandwidth (BENCHMARKS.md §7k, §7l), so the multiply
+is `kernels/q4_vnni.cpp` (AVX512-VNNI), compiled on first use with torch's cpp_extension and
+cached. Machines without AVX512-VNNI or a C++ compiler get a one-line error naming the
+alternative (--dtype int8).
 """
 from __future__ import annotations
 
