@@ -11,7 +11,8 @@ from torch import nn
 
 from specwood.engine.api import Engine
 from specwood.models.transformer import Int8Linear, build_model
-from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, Q4Weights, pack_q4, q4_unavailable_reason, quantize_q4, unpack_q4
+from specwood.models.w4a8 import (GROUP, Q4Embedding, Q4Linear, pack_q4, q4_unavailable_reason, quantize_q4,
+                                  unpack_q4)
 
 pytestmark = pytest.mark.skipif(q4_unavailable_reason() is not None, reason=str(q4_unavailable_reason()))
 

@@ -24,8 +24,8 @@ LANES = 16  # output channels interleaved in one 512-bit register
 BLOCK = 32  # output channels per block of the packed layout (two registers)
 SUPER = 8  # groups per superblock (Q4_K: 256 inputs)
 HEADER_BYTES = 2 * BLOCK * 2  # a superblock's d and dmin, fp16, per channel of a block
-GROUP_LINE = 2 * BLOCK + BLOCK * GROUP // 2  # a group's scale and minimum codes, then its nibbles
-SUPER_BYTES = HEADER_BYTES + SUPER * GROUP_LINE
+GROUP_STRIDE = 2 * BLOCK + BLOCK * GROUP // 2  # a group's scale and minimum codes, then its nibbles
+SUPER_BYTES = HEADER_BYTES + SUPER * GROUP_STRIDE
 KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
 KERNEL = CpuKernel("specwood_q4_vnni", "q4_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
                    "the q4 weight mode")
@@ -115,7 +115,7 @@ def quantize_q4(w: torch.Tensor) -> Q4Weights:
 def block_bytes(groups: int) -> int:
     """Bytes of one block of 32 output channels in the kernel's layout (pack_q4)."""
     full, rest = divmod(groups, SUPER)
-    return full * SUPER_BYTES + (HEADER_BYTES + rest * GROUP_LINE if rest else 0)
+    return full * SUPER_BYTES + (HEADER_BYTES + rest * GROUP_STRIDE if rest else 0)
 
 
 def pack_q4(w: Q4Weights) -> torch.Tensor:
@@ -133,11 +133,11 @@ def pack_q4(w: Q4Weights) -> torch.Tensor:
     def lanes(t: torch.Tensor) -> torch.Tensor:  # [N, X] -> [N/32, X, 32]
         return t.reshape(b, BLOCK, -1).permute(0, 2, 1)
 
-    lines = torch.zeros(b, supers * SUPER, GROUP_LINE, dtype=torch.uint8)
+    lines = torch.zeros(b, supers * SUPER, GROUP_STRIDE, dtype=torch.uint8)
     lines[:, :g] = torch.cat([lanes(w.sub_scales), lanes(w.sub_mins), nibbles], -1)
     header = torch.cat([lanes(w.super_scales.half()).contiguous().view(torch.uint8),
                         lanes(w.super_mins.half()).contiguous().view(torch.uint8)], -1)
-    stream = torch.cat([header, lines.reshape(b, supers, SUPER * GROUP_LINE)], -1).reshape(b, -1)
+    stream = torch.cat([header, lines.reshape(b, supers, SUPER * GROUP_STRIDE)], -1).reshape(b, -1)
     return stream[:, :block_bytes(g)].contiguous()
 
 
@@ -151,7 +151,7 @@ def unpack_q4(packed: torch.Tensor, in_features: int) -> Q4Weights:
         return t.permute(0, 2, 1).reshape(b * BLOCK, -1)
 
     header = stream[..., :HEADER_BYTES].contiguous().view(torch.float16)  # [b, supers, 64]
-    lines = stream[..., HEADER_BYTES:].reshape(b, supers * SUPER, GROUP_LINE)[:, :g]
+    lines = stream[..., HEADER_BYTES:].reshape(b, supers * SUPER, GROUP_STRIDE)[:, :g]
     nib = torch.stack([lines[..., 2 * BLOCK:] & 0x0F, lines[..., 2 * BLOCK:] >> 4], -1).reshape(b, g, 2, 4, LANES, 4, 2)
     codes = nib.permute(0, 2, 4, 1, 3, 6, 5).reshape(b * BLOCK, in_features)
     return Q4Weights(codes, channels(lines[..., :BLOCK]), channels(lines[..., BLOCK:2 * BLOCK]),
