@@ -24,13 +24,20 @@ def random_q4(n: int, k: int, seed: int = 0, bias: bool = False) -> tuple[Q4Line
     return Q4Linear(quantize_q4(w), b), w
 
 
-def reference(lin: Q4Linear, x: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64: the activations quantised per row (symmetric int8,
-    round half to even, the scale's reciprocal in fp32) times the dequantised weights."""
-    xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
-    q = torch.round(xf * (1 / scale)).clamp(-127, 127)
-    out = (q.double() * scale.double()) @ lin.weight.double().t()  # weight: d * sc * q - dmin * m
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies, in float64: the activations quantised per group of 32 inputs
+    (symmetric int8, round half to even, the scale's reciprocal in fp32)."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // GROUP, GROUP)
+    scale = g.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(g * (1 / scale)).clamp(-127, 127)
+    return (q.double() * scale.double()).reshape(m, k)
+
+
+def reference(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: quantized_activations times the dequantised weights."""
+    out = quantized_activations(x) @ lin.weight.double().t()  # weight: d * sc * q - dmin * m
     return out + lin.bias.double() if lin.bias.numel() else out
 
 
@@ -86,7 +93,7 @@ def test_quantize_q4_stores_what_it_rounds_to(k):
     assert ((deq - w).abs() <= q.scales().repeat_interleave(GROUP, 1) * 0.5 + 1e-6).all()
     assert torch.equal(deq[1], w[1])
     lin = Q4Linear(q)
-    assert lin.packed.shape == (2, lin.kernel.block_bytes(k // GROUP))  # the kernel's own size
+    assert lin.packed.shape == (2, lin.kernel.q4_block_bytes(k // GROUP))  # the kernel's own size
     back = lin.weights
     assert all(torch.equal(a, b) for a, b in zip(back, q))  # the packed layout unpacks to the same values
     assert torch.equal(lin.weight, deq)
@@ -97,11 +104,11 @@ def test_q4_values_are_llamacpp_values_on_the_shipped_file():
     """Q4_K exactness on real blocks: the values read from the default target's GGUF give llama.cpp's
     dequantised values bit for bit (fp32), and so do the kernel's packed copy and the token table's
     rows."""
-    from specwood.models.gguf_loader import dequantize_tensor, q4k_weights, read_gguf_header
+    from specwood.models.gguf_loader import dequantize_tensor, kquant_weights, read_gguf_header
     from specwood.models.registry import DEFAULT_TARGET, ensure_model
 
     path = ensure_model(DEFAULT_TARGET, progress=False)
-    exact = q4k_weights(path, range(0, 1))
+    exact = kquant_weights(path, range(0, 1))
     assert "layers.0.attention.wq.weight" in exact and "layers.0.feed_forward.w1.weight" in exact
     header = read_gguf_header(path)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
@@ -112,7 +119,7 @@ def test_q4_values_are_llamacpp_values_on_the_shipped_file():
         assert torch.equal(mine, ref), gname
         assert torch.equal(Q4Linear(exact[cname]).weight, ref), gname
     # the token table is Q4_K in this file too: kept as codes, rows dequantised on lookup
-    table = Q4Embedding(q4k_weights(path, range(0))["tok_embeddings.weight"], torch.float32)
+    table = Q4Embedding(kquant_weights(path, range(0))["tok_embeddings.weight"], torch.float32)
     ids = torch.tensor([[0, 151643, 17]])
     rows = table(ids)[0]
     ref = dequantize_tensor(mm, header.tensors["token_embd.weight"], torch.float32)[ids[0]]
@@ -121,14 +128,15 @@ def test_q4_values_are_llamacpp_values_on_the_shipped_file():
 
 
 def q4_copy(model: nn.Module) -> nn.Module:
+    """Float weights quantised to 4 bits (q4-lite: a float checkpoint has no Q4_K values to keep)."""
     return build_model(model.config, model.canonical_state_dict(), torch.float32,
-                       max_positions=model.max_positions, q4=True)
+                       max_positions=model.max_positions, q4_lite=True)
 
 
 def test_q4_model_stays_close_to_fp32(tiny_pair):
     model = tiny_pair.target
     q4 = q4_copy(model)
-    assert q4.weight_mode == "q4"
+    assert q4.weight_mode == "q4-lite"
     assert sum(isinstance(m, Q4Linear) for m in q4.layers.modules()) == 4 * len(q4.layers)
     # the tiny vocabulary (257) is no multiple of 16: its head goes to int8
     assert isinstance(q4.output, Int8Linear)
@@ -150,8 +158,15 @@ def test_load_q4_mode(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):
 
     monkeypatch.setattr(loader, "load_tokenizer", lambda path: tiny_tokenizer)
     files = tiny_checkpoint_files
-    engine = specwood.load(files.gguf, files.gguf, dtype="q4", draft_dtype="q4", progress=False)
-    assert engine.target.weight_mode == "q4" and engine.draft_model.weight_mode == "q4"
+    # q4 on an F32 file: no k-quant weights to keep, so every weight stays in floats, said in one line
+    engine = specwood.load(files.gguf, None, dtype="q4", progress=False)
+    assert engine.target.weight_mode in ("bf16", "fp32") and len(engine.target.weights_in_floats) == 7 * files.config.n_layers + 1
+    from specwood.engine.api import weights_in_floats_note
+
+    note = weights_in_floats_note(files.gguf, engine.target)
+    assert "\n" not in note and "layers.0.attention.wq.weight (F32)" in note and "more" in note
+    engine = specwood.load(files.gguf, files.gguf, dtype="q4-lite", draft_dtype="q4-lite", progress=False)
+    assert engine.target.weight_mode == "q4-lite" and engine.draft_model.weight_mode == "q4-lite"
     # an F32 token table is no Q4_K one: the target keeps it in floats; a draft stores it in 4 bits
     assert not isinstance(engine.target.tok_embeddings, Q4Embedding)
     assert isinstance(engine.draft_model.tok_embeddings, Q4Embedding)
@@ -190,7 +205,7 @@ def test_a_cpu_without_vnni_gets_one_line_naming_int8(monkeypatch):
 
 def test_auto_weight_mode_is_q4_for_q4k_gguf_targets_and_for_drafts(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):
     """--dtype auto runs a Q4_K GGUF (the shipped target) in q4, other targets in floats; a draft
-    runs in q4 whatever its file; a CPU without VNNI keeps the older defaults (float, int4 draft)."""
+    runs in q4-lite whatever its file; a CPU without VNNI keeps the older defaults (float, int4 draft)."""
     import specwood
     import specwood.models.loader as loader
     from specwood.engine.api import gguf_is_q4k
@@ -202,7 +217,7 @@ def test_auto_weight_mode_is_q4_for_q4k_gguf_targets_and_for_drafts(tiny_checkpo
     assert not gguf_is_q4k(files.gguf) and not gguf_is_q4k(files.hf)  # F32 blocks, a float folder
     monkeypatch.setattr(loader, "load_tokenizer", lambda path: tiny_tokenizer)
     engine = specwood.load(files.gguf, files.gguf, progress=False)
-    assert engine.target.weight_mode in ("bf16", "fp32") and engine.draft_model.weight_mode == "q4"
+    assert engine.target.weight_mode in ("bf16", "fp32") and engine.draft_model.weight_mode == "q4-lite"
     ids = [3, 4, 5, 6]
     assert engine.generate(ids, max_tokens=6, method="dyspec").token_ids == engine.generate(ids, max_tokens=6).token_ids
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx2", "avx512f"})  # no VNNI

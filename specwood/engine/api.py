@@ -330,12 +330,29 @@ def q4_runs_here(device: str) -> bool:
 
 
 def exact_q4_weights(path: Path, q4: bool) -> dict[str, Any] | None:
-    """For the q4 weight mode: the GGUF's own Q4_K values (None for other sources and modes)."""
+    """For the q4 weight modes: the GGUF's own Q4_K and Q6_K values (None for other sources and modes)."""
     if not q4 or path.is_dir():
         return None
-    from specwood.models.gguf_loader import q4k_weights
+    from specwood.models.gguf_loader import kquant_weights
 
-    return q4k_weights(path)
+    return kquant_weights(path)
+
+
+def weights_in_floats_note(path: Path, model: Any) -> str:
+    """One line naming the weights the q4 mode keeps in floats, with their file types."""
+    names = model.weights_in_floats
+    types: dict[str, str] = {}
+    if not path.is_dir():
+        from gguf.constants import GGMLQuantizationType
+
+        from specwood.models.gguf_loader import canonical_name, read_gguf_header
+
+        types = {canonical_name(g): GGMLQuantizationType(i.ggml_type).name
+                 for g, i in read_gguf_header(path).tensors.items()}
+    listed = ", ".join(f"{n} ({types.get(n, 'float')})" for n in names[:4])
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return (f"q4: no kernel for the type or shape of {listed}{more}; kept in "
+            f"{str(model.dtype).removeprefix('torch.')} (dequantised from the file)")
 
 
 def load(
@@ -354,10 +371,11 @@ def load(
 
     draft="auto" picks the registry's default draft for a registry target (none otherwise);
     draft=None (or "none") loads no draft. On a CPU with AVX512-VNNI dtype="auto" is "q4" for a GGUF
-    of Q4_K weights and draft_dtype="auto" is "q4" (q4_runs_here); otherwise dtype="auto" is
-    bf16 where it is fast, else fp32, and draft_dtype="auto" runs the draft with int4 weights on CPUs (bf16 activations;
-    drafting never affects the output, only the speed) and in the target's dtype elsewhere; "int4",
-    "int8", "q4", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
+    of Q4_K weights (the file's Q4_K and Q6_K weights as stored, the rest in bf16) and
+    draft_dtype="auto" is "q4-lite" (every weight in 4 bits; q4_runs_here); otherwise dtype="auto"
+    is bf16 where it is fast, else fp32, and draft_dtype="auto" runs the draft with int4 weights on
+    CPUs (bf16 activations; drafting never affects the output, only the speed) and in the target's
+    dtype elsewhere; "int4", "int8", "q4", "q4-lite", "bf16", "fp32" force one. dtype="int8" (and draft_dtype="int8")
     is W8A8: int8 weights and per-token int8 activations in the linears of the layers and the
     vocabulary head (see Int8Linear), activations in the "auto" dtype elsewhere; lossy against the
     float model, but every method stays token-identical to "ar" in that mode.
@@ -389,20 +407,20 @@ def load(
     check_backends(backend, draft_backend, dtype=dtype, draft_dtype=draft_dtype, device=device)
     # "auto" is q4 where the kernel runs: for a target of Q4_K weights (the GGUF's own weights times
     # int8 activations, as llama.cpp computes them: 2.7x bf16's decode rate and a third of its
-    # memory, BENCHMARKS §7m-§7o) and for any draft (its precision changes speed, never output; q4
-    # is faster than int4 at every tree size, §7n)
+    # memory, BENCHMARKS §7m-§7o), and q4-lite for any draft (its precision changes speed, never
+    # output; 4 bits are faster than int4 at every tree size, §7n)
     q4_target = dtype == "auto" and backend == "torch" and gguf_is_q4k(target)
     q4_draft = draft_dtype == "auto" and draft is not None and draft_backend == "torch"
     if (q4_target or q4_draft) and q4_runs_here(device):
-        dtype, draft_dtype = ("q4" if q4_target else dtype), ("q4" if q4_draft else draft_dtype)
-    if "q4" in (dtype, draft_dtype):  # before minutes of loading
+        dtype, draft_dtype = ("q4" if q4_target else dtype), ("q4-lite" if q4_draft else draft_dtype)
+    if {"q4", "q4-lite"} & {dtype, draft_dtype}:  # before minutes of loading
         check_q4(device)
     if device == "cpu" and "torch" in (backend, draft_backend):  # compiled while the model files are read
         from specwood.models.layer_ops import KERNEL as LAYER_KERNEL
 
         LAYER_KERNEL.build_in_background()
-    int8, q4 = dtype == "int8", dtype == "q4"
-    torch_dtype = resolve_dtype("auto" if int8 or q4 else dtype, device)
+    int8, q4, q4_lite = dtype == "int8", dtype == "q4", dtype == "q4-lite"
+    torch_dtype = resolve_dtype("auto" if int8 or q4 or q4_lite else dtype, device)
     if backend == "llama.cpp":
         model: Any = LlamaCppTarget(target, max_context)
         positions = model.max_positions
@@ -411,21 +429,24 @@ def load(
         positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
         # the int8 head too: a step's vocabulary matmul in 7.6 instead of 13.7 ms (one row; BENCHMARKS §7f)
         model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8, int8_head=int8,
-                            q4=q4, q4_exact=exact_q4_weights(path, q4))
+                            q4=q4, q4_lite=q4_lite, q4_exact=exact_q4_weights(path, q4 or q4_lite))
         del sd
+        if model.weights_in_floats and progress:
+            print(f"[load] {weights_in_floats_note(path, model)}", file=sys.stderr)
     tokenizer = load_tokenizer(target)
     draft_model: Any = None
     if draft is not None and draft_backend == "llama.cpp":
         draft_model = LlamaCppDraft(str(draft), max_context or positions)
     elif draft is not None:
         int4 = draft_dtype == "int4" or (draft_dtype == "auto" and device == "cpu" and int4_available())
-        dint8, dq4 = draft_dtype == "int8", draft_dtype == "q4"
-        ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8", "q4")
+        dint8, dq4, dq4_lite = draft_dtype == "int8", draft_dtype == "q4", draft_dtype == "q4-lite"
+        ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8", "q4", "q4-lite")
                   else resolve_dtype(draft_dtype, device))
         dcfg, dsd, dpath = load_checkpoint(str(draft), dtype=ddtype)
         draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8,
-                                  int8_head=dint8, q4=dq4, q4_exact=exact_q4_weights(dpath, dq4),
-                                  q4_embeddings=True)  # a draft's precision changes speed, never output
+                                  int8_head=dint8, q4=dq4, q4_lite=dq4_lite,
+                                  q4_exact=exact_q4_weights(dpath, dq4 or dq4_lite),
+                                  q4_embeddings=dq4_lite)  # a draft's precision changes speed, never output
         del dsd
     release_freed_memory()
     return Engine(model, tokenizer, draft=draft_model, target_name=target,

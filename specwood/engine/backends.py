@@ -26,8 +26,8 @@ from specwood.models.config import ModelConfig
 BACKENDS = ("torch", "llama.cpp")
 BACKEND_CHOICES = ("torch", "llama.cpp", "auto")
 # weight modes of a torch target and of a torch draft (the command lines' --dtype / --draft-dtype)
-DTYPE_CHOICES = ("auto", "bf16", "fp32", "int8", "q4")
-DRAFT_DTYPE_CHOICES = ("auto", "int4", "int8", "q4", "bf16", "fp32")
+DTYPE_CHOICES = ("auto", "bf16", "fp32", "int8", "q4", "q4-lite")
+DRAFT_DTYPE_CHOICES = ("auto", "int4", "int8", "q4", "q4-lite", "bf16", "fp32")
 DEFAULT_LLAMACPP_CTX = 8192  # KV cells per llama.cpp context unless --max-context says otherwise
 # llama.cpp sequences per context. llama.cpp reserves a logits row per sequence at start (151,936
 # floats = 0.58 MB each for Qwen2.5), so 256 cost 0.15 GB per context; 64 cover the trees the

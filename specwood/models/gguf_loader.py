@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,9 +27,8 @@ import torch
 from specwood.errors import ModelFileError
 from specwood.models.config import SUPPORTED_ARCHS, ModelConfig
 from specwood.models.loader import check_layers, layer_index, validate_state_dict
-
-if TYPE_CHECKING:
-    from specwood.models.w4a8 import Q4Weights
+from specwood.models.q6k import Q6Weights
+from specwood.models.w4a8 import Q4Weights
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -414,14 +413,7 @@ def _dq_q5_k(b: torch.Tensor) -> torch.Tensor:
 
 def _dq_q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    ql = b[:, :128].reshape(n, 2, 1, 64)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
-    qh = ((b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
-    q = torch.empty(n, 2, 2, 64)
-    q[:, :, 0:1] = ql & 0x0F
-    q[:, :, 1:2] = ql >> 4
-    q = q.view(n, 8, 32)
-    q.add_(qh, alpha=16).sub_(32)
+    q = _q6k_codes(b).to(torch.float32).sub_(32)
     scales = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
     d = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)
     return q.view(n, 16, 16).mul_(d).view(n, 256)
@@ -617,41 +609,63 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]):  # -> transformers.PreTra
     return tok
 
 
-def q4k_weights(path: str | os.PathLike[str], layers: range | None = None) -> dict[str, Q4Weights]:
-    """The layers' Q4_K weight tensors (and a Q4_K token table) of a GGUF file as llama.cpp holds
-    them: canonical name -> Q4Weights (4-bit codes, 6-bit scale and minimum codes, fp16 d and dmin
-    per 256 inputs). For the q4 weight mode (specwood.models.w4a8), which keeps these values instead
-    of requantising floats."""
+def _q6k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [n, 210] -> the 6-bit codes q (0..63, before ggml's -32), uint8 [n, 256]."""
+    n = b.shape[0]
+    ql = b[:, :128].reshape(n, 2, 1, 64)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    qh = ((b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
+    q = torch.empty(n, 2, 2, 64, dtype=torch.uint8)
+    q[:, :, 0:1] = ql & 0x0F
+    q[:, :, 1:2] = ql >> 4
+    return (q.view(n, 8, 32) | (qh << 4)).view(n, 256)
+
+
+def _q4k_parts(blocks: torch.Tensor, rows: int) -> Q4Weights:
+    blocks = blocks.reshape(-1, 144)
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    return Q4Weights(_unpack_k_nibbles(blocks[:, 16:], torch.uint8).reshape(rows, -1), sc.reshape(rows, -1),
+                     mn.reshape(rows, -1), blocks[:, 0:2].contiguous().view(torch.float16).reshape(rows, -1),
+                     blocks[:, 2:4].contiguous().view(torch.float16).reshape(rows, -1))
+
+
+def _q6k_parts(blocks: torch.Tensor, rows: int) -> Q6Weights:
+    blocks = blocks.reshape(-1, 210)
+    return Q6Weights(_q6k_codes(blocks).reshape(rows, -1),
+                     blocks[:, 192:208].contiguous().view(torch.int8).reshape(rows, -1),
+                     blocks[:, 208:210].contiguous().view(torch.float16).reshape(rows, -1))
+
+
+def kquant_weights(path: str | os.PathLike[str], layers: range | None = None) -> dict[str, Q4Weights | Q6Weights]:
+    """The layers' Q4_K and Q6_K weight tensors (and such a token table or output head) of a GGUF
+    file as llama.cpp holds them: canonical name -> Q4Weights or Q6Weights (the codes, their scale
+    codes and fp16 superblock factors). For the q4 weight mode, which runs these values on our
+    kernels instead of requantising floats (specwood.models.w4a8, specwood.models.q6k)."""
     from gguf.constants import GGMLQuantizationType as Q
 
-    from specwood.models.w4a8 import Q4Weights
-
+    readers = {Q.Q4_K: _q4k_parts, Q.Q6_K: _q6k_parts}
     path = Path(path)
     header = read_gguf_header(path)
     config = config_from_gguf(header)
     permute = config.arch in _PERMUTED_QK_ARCHS
     mm = np.memmap(path, dtype=np.uint8, mode="c")
-    out: dict[str, Q4Weights] = {}
+    out: dict[str, Q4Weights | Q6Weights] = {}
     try:
         for gname, info in header.tensors.items():
             cname = canonical_name(gname)
             li = layer_index(cname) if cname else None
-            if cname is None or not cname.endswith(".weight") or info.ggml_type != Q.Q4_K:
+            read = readers.get(info.ggml_type)
+            if cname is None or not cname.endswith(".weight") or read is None:
                 continue
-            if li is None and cname != "tok_embeddings.weight":
+            if li is None and cname not in ("tok_embeddings.weight", "output.weight"):
                 continue
             if li is not None and layers is not None and li not in layers:
                 continue
-            blocks = torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8).reshape(-1, 144)
-            rows = info.shape[0]
-            sc, mn = _k_scale_min(blocks[:, 4:16])
-            parts = Q4Weights(_unpack_k_nibbles(blocks[:, 16:], torch.uint8).reshape(rows, -1), sc.reshape(rows, -1),
-                              mn.reshape(rows, -1), blocks[:, 0:2].contiguous().view(torch.float16).reshape(rows, -1),
-                              blocks[:, 2:4].contiguous().view(torch.float16).reshape(rows, -1))
+            parts = read(torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8), info.shape[0])
             if permute and cname.endswith("attention.wq.weight"):
-                parts = Q4Weights(*(unpermute_qk(t, config.n_heads).contiguous() for t in parts))
+                parts = type(parts)(*(unpermute_qk(t, config.n_heads).contiguous() for t in parts))
             elif permute and cname.endswith("attention.wk.weight"):
-                parts = Q4Weights(*(unpermute_qk(t, config.n_kv_heads).contiguous() for t in parts))
+                parts = type(parts)(*(unpermute_qk(t, config.n_kv_heads).contiguous() for t in parts))
             out[cname] = parts
     except (ValueError, RuntimeError) as e:
         raise ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}") from None

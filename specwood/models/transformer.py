@@ -20,6 +20,7 @@ from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, 
 from specwood.models.rope import rope_tables
 
 if TYPE_CHECKING:
+    from specwood.models.q6k import Q6Weights
     from specwood.models.w4a8 import Q4Weights
 
 
@@ -339,6 +340,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps) if self.is_last else None
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None
         self.max_positions = max_positions or config.max_position_embeddings
+        self.q4_lite = False  # quantize_q4's choice: every weight in 4 bits, not the file's types
+        self.weights_in_floats: list[str] = []  # what quantize_q4 found no kernel for
         # under a meta-device context (build_model) the tables are filled in after allocation
         on_meta = torch.empty(0).device.type == "meta"
         cos, sin = (torch.empty(0), torch.empty(0)) if on_meta else rope_tables(config, self.max_positions)
@@ -504,52 +507,73 @@ class Transformer(nn.Module):
                     swapped = True
         return swapped
 
-    def quantize_q4(self, exact: dict[str, Q4Weights] | None = None,
-                    embeddings: bool = False) -> None:
-        """Swap the linears, the vocabulary head included, for Q4Linear (4-bit weights, int8
-        activations; see specwood.models.w4a8) where their shapes fit, and a Q4_K token table
-        for a Q4Embedding (any token table with `embeddings`: for drafts, whose precision changes
-        speed only).
+    def quantize_q4(self, exact: dict[str, Q4Weights | Q6Weights] | None = None, embeddings: bool = False,
+                    lite: bool = False) -> list[str]:
+        """Put the linears, the vocabulary head included, on our k-quant kernels
+        (specwood.models.w4a8, specwood.models.q6k) where their shapes fit.
 
-        `exact` maps canonical weight names to a GGUF file's Q4_K values (Q4Weights):
-        a linear whose parts are all there takes them as they are. The others (Q6_K, Q5_0, Q8_0 in
-        the file, or a float checkpoint) are quantised to 4 bits from their float weights: less
-        exact than the file for Q6_K, but 1.27x faster decoding of the default target than int8
-        for those linears (BENCHMARKS.md §7m)."""
-        from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, Q4Weights, quantize_q4
+        `exact` maps canonical weight names to a GGUF file's Q4_K and Q6_K values: a linear
+        whose parts are all there runs them as the file stores them (a fused linear whose parts
+        differ in type runs as a StackedLinear), and a Q4_K token table becomes a Q4Embedding. The
+        others stay in floats, in the model's dtype, and their names are returned so the loader can
+        say so: never silently coarser than the file. With `lite` (q4-lite, and drafts) they are
+        quantised to 4 bits from their floats instead, and with `embeddings` any token table is
+        stored in 4 bits: faster, lossier (BENCHMARKS.md, fidelity)."""
+        from specwood.models.q6k import Q6Linear, Q6Weights
+        from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, Q4Weights, StackedLinear, quantize_q4
 
-        exact = exact or {}
+        self.q4_lite = lite
+        exact = {name: w for name, w in (exact or {}).items() if not lite or isinstance(w, Q4Weights)}
+        kinds = {Q4Weights: Q4Linear, Q6Weights: Q6Linear}
         parts = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"), "attention.wo": ("attention.wo",),
                  "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"), "feed_forward.w2": ("feed_forward.w2",)}
-        targets: list[tuple[nn.Module, str, list]] = []
+        targets: list[tuple[nn.Module, str, list[str]]] = []
         for local, i in enumerate(self.layer_range):
             for fused, sources in parts.items():
                 owner_name, attr = fused.split(".")
-                owner = getattr(self.layers[local], owner_name)
-                targets.append((owner, attr, [exact.get(f"layers.{i}.{src}.weight") for src in sources]))
+                targets.append((getattr(self.layers[local], owner_name), attr,
+                                [f"layers.{i}.{src}.weight" for src in sources]))
         if self.output is not None:
-            targets.append((self, "output", [None]))
-        if self.tok_embeddings is not None and "tok_embeddings.weight" in exact:  # a Q4_K table: kept exactly
-            self.tok_embeddings = Q4Embedding(exact["tok_embeddings.weight"], self.dtype)
+            tied = self.config.tie_embeddings and "output.weight" not in exact
+            targets.append((self, "output", ["tok_embeddings.weight" if tied else "output.weight"]))
+        if self.tok_embeddings is not None and isinstance(exact.get("tok_embeddings.weight"), Q4Weights):
+            self.tok_embeddings = Q4Embedding(exact["tok_embeddings.weight"], self.dtype)  # kept exactly
         elif self.tok_embeddings is not None and embeddings and self.config.dim % GROUP == 0:
             self.tok_embeddings = Q4Embedding(quantize_q4(self.tok_embeddings.weight.data), self.dtype)
-        for owner, attr, found in targets:
+        in_floats = []
+        for owner, attr, names in targets:
             child = getattr(owner, attr)
-            if type(child) is not nn.Linear or not Q4Linear.fits(child.out_features, child.in_features):
+            if type(child) is not nn.Linear:
                 continue
-            if all(f is not None for f in found):
-                setattr(owner, attr, Q4Linear(Q4Weights.cat(found), child.bias))
-            else:
+            found = [exact.get(name) for name in names]
+            if not Q4Linear.fits(child.out_features, child.in_features):
+                in_floats += [] if lite else names  # q4-lite: int8 (build_model)
+            elif all(f is not None for f in found):
+                runs: list[list] = []  # consecutive parts of one type share one kernel call
+                for f in found:
+                    if runs and type(runs[-1][0]) is type(f):
+                        runs[-1].append(f)
+                    else:
+                        runs.append([f])
+                biases = (child.bias.split([sum(f.codes.shape[0] for f in run) for run in runs])
+                          if child.bias is not None else [None] * len(runs))
+                linears = [kinds[type(run[0])](type(run[0]).cat(run), b) for run, b in zip(runs, biases)]
+                setattr(owner, attr, linears[0] if len(linears) == 1 else StackedLinear(linears))
+            elif lite:
                 setattr(owner, attr, Q4Linear.from_linear(child))
+            else:
+                in_floats += [n for n, f in zip(names, found) if f is None]
+        return in_floats
 
     @property
     def weight_mode(self) -> str:
-        """How the linears hold their weights: q4, int8, int4, or the model dtype (bf16/fp32)."""
-        from specwood.models.w4a8 import Q4Linear
+        """How the linears hold their weights: q4 (the file's k-quants), q4-lite, int8, int4, or the
+        model dtype (bf16/fp32)."""
+        from specwood.models.w4a8 import KQuantLinear
 
+        if any(isinstance(m, KQuantLinear) for m in self.modules()):
+            return "q4-lite" if self.q4_lite else "q4"
         kinds = {type(m) for m in self.layers.modules()}
-        if Q4Linear in kinds:
-            return "q4"
         if Int4Linear in kinds:  # before int8: an Int4Linear holds an Int8Linear for many rows
             return "int4"
         if Int8Linear in kinds:
@@ -618,18 +642,19 @@ class Transformer(nn.Module):
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu", layers: range | None = None,
                 max_positions: int | None = None, pack: bool = True, int4: bool = False, int8: bool = False,
-                int8_head: bool = False, q4: bool = False,
-                q4_exact: dict[str, Q4Weights] | None = None,
+                int8_head: bool = False, q4: bool = False, q4_lite: bool = False,
+                q4_exact: dict[str, Q4Weights | Q6Weights] | None = None,
                 q4_embeddings: bool = False, layer_kernels: bool = True) -> Transformer:
     """Instantiate (without random init) and load canonical weights; bf16 on a CPU gets packed
     weights (see PackedLinear) unless `pack` is False, int4 weights with `int4` (drafts), or W8A8
     int8 layer linears with `int8` (`dtype` is then the activations' dtype; `int8_head` quantises
-    the vocabulary head too). `q4` gives the linears 4-bit weights on our W4A8 kernel (exact GGUF
-    Q4_K values where `q4_exact` has them; see specwood.models.w4a8), int8 where a shape does not
-    fit it; `q4_embeddings` stores any token table in 4 bits too (drafts). On a CPU with AVX512 the
-    layers' small operations run on our kernels unless `layer_kernels` is False (see
-    specwood.models.layer_ops)."""
-    if sum((int4, int8, q4)) > 1:
+    the vocabulary head too). `q4` runs the GGUF's Q4_K and Q6_K weights (`q4_exact`) as the file
+    stores them on our k-quant kernels and keeps every other weight in `dtype` (their names end
+    up in `model.weights_in_floats`); `q4_lite` quantises those to 4 bits instead (int8 where a
+    shape does not fit the kernel), and `q4_embeddings` stores any token table in 4 bits too
+    (drafts). On a CPU with AVX512 the layers' small operations run on our kernels unless
+    `layer_kernels` is False (see specwood.models.layer_ops)."""
+    if sum((int4, int8, q4 or q4_lite)) > 1:
         raise ValueError("int4, int8 and q4 weights exclude each other")
     with torch.device("meta"):
         model = Transformer(config, layers, max_positions)
@@ -639,9 +664,10 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     model = model.eval().requires_grad_(False)
     if int4:
         model.quantize_int4()
-    if q4:
-        model.quantize_q4(q4_exact, embeddings=q4_embeddings)
-        model.quantize_int8(head=True)  # linears of shapes the q4 kernel cannot take
+    if q4 or q4_lite:
+        model.weights_in_floats = model.quantize_q4(q4_exact, embeddings=q4_embeddings, lite=q4_lite)
+        if q4_lite:
+            model.quantize_int8(head=True)  # linears of shapes the q4 kernel cannot take
     if int8:
         if not model.quantize_int8(head=int8_head):
             raise SpecwoodError("int8 weights need torch._int_mm (torch >= 2.2)")

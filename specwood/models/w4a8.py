@@ -5,8 +5,8 @@ w = scale * q - min with q in 0..15, the scales and minimums themselves 6-bit co
 factor per 256 inputs. `Q4Linear` keeps exactly that (Q4Weights), so a target read from the GGUF
 runs on the weights llama.cpp runs, at 4.6 bits a weight instead of int8's 8. torch 2.13 has no
 kernel that reads 4-bit weights at this CPU's bandwidth (BENCHMARKS.md §7k, §7l), so the multiply
-is `kernels/q4_vnni.cpp` (AVX512-VNNI), compiled on first use with torch's cpp_extension and
-cached. Machines without AVX512-VNNI or a C++ compiler get a one-line error naming the
+is `kernels/kquants_vnni.cpp` (AVX512-VNNI), compiled on first use with torch's cpp_extension and
+cached; the file's Q6_K tensors run on the same kernel as they are stored (specwood.models.q6k). Machines without AVX512-VNNI or a C++ compiler get a one-line error naming the
 alternative (--dtype int8).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ HEADER_BYTES = 2 * BLOCK * 2  # a superblock's d and dmin, fp16, per channel of 
 GROUP_STRIDE = 2 * BLOCK + BLOCK * GROUP // 2  # a group's scale and minimum codes, then its nibbles
 SUPER_BYTES = HEADER_BYTES + SUPER * GROUP_STRIDE
 KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
-KERNEL = CpuKernel("specwood_q4_vnni", "q4_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
+KERNEL = CpuKernel("specwood_kquants_vnni", "kquants_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
                    "the q4 weight mode")
 
 
@@ -158,20 +158,30 @@ def unpack_q4(packed: torch.Tensor, in_features: int) -> Q4Weights:
                      channels(header[..., :BLOCK]), channels(header[..., BLOCK:]))
 
 
-class Q4Linear(nn.Module):
-    """W4A8 Linear on the q4 kernel: 4-bit weights in Q4_K's form (Q4Weights) times per-row int8
-    activations; fp32 accumulation, output in the input's dtype.
+class KQuantLinear(nn.Module):
+    """A linear on one of our kernel's packed weight types (`op`, with `pack`/`unpack` for its
+    layout) times int8 activations quantised per group of 32 inputs (llama.cpp's Q8_0
+    granularity); fp32 accumulation, output in the input's dtype. Needs N % 32 == 0 and K % 32 == 0.
 
-    Lossy against float weights (exact against a Q4_K tensor, plus the int8 activations), but
-    row-exact like Int8Linear: each row's output is computed by the same operations whatever the
-    other rows are, so a tree verified in one forward gives each node what a one-token forward
-    along its path gives. Needs N % 32 == 0 and K % 32 == 0."""
+    Row-exact: each row's output is computed by the same operations whatever the other rows are,
+    so a tree verified in one forward gives each node what a one-token forward along its path
+    gives (lossless speculation against our own ar)."""
 
-    def __init__(self, weights: Q4Weights, bias: torch.Tensor | None = None):
+    op: str
+
+    @staticmethod
+    def pack(weights: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, in_features: int) -> Any:
+        raise NotImplementedError
+
+    def __init__(self, weights: Any, bias: torch.Tensor | None = None):
         super().__init__()
         self.kernel = require_q4()
         self.out_features, self.in_features = weights.codes.shape
-        self.register_buffer("packed", pack_q4(weights), persistent=False)
+        self.register_buffer("packed", self.pack(weights), persistent=False)
         self.register_buffer("bias", bias.detach().float().clone() if bias is not None else torch.empty(0),
                              persistent=False)
 
@@ -179,15 +189,10 @@ class Q4Linear(nn.Module):
     def fits(out_features: int, in_features: int) -> bool:
         return out_features % BLOCK == 0 and in_features % GROUP == 0
 
-    @classmethod
-    def from_linear(cls, linear: nn.Module) -> Q4Linear:
-        w = linear.weight.data if isinstance(linear.weight, torch.Tensor) else linear.weight
-        return cls(quantize_q4(w), getattr(linear, "bias", None))
-
     @property
-    def weights(self) -> Q4Weights:
+    def weights(self) -> Any:
         """The stored values, unpacked (fresh tensors)."""
-        return unpack_q4(self.packed, self.in_features)
+        return self.unpack(self.packed, self.in_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -198,8 +203,40 @@ class Q4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = self.kernel.q4_linear(flat, self.packed, self.bias)
+        out = getattr(self.kernel, self.op)(flat, self.packed, self.bias)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Q4Linear(KQuantLinear):
+    """4-bit weights in Q4_K's form (Q4Weights): exact against a Q4_K tensor; `from_linear`
+    quantises float weights to that form (drafts, q4-lite)."""
+
+    op = "q4_linear"
+    pack = staticmethod(pack_q4)
+    unpack = staticmethod(unpack_q4)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> Q4Linear:
+        w = linear.weight.data if isinstance(linear.weight, torch.Tensor) else linear.weight
+        return cls(quantize_q4(w), getattr(linear, "bias", None))
+
+
+class StackedLinear(nn.Module):
+    """Linears stacked along the output channels, run one after the other: a fused qkv whose v
+    the file stores in another type than q and k (Q4_K_M: Q6_K in half the layers)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([p.weight for p in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], -1)
 
 
 class Q4Embedding(nn.Module):

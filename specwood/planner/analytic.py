@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from specwood.models.config import ModelConfig
     from specwood.planner.devices import DeviceModel
 
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "auto": 2.0, "fp32": 4.0, "int8": 1.0, "int4": 0.5, "q4": 0.625}
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "auto": 2.0, "fp32": 4.0, "int8": 1.0, "int4": 0.5, "q4": 0.64, "q4-lite": 0.578}
 
 
 def stored_aat(target: str, draft: str, method: str) -> tuple[AATFit, str] | None:

@@ -47,10 +47,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                    "llama2-7b, llama3.1-8b, qwen2.5-1.5b")
     p.add_argument("--draft", default="auto", help="draft name/path/preset; 'auto' = the target's default; "
                                                   "'one-layer' (analytic) = an EAGLE-style one-layer draft; 'none'")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8", "int4", "q4"],
-                   help="the local target's weight mode (auto, bf16, fp32, int8, q4), or an analytic device's weights (int8, int4)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8", "int4", "q4", "q4-lite"],
+                   help="the local target's weight mode (auto, bf16, fp32, int8, q4, q4-lite), or an analytic device's weights (int8, int4)")
     p.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPE_CHOICES,
-                   help="the local draft's weight mode (auto = q4 on VNNI CPUs, else int4 on CPUs); part of the plan's key")
+                   help="the local draft's weight mode (auto = q4-lite on VNNI CPUs, else int4 on CPUs); part of the plan's key")
     p.add_argument("--method", default="dyspec", help="speculative method to tune: dyspec, chain, static, sequoia, "
                                                      "eagle, dyspec-threshold, pld, early-exit, prior")
     p.add_argument("--device", default="local", help="'local' (measure here) or a device model name")

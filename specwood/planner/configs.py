@@ -102,7 +102,7 @@ def candidate_configs(target: str, draft: str | None, device: str = "cpu") -> li
     modes = ["auto", "int8"] + (["q4"] if q4_available() else [])
     out = [RuntimeConfig(dtype=mode) for mode in modes]
     if "q4" in modes and draft is not None:  # a q4 draft: one copy of its weights, and flat over a tree's rows
-        out.append(RuntimeConfig(dtype="q4", draft_dtype="q4"))
+        out.append(RuntimeConfig(dtype="q4", draft_dtype="q4-lite"))
     if llama_cpp_available():
         if draft is not None and _is_gguf(draft):
             out += [RuntimeConfig(dtype=mode, draft_backend="llama.cpp") for mode in modes]

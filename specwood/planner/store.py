@@ -394,10 +394,10 @@ def weight_mode_name(engine: Any) -> str:
     weight mode (int4 and bf16 drafts have different T_d)."""
     name = _DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype))
     target_mode = getattr(engine.target, "weight_mode", None)
-    if target_mode in ("int8", "int4", "q4", "llama.cpp"):  # llama.cpp: another backend, other T_v
+    if target_mode in ("int8", "int4", "q4", "q4-lite", "llama.cpp"):  # llama.cpp: another backend, other T_v
         name = f"{name}+{target_mode}"
     draft = getattr(engine, "draft_model", None)
     draft_mode = getattr(draft, "weight_mode", None) if draft is not None else None
-    if draft_mode in ("int8", "int4", "q4", "llama.cpp"):
+    if draft_mode in ("int8", "int4", "q4", "q4-lite", "llama.cpp"):
         name = f"{name}/draft-{draft_mode}"
     return name

@@ -1,0 +1,287 @@
+// Linears on GGUF k-quant weights, as the file stores them, for x86 CPUs with AVX512-VNNI:
+//  - Q4_K: per group of 32 inputs a 6-bit scale code sc and minimum code m, per superblock of 256
+//    inputs an fp16 d and dmin: w = d * sc * q - dmin * m, q in 0..15;
+//  - Q6_K: per sub-block of 16 inputs an int8 scale code sc, per superblock an fp16 d:
+//    w = d * sc * (q - 32), q in 0..63.
+// times int8 activations quantised per group of 32 inputs (llama.cpp's Q8_0 granularity; its
+// k-quant dot products use one scale per 256, Q8_K, so ours is at least as fine).
+//
+// Why our own kernel: torch 2.13's int4 kernels read int4 weights at a fraction of this CPU's
+// bandwidth for one row and slow down fast with more rows (BENCHMARKS.md §7k, §7l). Here 16 output
+// channels sit interleaved in one 512-bit register (4 inputs each), so one vpdpbusd multiplies 64
+// weights by 4 activations broadcast from memory. Weights come in blocks of 32 channels, so each
+// broadcast feeds two vpdpbusd (the loads, not the multiplies, bound the loop from a few rows on),
+// and once unpacked they serve up to 8 rows. The weights are prefetched a few KB ahead: without it
+// the DRAM stream stalls whenever a tile's multiplies run.
+// A block's bytes are one stream: per superblock a header (d, and dmin for Q4_K, of its 32
+// channels, fp16), then per group of 32 inputs one line: the scale (and minimum) codes, the 512
+// bytes of low nibbles, and for Q6_K 256 bytes of the codes' top two bits. That is the file's own
+// size: 4.625 bits a weight for Q4_K, 6.5625 for Q6_K.
+//
+// Row-exact: a row's result takes the same integer and float operations in the same order
+// whatever the other rows are, so a tree verified in one call gives each node what a one-row call
+// gives (what keeps speculation lossless against our own ar).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <vector>
+
+namespace {
+
+constexpr int GROUP = 32;
+constexpr int LANES = 16;            // output channels per 512-bit register
+constexpr int HALF_BYTES = 256;      // one group of 16 channels: 16 x 32 nibbles
+constexpr int GROUP_BYTES = 512;     // one group of a block of 32 channels
+constexpr int SUPER = 8;             // groups per superblock (256 inputs)
+constexpr int MAX_TILE = 8;          // rows multiplied per pass over a block's weights
+constexpr int PREFETCH = 2048;       // bytes of weights ahead of the group being multiplied
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// The activations of a call: per row and group of 32 inputs an int8 code vector and its scale
+// (x ~ xs * xq, symmetric, round to nearest even, -127..127), and per 16 inputs the sum of the
+// codes. The weights' offsets (Q4_K's minimum, Q6_K's -32) multiply those sums, so each group's
+// integer dot is exact and the offset cancels inside each weight instead of adding the
+// activations' rounding error times a large minimum.
+struct Activations {
+  int64_t k, groups;
+  std::vector<int8_t> q;        // [M, K]
+  std::vector<float> scale;     // [M, K/32]
+  std::vector<int32_t> sums16;  // [M, K/16]
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, Activations& a) {
+  const int64_t k = a.k, groups = a.groups;
+  const __m512 limit = _mm512_set1_ps(127.f);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* p = x + r * k + g * GROUP;
+      const __m512 lo = load16(p), hi = load16(p + 16);
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float scale = top > 0.f ? top / 127.f : 1.f;
+      const __m512 inv = _mm512_set1_ps(1.f / scale);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(lo, inv), -limit), limit));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(hi, inv), -limit), limit));
+      int8_t* out = a.q.data() + r * k + g * GROUP;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qb));
+      a.scale[r * groups + g] = scale;
+      a.sums16[r * 2 * groups + 2 * g] = _mm512_reduce_add_epi32(qa);
+      a.sums16[r * 2 * groups + 2 * g + 1] = _mm512_reduce_add_epi32(qb);
+    }
+  }
+}
+
+Activations quantize(const torch::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1);
+  Activations a{k, k / GROUP, std::vector<int8_t>(m * k), std::vector<float>(m * (k / GROUP)),
+                std::vector<int32_t>(m * (k / 16))};
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(x.data_ptr<float>(), m, a);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "kquants: x must be fp32 or bf16");
+    quantize_rows(x.data_ptr<at::BFloat16>(), m, a);
+  }
+  return a;
+}
+
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 ucodes16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 scodes16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void prefetch(const uint8_t* p, int bytes) {
+  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + off), _MM_HINT_T0);
+}
+
+// One type's packed layout: a superblock header, then one line per group.
+template <int HEADER, int LINE>
+struct Layout {
+  static constexpr int header = HEADER, stride = LINE, super_bytes = HEADER + SUPER * LINE;
+  static int64_t block_bytes(int64_t groups) {
+    return (groups / SUPER) * super_bytes + (groups % SUPER ? HEADER + (groups % SUPER) * LINE : 0);
+  }
+};
+using Q4Layout = Layout<128, 64 + GROUP_BYTES>;        // d, dmin | sc, m codes, nibbles
+using Q6Layout = Layout<64, 64 + GROUP_BYTES + 256>;   // d | sc codes (two sub-blocks), nibbles, top bits
+
+// Q4_K: one block of 32 output channels (two registers of 16) for TILE rows. d * sc is exact in
+// fp32 (11 by 6 bits), so the weights are exactly the file's.
+template <int TILE>
+void q4_tile(const uint8_t* w, const Activations& a, const float* xs, const int32_t* sums, const int8_t* xq,
+             float* y, int64_t n, int64_t block) {
+  const int64_t groups = a.groups, k = a.k;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[TILE][2];
+  for (int r = 0; r < TILE; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t s0 = 0; s0 < groups; s0 += SUPER) {
+    const uint8_t* sb = w + (s0 / SUPER) * Q4Layout::super_bytes;
+    const at::Half* hd = reinterpret_cast<const at::Half*>(sb);
+    const __m512 da = load_half16(hd), db = load_half16(hd + LANES);
+    const __m512 ma = load_half16(hd + 2 * LANES), mb = load_half16(hd + 3 * LANES);
+    const int64_t count = std::min<int64_t>(SUPER, groups - s0);
+    for (int64_t gi = 0; gi < count; ++gi) {
+      const int64_t g = s0 + gi;
+      const uint8_t* line = sb + Q4Layout::header + gi * Q4Layout::stride;
+      const uint8_t* wg = line + 64;
+      prefetch(line, Q4Layout::stride + Q4Layout::header);  // headers included, at a superblock's start
+      __m512i dot[TILE][2];
+      for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i pa = _mm512_loadu_si512(wg + c * 64);
+        const __m512i pb = _mm512_loadu_si512(wg + HALF_BYTES + c * 64);
+        const __m512i loa = _mm512_and_si512(pa, low), hia = _mm512_and_si512(_mm512_srli_epi16(pa, 4), low);
+        const __m512i lob = _mm512_and_si512(pb, low), hib = _mm512_and_si512(_mm512_srli_epi16(pb, 4), low);
+        for (int r = 0; r < TILE; ++r) {
+          const int8_t* xr = xq + r * k + g * GROUP + c * 8;
+          const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
+          const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], loa, xl);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], lob, xl);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], hia, xh);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], hib, xh);
+        }
+      }
+      const __m512 sca = _mm512_mul_ps(ucodes16(line), da), scb = _mm512_mul_ps(ucodes16(line + LANES), db);
+      const __m512 mna = _mm512_mul_ps(ucodes16(line + 2 * LANES), ma), mnb = _mm512_mul_ps(ucodes16(line + 3 * LANES), mb);
+      for (int r = 0; r < TILE; ++r) {
+        // group value = xs * (d*sc * dot - dmin*m * sum(xq))
+        const __m512 codesum = _mm512_set1_ps(static_cast<float>(sums[r * 2 * groups + 2 * g] + sums[r * 2 * groups + 2 * g + 1]));
+        const __m512 scale = _mm512_set1_ps(xs[r * groups + g]);
+        const __m512 ta = _mm512_fnmadd_ps(mna, codesum, _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][0]), sca));
+        const __m512 tb = _mm512_fnmadd_ps(mnb, codesum, _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][1]), scb));
+        acc[r][0] = _mm512_fmadd_ps(ta, scale, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(tb, scale, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < TILE; ++r) {
+    _mm512_storeu_ps(y + r * n + block * 2 * LANES, acc[r][0]);
+    _mm512_storeu_ps(y + r * n + block * 2 * LANES + LANES, acc[r][1]);
+  }
+}
+
+// Q6_K: the low nibbles as Q4_K's, the top two bits of the codes of chunks 2s and 2s+1 (sub-block
+// s) in one 64-byte vector per half: bits 0-1 / 2-3 the low / high nibbles of chunk 2s, bits 4-5 /
+// 6-7 those of chunk 2s+1. Each sub-block of 16 inputs has its own scale, so its integer dot is
+// closed after two chunks: dot(q - 32, xq) = dot(q, xq) - 32 * sum(xq). d * sc is exact in fp32
+// (11 by 8 bits).
+template <int TILE>
+void q6_tile(const uint8_t* w, const Activations& a, const float* xs, const int32_t* sums, const int8_t* xq,
+             float* y, int64_t n, int64_t block) {
+  const int64_t groups = a.groups, k = a.k;
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  __m512 acc[TILE][2];
+  for (int r = 0; r < TILE; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t s0 = 0; s0 < groups; s0 += SUPER) {
+    const uint8_t* sb = w + (s0 / SUPER) * Q6Layout::super_bytes;
+    const at::Half* hd = reinterpret_cast<const at::Half*>(sb);
+    const __m512 da = load_half16(hd), db = load_half16(hd + LANES);
+    const int64_t count = std::min<int64_t>(SUPER, groups - s0);
+    for (int64_t gi = 0; gi < count; ++gi) {
+      const int64_t g = s0 + gi;
+      const uint8_t* line = sb + Q6Layout::header + gi * Q6Layout::stride;
+      const uint8_t* wg = line + 64;
+      const uint8_t* bits = wg + GROUP_BYTES;
+      prefetch(line, Q6Layout::stride + Q6Layout::header);
+      for (int s = 0; s < 2; ++s) {
+        __m512i dot[TILE][2];
+        for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+        const __m512i ha = _mm512_loadu_si512(bits + s * 64), hb = _mm512_loadu_si512(bits + 128 + s * 64);
+        for (int cc = 0; cc < 2; ++cc) {
+          const int c = 2 * s + cc;
+          const __m512i pa = _mm512_loadu_si512(wg + c * 64);
+          const __m512i pb = _mm512_loadu_si512(wg + HALF_BYTES + c * 64);
+          // the top bits of this chunk's low and high nibbles, moved to bits 4-5
+          const __m512i tla = cc ? ha : _mm512_slli_epi16(ha, 4), tha = cc ? _mm512_srli_epi16(ha, 2) : _mm512_slli_epi16(ha, 2);
+          const __m512i tlb = cc ? hb : _mm512_slli_epi16(hb, 4), thb = cc ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+          const __m512i loa = _mm512_or_si512(_mm512_and_si512(pa, low), _mm512_and_si512(tla, top));
+          const __m512i hia = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pa, 4), low), _mm512_and_si512(tha, top));
+          const __m512i lob = _mm512_or_si512(_mm512_and_si512(pb, low), _mm512_and_si512(tlb, top));
+          const __m512i hib = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pb, 4), low), _mm512_and_si512(thb, top));
+          for (int r = 0; r < TILE; ++r) {
+            const int8_t* xr = xq + r * k + g * GROUP + c * 8;
+            const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
+            const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
+            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], loa, xl);
+            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], lob, xl);
+            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], hia, xh);
+            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], hib, xh);
+          }
+        }
+        const __m512 sca = _mm512_mul_ps(scodes16(line + s * 32), da);
+        const __m512 scb = _mm512_mul_ps(scodes16(line + s * 32 + LANES), db);
+        for (int r = 0; r < TILE; ++r) {
+          const __m512i offset = _mm512_set1_epi32(32 * sums[r * 2 * groups + 2 * g + s]);
+          const __m512 scale = _mm512_set1_ps(xs[r * groups + g]);
+          const __m512 ta = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][0], offset)), sca);
+          const __m512 tb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][1], offset)), scb);
+          acc[r][0] = _mm512_fmadd_ps(ta, scale, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(tb, scale, acc[r][1]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < TILE; ++r) {
+    _mm512_storeu_ps(y + r * n + block * 2 * LANES, acc[r][0]);
+    _mm512_storeu_ps(y + r * n + block * 2 * LANES + LANES, acc[r][1]);
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, const Activations&, const float*, const int32_t*, const int8_t*, float*,
+                       int64_t, int64_t);
+const TileFn Q4_TILES[MAX_TILE + 1] = {nullptr, q4_tile<1>, q4_tile<2>, q4_tile<3>, q4_tile<4>,
+                                       q4_tile<5>, q4_tile<6>, q4_tile<7>, q4_tile<8>};
+const TileFn Q6_TILES[MAX_TILE + 1] = {nullptr, q6_tile<1>, q6_tile<2>, q6_tile<3>, q6_tile<4>,
+                                       q6_tile<5>, q6_tile<6>, q6_tile<7>, q6_tile<8>};
+
+// x [M, K] (fp32 or bf16), packed [N/32, block_bytes] uint8, bias [N] fp32 or empty -> [M, N] in x's dtype.
+torch::Tensor run_linear(const TileFn* tiles, int64_t (*block_bytes)(int64_t), const char* name, torch::Tensor x,
+                         torch::Tensor packed, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be a contiguous [M, K] tensor");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
+  TORCH_CHECK(k % GROUP == 0 && packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == block_bytes(groups),
+              name, ": packed must be [N/32, block_bytes(K/32)] for this K");
+  const int64_t blocks = packed.size(0), n = blocks * 2 * LANES, stride = packed.size(1);
+  const Activations a = quantize(x);
+  auto y = torch::empty({m, n}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t r = 0; r < m; r += MAX_TILE) {
+        const int tile = static_cast<int>(std::min<int64_t>(MAX_TILE, m - r));
+        tiles[tile](wp + b * stride, a, a.scale.data() + r * groups, a.sums16.data() + r * 2 * groups,
+                    a.q.data() + r * k, yp + r * n, n, b);
+      }
+    }
+  });
+  if (bias.defined() && bias.numel() > 0) y.add_(bias);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  return run_linear(Q4_TILES, Q4Layout::block_bytes, "q4_linear", x, packed, bias);
+}
+
+torch::Tensor q6_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  return run_linear(Q6_TILES, Q6Layout::block_bytes, "q6_linear", x, packed, bias);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("q4_linear", &q4_linear, "Q4_K weights x int8 activations (AVX512-VNNI)");
+  mod.def("q6_linear", &q6_linear, "Q6_K weights x int8 activations (AVX512-VNNI)");
+  mod.def("q4_block_bytes", &Q4Layout::block_bytes, "bytes of one Q4_K block of 32 output channels for K/32 groups");
+  mod.def("q6_block_bytes", &Q6Layout::block_bytes, "bytes of one Q6_K block of 32 output channels for K/32 groups");
+}
