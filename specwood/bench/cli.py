@@ -55,8 +55,24 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_method_options(p.add_argument_group("method options (passed to speculative engine methods)"))
+    add_fidelity_args(p.add_argument_group("weight fidelity (--fidelity)"))
     p.set_defaults(func=run_bench_cli)
     return p
+
+
+def add_fidelity_args(g: Any) -> None:
+    from specwood.bench.fidelity import DEFAULT_MODES, DEFAULT_TOKENS
+
+    g.add_argument("--fidelity", action="store_true",
+                   help="instead of the speed bench: teacher-force two texts shipped with Python (json/decoder.py, "
+                        "the licence) through --target in every weight mode and llama.cpp, and report perplexity, "
+                        "mean KL to the fp32 reference (the file's weights dequantised exactly) and top-1 agreement "
+                        "(fidelity.json, fidelity.md, fidelity.png in --out)")
+    g.add_argument("--fidelity-tokens", type=int, default=DEFAULT_TOKENS,
+                   help=f"tokens of each text (default {DEFAULT_TOKENS})")
+    g.add_argument("--fidelity-modes", default=",".join(DEFAULT_MODES),
+                   help="comma-separated weight modes, each passed to the loader as its dtype, plus llama.cpp; "
+                        f"the fp32 reference always runs (default {','.join(DEFAULT_MODES)})")
 
 
 def _check_method_backends(methods: list[str], args: argparse.Namespace) -> None:
@@ -83,6 +99,10 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from specwood.bench.hf_baseline import HF_METHODS, require_transformers
     from specwood.bench.workload import load_workload
 
+    if getattr(args, "fidelity", False):
+        from specwood.bench.fidelity import run_fidelity_cli
+
+        return run_fidelity_cli(args)
     try:
         # cheap checks first so a typo fails before a multi-GB model load
         methods = parse_methods(args.methods)
