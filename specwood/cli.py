@@ -67,9 +67,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto = q4 for a GGUF of Q4_K weights (the default pair) on CPUs with AVX512-VNNI, else bf16 on "
                         "CPUs with AVX512-BF16/AMX and on GPUs, else fp32; q4 = the GGUF's Q4_K and Q6_K weights "
                         "as the file stores them (other types in bf16, one line names them) times int8 activations "
-                        "per 32 inputs, on specwood's AVX512-VNNI kernel (CPU): as close to the file as llama.cpp "
-                        "(KL in BENCHMARKS.md); q4-lite = every linear in 4 bits (Q6_K requantised): fewer bytes a "
-                        "step, lossier (KL ~2x q4's, BENCHMARKS.md); int8 = W8A8 linears (int8 weights, per-token "
+                        "per 32 inputs, on specwood's AVX512-VNNI kernel (CPU): closer to the file than llama.cpp "
+                        "(KL against the file's weights: 0.0009 on code, llama.cpp 0.0086; BENCHMARKS.md §9); q4-lite = "
+                        "every linear in 4 bits (Q6_K requantised): 10%% fewer bytes a step, lossier (KL 0.016, "
+                        "~18x q4's); int8 = W8A8 linears (int8 weights, per-token "
                         "int8 activations). Every method is token-identical to ar in every mode")
     p.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPE_CHOICES,
                    help="auto = q4-lite on CPUs with AVX512-VNNI, else int4 weights on other CPUs (drafts "

@@ -4,7 +4,7 @@ and Q6_K parts (as Q4_K_M files do) stays token-identical to `ar` for every meth
 import pytest
 import torch
 from conftest import assert_every_method_matches_ar
-from test_w4a8 import quantized_activations, reference
+from test_w4a8 import assert_rows_independent, quantized_activations, reference
 
 from specwood.engine.api import Engine
 from specwood.models.q6k import Q6Linear, Q6Weights, pack_q6, quantize_q6, unpack_q6
@@ -47,22 +47,11 @@ def test_q6_linear_equals_reference(dtype, rows):
 
 
 def test_q6_rows_are_independent_of_the_batch():
-    """Row-exact: bit-identical whatever the other rows are, in tiles of up to 8 rows or alone, with
-    one thread or two."""
     lin = Q6Linear(random_q6(160, 512, seed=3), torch.randn(160))
-    x = torch.randn(19, 512) * torch.rand(19, 1) * 10
-    old = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            batch = lin(x)
-            assert torch.equal(batch, torch.cat([lin(x[i:i + 1]) for i in range(19)]))
-            assert torch.equal(lin(x[3:11]), batch[3:11])
-            outs.append(batch)
-        assert torch.equal(outs[0], outs[1])
-    finally:
-        torch.set_num_threads(old)
+    assert_rows_independent(lin, torch.randn(19, 512) * torch.rand(19, 1) * 10)
+    # a fused linear whose parts differ in type is row-exact too
+    mixed = StackedLinear([Q4Linear(quantize_q4(torch.randn(64, 512))), lin])
+    assert_rows_independent(mixed, torch.randn(19, 512))
 
 
 def test_quantize_q6_stays_within_half_a_step():

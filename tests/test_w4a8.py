@@ -57,18 +57,16 @@ def test_q4_linear_equals_reference(dtype, rows):
     assert ((out.double() - exact).norm() / exact.norm()) < 0.15
 
 
-def test_q4_rows_are_independent_of_the_batch():
-    """Row-exact: a row's output is bit-identical whatever the other rows are, in tiles of up to 8 rows
-    or alone, with one thread or two (the threads split the output channels)."""
-    lin, _ = random_q4(160, 320, seed=1, bias=True)
-    x = torch.randn(19, 320) * torch.rand(19, 1) * 10  # tiles of 8, 8 and 3
+def assert_rows_independent(lin: nn.Module, x: torch.Tensor) -> None:
+    """Row-exact: a row's output is bit-identical whatever the other rows are, in tiles of up to 8
+    rows or alone, with one thread or two (the threads split the output channels)."""
     old = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
             batch = lin(x)
-            alone = torch.cat([lin(x[i:i + 1]) for i in range(19)])
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
             assert torch.equal(batch, alone)
             assert torch.equal(lin(x[3:11]), batch[3:11])
             assert torch.equal(lin(x[5:9]), batch[5:9])
@@ -76,6 +74,11 @@ def test_q4_rows_are_independent_of_the_batch():
         assert torch.equal(outs[0], outs[1])
     finally:
         torch.set_num_threads(old)
+
+
+def test_q4_rows_are_independent_of_the_batch():
+    lin, _ = random_q4(160, 320, seed=1, bias=True)
+    assert_rows_independent(lin, torch.randn(19, 320) * torch.rand(19, 1) * 10)  # tiles of 8, 8 and 3
 
 
 @pytest.mark.parametrize("k", [64, 96, 256, 896])  # superblocks of 8 groups, whole and partial (the 0.5B draft: 896)

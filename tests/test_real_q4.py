@@ -1,0 +1,37 @@
+"""The default weight mode on the real default pair: it is q4 (the file's Q4_K and Q6_K weights as
+stored), it stays as close to the file's model as a fixed bound (a regression to coarser weights,
+e.g. today's q4-lite layout, fails it), and every method is token-identical to `ar` in it."""
+import pytest
+from conftest import assert_every_method_matches_ar
+
+import specwood
+from specwood.bench.fidelity import code_text, fidelity_metrics, first_tokens, teacher_forced_logits
+from specwood.models.w4a8 import q4_unavailable_reason
+
+pytestmark = pytest.mark.skipif(q4_unavailable_reason() is not None, reason=str(q4_unavailable_reason()))
+
+# Mean KL(fp32 reference || mode) over positions 1..127 of json/decoder.py (position 0, the
+# context-free start, is left out: one outlier there moves a short mean). Measured here:
+# q4 ~0.0008, q4-lite ~0.016, llama.cpp ~0.0015 (BENCHMARKS.md, fidelity).
+KL_BOUND = 0.004
+
+
+@pytest.fixture(scope="module")
+def real_default_engine():
+    """The default pair as the README's command loads it (q4 target, q4-lite draft on this CPU)."""
+    return specwood.load(max_context=4096, progress=False)
+
+
+def test_default_mode_is_the_file_and_stays_within_the_kl_bound(real_pair_engine_fp32, real_default_engine):
+    target = real_default_engine.target
+    assert target.weight_mode == "q4" and target.weights_in_floats == []
+    tokens, _ = first_tokens(real_default_engine.tokenizer, code_text().text, 128)
+    ref = teacher_forced_logits(real_pair_engine_fp32.target, tokens)
+    got = teacher_forced_logits(target, tokens)
+    m = fidelity_metrics(ref[1:], got[1:], tokens[1:])
+    assert m["kl"] < KL_BOUND, m
+    assert m["top1"] > 0.97, m
+
+
+def test_every_method_matches_ar_in_the_default_mode(real_default_engine):
+    assert_every_method_matches_ar(real_default_engine, max_tokens=24)
