@@ -10,10 +10,12 @@ from specwood.models.w4a8 import q4_unavailable_reason
 
 pytestmark = pytest.mark.skipif(q4_unavailable_reason() is not None, reason=str(q4_unavailable_reason()))
 
-# Mean KL(fp32 reference || mode) over positions 1..127 of json/decoder.py (position 0, the
-# context-free start, is left out: one outlier there moves a short mean). Measured here:
-# q4 ~0.0008, q4-lite ~0.016, llama.cpp ~0.0015 (BENCHMARKS.md, fidelity).
+# Mean KL(fp32 reference || mode) over positions 1..126 of json/decoder.py (position 0, the
+# context-free start, is left out: one outlier there moves a short mean), measured on this test's
+# setting: q4 0.00096 (top-1 0.976), q4-lite 0.0198 (top-1 0.944); over 511 positions llama.cpp's
+# is 0.0014 without position 0 (BENCHMARKS.md §9).
 KL_BOUND = 0.004
+TOP1_BOUND = 0.96
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def test_default_mode_is_the_file_and_stays_within_the_kl_bound(real_pair_engine
     got = teacher_forced_logits(target, tokens)
     m = fidelity_metrics(ref[1:], got[1:], tokens[1:])
     assert m["kl"] < KL_BOUND, m
-    assert m["top1"] > 0.97, m
+    assert m["top1"] > TOP1_BOUND, m
 
 
 def test_every_method_matches_ar_in_the_default_mode(real_default_engine):
