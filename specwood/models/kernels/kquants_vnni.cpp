@@ -114,6 +114,20 @@ struct Layout {
 using Q4Layout = Layout<128, 64 + GROUP_BYTES>;        // d, dmin | sc, m codes, nibbles
 using Q6Layout = Layout<64, 64 + GROUP_BYTES + 256>;   // d | sc codes (two sub-blocks), nibbles, top bits
 
+template <int TILE>
+inline void zero_tile(__m512 (&acc)[TILE][2]) {
+  for (int r = 0; r < TILE; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+}
+
+// A tile's rows of one block of 32 output channels into y [M, N].
+template <int TILE>
+inline void store_tile(const __m512 (&acc)[TILE][2], float* y, int64_t n, int64_t block) {
+  for (int r = 0; r < TILE; ++r) {
+    _mm512_storeu_ps(y + r * n + block * 2 * LANES, acc[r][0]);
+    _mm512_storeu_ps(y + r * n + block * 2 * LANES + LANES, acc[r][1]);
+  }
+}
+
 // Q4_K: one block of 32 output channels (two registers of 16) for TILE rows. d * sc is exact in
 // fp32 (11 by 6 bits), so the weights are exactly the file's.
 template <int TILE>
@@ -122,7 +136,7 @@ void q4_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
   const int64_t groups = a.groups, k = a.k;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[TILE][2];
-  for (int r = 0; r < TILE; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  zero_tile<TILE>(acc);
   for (int64_t s0 = 0; s0 < groups; s0 += SUPER) {
     const uint8_t* sb = w + (s0 / SUPER) * Q4Layout::super_bytes;
     const at::Half* hd = reinterpret_cast<const at::Half*>(sb);
@@ -164,10 +178,7 @@ void q4_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
       }
     }
   }
-  for (int r = 0; r < TILE; ++r) {
-    _mm512_storeu_ps(y + r * n + block * 2 * LANES, acc[r][0]);
-    _mm512_storeu_ps(y + r * n + block * 2 * LANES + LANES, acc[r][1]);
-  }
+  store_tile<TILE>(acc, y, n, block);
 }
 
 // Q6_K: the low nibbles as Q4_K's, the top two bits of the codes of chunks 2s and 2s+1 (sub-block
@@ -181,7 +192,7 @@ void q6_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
   const int64_t groups = a.groups, k = a.k;
   const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   __m512 acc[TILE][2];
-  for (int r = 0; r < TILE; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  zero_tile<TILE>(acc);
   for (int64_t s0 = 0; s0 < groups; s0 += SUPER) {
     const uint8_t* sb = w + (s0 / SUPER) * Q6Layout::super_bytes;
     const at::Half* hd = reinterpret_cast<const at::Half*>(sb);
@@ -231,10 +242,7 @@ void q6_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
       }
     }
   }
-  for (int r = 0; r < TILE; ++r) {
-    _mm512_storeu_ps(y + r * n + block * 2 * LANES, acc[r][0]);
-    _mm512_storeu_ps(y + r * n + block * 2 * LANES + LANES, acc[r][1]);
-  }
+  store_tile<TILE>(acc, y, n, block);
 }
 
 using TileFn = void (*)(const uint8_t*, const Activations&, const float*, const int32_t*, const int8_t*, float*,
