@@ -63,8 +63,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from specwood.bench import llama_server as LS
-from specwood.bench.loadtest import (WARMUP_MESSAGES, ServerProcess, _require_httpx, free_port, machine_summary,
-                                     parse_concurrency, plan_requests, serve_command, stream_request,
+from specwood.bench.loadtest import (WARMUP_MESSAGES, ServerProcess, _jsonable, _require_httpx, free_port,
+                                     machine_summary, parse_concurrency, plan_requests, serve_command, stream_request,
                                      summarize_level)
 from specwood.bench.workload import load_workload
 from specwood.errors import SpecwoodError
@@ -607,18 +607,6 @@ def markdown(result: dict[str, Any]) -> str:
         out += ["", "## errors", ""] + [f"- {r['server']} {r['method']} c={r['concurrency']} {r['id']}: {r['error']}"
                                         for r in errs[:40]]
     return "\n".join(out) + "\n"
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float):
-        return None if not math.isfinite(x) else round(x, 6)
-    if isinstance(x, (str, int, bool)) or x is None:
-        return x
-    return str(x)
 
 
 def _llama_info(binary: Path) -> dict[str, Any]:
