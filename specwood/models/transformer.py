@@ -7,6 +7,7 @@ mask, and a pipeline stage is the same class built over a layer range.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import TYPE_CHECKING
 
 import torch
@@ -549,12 +550,7 @@ class Transformer(nn.Module):
             if not Q4Linear.fits(child.out_features, child.in_features):
                 in_floats += [] if lite else names  # q4-lite: int8 (build_model)
             elif all(f is not None for f in found):
-                runs: list[list] = []  # consecutive parts of one type share one kernel call
-                for f in found:
-                    if runs and type(runs[-1][0]) is type(f):
-                        runs[-1].append(f)
-                    else:
-                        runs.append([f])
+                runs = [list(run) for _, run in groupby(found, key=type)]  # one kernel call per run of a type
                 biases = (child.bias.split([sum(f.codes.shape[0] for f in run) for run in runs])
                           if child.bias is not None else [None] * len(runs))
                 linears = [kinds[type(run[0])](type(run[0]).cat(run), b) for run, b in zip(runs, biases)]
