@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from specwood.models.w4a8 import BLOCK, GROUP, LANES, SUPER, KQuantLinear
+from specwood.models.w4a8 import BLOCK, GROUP, LANES, SUPER, KQuantLinear, from_lanes, to_lanes
 
 SUB = 16  # inputs per scale code
 HEADER_BYTES = 2 * BLOCK  # a superblock's d, fp16, per channel of a block
@@ -81,13 +81,10 @@ def pack_q6(w: Q6Weights) -> torch.Tensor:
     t = (w.codes >> 4).reshape(b, 2, LANES, g, 2, 2, 2, 4).permute(0, 3, 1, 4, 2, 7, 5, 6)  # ..., half, sub, channel, j, cc, low/high
     tops = (t[..., 0, 0] | (t[..., 0, 1] << 2) | (t[..., 1, 0] << 4) | (t[..., 1, 1] << 6)).reshape(b, g, 256)
 
-    def lanes(x: torch.Tensor) -> torch.Tensor:  # [N, X] -> [N/32, X, 32]
-        return x.reshape(b, BLOCK, -1).permute(0, 2, 1)
-
-    scale_codes = lanes(w.sub_scales.view(torch.uint8)).reshape(b, g, 2, BLOCK).reshape(b, g, 2 * BLOCK)
+    scale_codes = to_lanes(b, w.sub_scales.view(torch.uint8)).reshape(b, g, 2 * BLOCK)
     lines = torch.zeros(b, supers * SUPER, GROUP_STRIDE, dtype=torch.uint8)
     lines[:, :g] = torch.cat([scale_codes, nibbles, tops], -1)
-    header = lanes(w.super_scales.half()).contiguous().view(torch.uint8)
+    header = to_lanes(b, w.super_scales.half()).contiguous().view(torch.uint8)
     stream = torch.cat([header, lines.reshape(b, supers, SUPER * GROUP_STRIDE)], -1).reshape(b, -1)
     return stream[:, :block_bytes(g)].contiguous()
 
@@ -97,9 +94,6 @@ def unpack_q6(packed: torch.Tensor, in_features: int) -> Q6Weights:
     b, g = packed.shape[0], in_features // GROUP
     supers = -(-g // SUPER)
     stream = torch.nn.functional.pad(packed, (0, supers * SUPER_BYTES - packed.shape[1])).reshape(b, supers, SUPER_BYTES)
-
-    def channels(x: torch.Tensor) -> torch.Tensor:  # [N/32, X, 32] -> [N, X]
-        return x.permute(0, 2, 1).reshape(b * BLOCK, -1)
 
     header = stream[..., :HEADER_BYTES].contiguous().view(torch.float16)  # [b, supers, 32]
     lines = stream[..., HEADER_BYTES:].reshape(b, supers * SUPER, GROUP_STRIDE)[:, :g]
@@ -111,7 +105,7 @@ def unpack_q6(packed: torch.Tensor, in_features: int) -> Q6Weights:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
     t = ((packed_tops[..., None] >> shifts) & 3).reshape(b, g, 2, 2, LANES, 4, 2, 2)  # ..., j, cc, low/high
     tops = t.permute(0, 2, 4, 1, 3, 6, 7, 5).reshape(b * BLOCK, in_features)
-    return Q6Weights(low | (tops << 4), channels(scale_codes).contiguous().view(torch.int8), channels(header))
+    return Q6Weights(low | (tops << 4), from_lanes(b, scale_codes).contiguous().view(torch.int8), from_lanes(b, header))
 
 
 class Q6Linear(KQuantLinear):

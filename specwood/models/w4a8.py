@@ -118,6 +118,16 @@ def block_bytes(groups: int) -> int:
     return full * SUPER_BYTES + (HEADER_BYTES + rest * GROUP_STRIDE if rest else 0)
 
 
+def to_lanes(blocks: int, t: torch.Tensor) -> torch.Tensor:
+    """Per-channel values [N, X] -> [N/32, X, 32]: each block's 32 channels side by side."""
+    return t.reshape(blocks, BLOCK, -1).permute(0, 2, 1)
+
+
+def from_lanes(blocks: int, t: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_lanes: [N/32, X, 32] -> [N, X]."""
+    return t.permute(0, 2, 1).reshape(blocks * BLOCK, -1)
+
+
 def pack_q4(w: Q4Weights) -> torch.Tensor:
     """Q4Weights -> the kernel's layout, uint8 [N/32, block_bytes(K/32)]: for each block of 32
     output channels, per superblock a 128-byte header (d of the 32 channels, then dmin, fp16), then
@@ -130,13 +140,10 @@ def pack_q4(w: Q4Weights) -> torch.Tensor:
     v = w.codes.reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)  # block, group, half, chunk, channel, j, low/high
     nibbles = (v[..., 0] | (v[..., 1] << 4)).reshape(b, g, 512)
 
-    def lanes(t: torch.Tensor) -> torch.Tensor:  # [N, X] -> [N/32, X, 32]
-        return t.reshape(b, BLOCK, -1).permute(0, 2, 1)
-
     lines = torch.zeros(b, supers * SUPER, GROUP_STRIDE, dtype=torch.uint8)
-    lines[:, :g] = torch.cat([lanes(w.sub_scales), lanes(w.sub_mins), nibbles], -1)
-    header = torch.cat([lanes(w.super_scales.half()).contiguous().view(torch.uint8),
-                        lanes(w.super_mins.half()).contiguous().view(torch.uint8)], -1)
+    lines[:, :g] = torch.cat([to_lanes(b, w.sub_scales), to_lanes(b, w.sub_mins), nibbles], -1)
+    header = torch.cat([to_lanes(b, w.super_scales.half()).contiguous().view(torch.uint8),
+                        to_lanes(b, w.super_mins.half()).contiguous().view(torch.uint8)], -1)
     stream = torch.cat([header, lines.reshape(b, supers, SUPER * GROUP_STRIDE)], -1).reshape(b, -1)
     return stream[:, :block_bytes(g)].contiguous()
 
@@ -147,15 +154,12 @@ def unpack_q4(packed: torch.Tensor, in_features: int) -> Q4Weights:
     supers = -(-g // SUPER)
     stream = torch.nn.functional.pad(packed, (0, supers * SUPER_BYTES - packed.shape[1])).reshape(b, supers, SUPER_BYTES)
 
-    def channels(t: torch.Tensor) -> torch.Tensor:  # [N/32, X, 32] -> [N, X]
-        return t.permute(0, 2, 1).reshape(b * BLOCK, -1)
-
     header = stream[..., :HEADER_BYTES].contiguous().view(torch.float16)  # [b, supers, 64]
     lines = stream[..., HEADER_BYTES:].reshape(b, supers * SUPER, GROUP_STRIDE)[:, :g]
     nib = torch.stack([lines[..., 2 * BLOCK:] & 0x0F, lines[..., 2 * BLOCK:] >> 4], -1).reshape(b, g, 2, 4, LANES, 4, 2)
     codes = nib.permute(0, 2, 4, 1, 3, 6, 5).reshape(b * BLOCK, in_features)
-    return Q4Weights(codes, channels(lines[..., :BLOCK]), channels(lines[..., BLOCK:2 * BLOCK]),
-                     channels(header[..., :BLOCK]), channels(header[..., BLOCK:]))
+    return Q4Weights(codes, from_lanes(b, lines[..., :BLOCK]), from_lanes(b, lines[..., BLOCK:2 * BLOCK]),
+                     from_lanes(b, header[..., :BLOCK]), from_lanes(b, header[..., BLOCK:]))
 
 
 class KQuantLinear(nn.Module):
