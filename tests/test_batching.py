@@ -22,7 +22,7 @@ import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
 from specwood.drafting.shapes import make_shape
 from specwood.engine.api import Engine
 from specwood.engine.request import Drafter, Request, State
-from specwood.engine.scheduler import Scheduler
+from specwood.engine.scheduler import TREE_ROOM, Scheduler
 from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
 from specwood.methods import method_names
 from specwood.tree.token_tree import TokenTree
@@ -433,6 +433,29 @@ def test_run_here_steps_in_the_calling_thread_until_stopped(tiny_engine):
         assert late.done.wait(60) and late.error is None
     finally:
         sched.stop()
+
+
+def test_a_server_scheduler_has_its_draft_pool_before_any_request(tiny_engine):
+    """The draft model's KV pool is allocated when the scheduler is built (a server builds it on the
+    thread that steps it), so a draft method's request made on another thread (the HTTP one)
+    allocates no cache: a large torch op there gives the process a second OpenMP team, which
+    slowed every later decode step of `specwood serve` by ~30% (BENCHMARKS.md §9d)."""
+    import threading
+
+    engine = tiny_engine
+    sched = engine.make_scheduler(max_batch=2, row_len=256 + TREE_ROOM)
+    pools = dict(sched._draft_pools)
+    assert list(pools) == [id(engine.draft_model)]
+    made: list = []
+    client = threading.Thread(target=lambda: made.append(
+        engine.new_request([3, 4, 5], max_tokens=4, method="dyspec", scheduler=sched)))
+    client.start()
+    client.join(30)
+    assert len(made) == 1 and sched._draft_pools == pools
+    assert made[0].drafter.source.pool is pools[id(engine.draft_model)][1]
+    sched.submit(made[0])
+    sched.run_until_done(made)
+    assert made[0].result.token_ids == engine.generate([3, 4, 5], max_tokens=4).token_ids
 
 
 def test_cache_pools_survive_a_thousand_requests(tiny_engine):

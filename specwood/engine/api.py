@@ -140,7 +140,8 @@ class Engine:
             from specwood.engine.runner import RunnerScheduler
 
             return RunnerScheduler(runner, max_queue=max_queue)
-        return Scheduler(self.target, max_batch=max_batch, row_len=row_len, max_queue=max_queue, growable=growable)
+        return Scheduler(self.target, max_batch=max_batch, row_len=row_len, max_queue=max_queue, growable=growable,
+                         drafts=(self.draft_model,) if self.draft_model is not None else ())
 
     def prepare(self, method: str, options: dict[str, Any] | None = None) -> "DrafterFactory":
         """Validate a method and its options once (`auto` loads its plan here)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -40,7 +40,7 @@ class QueueFullError(SpecwoodError):
 class Scheduler(QueueCounts):
     def __init__(self, target: Transformer, *, max_batch: int = 8, row_len: int | None = None,
                  max_queue: int = 64, prefill_chunk_tokens: int = 64, growable: bool = False,
-                 tree_room: int = TREE_ROOM, cuda_graphs: bool | None = None):
+                 tree_room: int = TREE_ROOM, cuda_graphs: bool | None = None, drafts: tuple[Any, ...] = ()):
         self._init_queue(max_batch, max_queue)
         self.target = target
         self.cuda_graphs = cuda_graphs_wanted() if cuda_graphs is None else cuda_graphs
@@ -49,7 +49,12 @@ class Scheduler(QueueCounts):
         self.tree_room = tree_room  # slots a row keeps beyond prompt + new tokens for a tree
         self.row_len = row_len or min(target.max_positions + tree_room, 4096)
         self.cache = self._pool(target)
-        self._draft_pools: dict[int, tuple[Transformer, KVCache]] = {}
+        # The draft models' pools are allocated here, on the thread that builds the scheduler (the
+        # one that steps it, in a server), not on first use by a request: a large torch op on any
+        # other thread (the HTTP one) gives the process a second OpenMP team, and from then on
+        # every decode step is ~30% slower on 2 cores (BENCHMARKS.md §9d).
+        self._draft_pools: dict[int, tuple[Transformer, KVCache]] = {
+            id(m): (m, self._pool(m)) for m in drafts if isinstance(m, Transformer)}
 
     def _init_queue(self, max_batch: int, max_queue: int) -> None:
         """The admission and driving state every scheduler has, whatever its pools."""
