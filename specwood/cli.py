@@ -65,8 +65,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "Loaded only when the method drafts with a model")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto = q4 for a GGUF of Q4_K weights (the default pair) on CPUs with AVX512-VNNI, else bf16 on "
-                        "CPUs with AVX512-BF16/AMX and on GPUs, else fp32; q4 = the GGUF's Q4_K and Q6_K weights "
-                        "as the file stores them (other types in bf16, one line names them) times int8 activations "
+                        "CPUs with AVX512-BF16/AMX and on GPUs, else fp32; q4 = the GGUF's Q4_K, Q5_K, Q6_K and "
+                        "Q8_0 weights as the file stores them (Q4_0/Q5_0 as Q8_0, exactly; other types in bf16, one "
+                        "line names them) times int8 activations "
                         "per 32 inputs, on specwood's AVX512-VNNI kernel (CPU): closer to the file than llama.cpp "
                         "(KL against the file's weights: 0.0009 on code, llama.cpp 0.0086; BENCHMARKS.md §9); q4-lite = "
                         "every linear in 4 bits (Q6_K requantised): 10%% fewer bytes a step, lossier (KL 0.016, "

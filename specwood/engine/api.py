@@ -331,7 +331,8 @@ def q4_runs_here(device: str) -> bool:
 
 
 def exact_q4_weights(path: Path, q4: bool) -> dict[str, Any] | None:
-    """For the q4 weight modes: the GGUF's own Q4_K and Q6_K values (None for other sources and modes)."""
+    """For the q4 weight modes: the GGUF's own quantised values (gguf_loader.kquant_weights; None for other
+    sources and modes)."""
     if not q4 or path.is_dir():
         return None
     from specwood.models.gguf_loader import kquant_weights

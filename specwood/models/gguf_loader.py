@@ -28,7 +28,10 @@ from specwood.errors import ModelFileError
 from specwood.models.config import SUPPORTED_ARCHS, ModelConfig
 from specwood.models.loader import check_layers, layer_index, validate_state_dict
 from specwood.models.q6k import Q6Weights
-from specwood.models.w4a8 import Q4Weights
+from specwood.models.q8_0 import Q8Weights, from_offset_codes
+from specwood.models.w4a8 import Q4Weights, Q5Weights
+
+KQuantWeights = Q4Weights | Q5Weights | Q6Weights | Q8Weights  # what our kernels run as stored
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -629,6 +632,38 @@ def _q4k_parts(blocks: torch.Tensor, rows: int) -> Q4Weights:
                      blocks[:, 2:4].contiguous().view(torch.float16).reshape(rows, -1))
 
 
+def _q5k_parts(blocks: torch.Tensor, rows: int) -> Q5Weights:
+    blocks = blocks.reshape(-1, 176)
+    n = blocks.shape[0]
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    fifth = (blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 1  # bit j of byte i: sub-block j, element i
+    codes = _unpack_k_nibbles(blocks[:, 48:], torch.uint8) | (fifth << 4)
+    return Q5Weights(codes.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1),
+                     blocks[:, 0:2].contiguous().view(torch.float16).reshape(rows, -1),
+                     blocks[:, 2:4].contiguous().view(torch.float16).reshape(rows, -1))
+
+
+def _q8_0_parts(blocks: torch.Tensor, rows: int) -> Q8Weights:
+    blocks = blocks.reshape(-1, 34)
+    return Q8Weights(blocks[:, 2:].contiguous().view(torch.int8).reshape(rows, -1),
+                     blocks[:, :2].contiguous().view(torch.float16).reshape(rows, -1))
+
+
+def _q4_0_parts(blocks: torch.Tensor, rows: int) -> Q8Weights:
+    blocks = blocks.reshape(-1, 18)
+    codes = torch.cat([blocks[:, 2:] & 0x0F, blocks[:, 2:] >> 4], -1)  # low nibbles: elements 0..15
+    return from_offset_codes(codes.reshape(rows, -1), 8, blocks[:, :2].contiguous().view(torch.float16).reshape(rows, -1))
+
+
+def _q5_0_parts(blocks: torch.Tensor, rows: int) -> Q8Weights:
+    blocks = blocks.reshape(-1, 22)
+    n = blocks.shape[0]
+    fifth = ((blocks[:, 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(n, 32)  # bit i of a uint32
+    codes = torch.cat([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], -1) | (fifth << 4)
+    return from_offset_codes(codes.reshape(rows, -1), 16, blocks[:, :2].contiguous().view(torch.float16).reshape(rows, -1))
+
+
 def _q6k_parts(blocks: torch.Tensor, rows: int) -> Q6Weights:
     blocks = blocks.reshape(-1, 210)
     return Q6Weights(_q6k_codes(blocks).reshape(rows, -1),
@@ -636,20 +671,22 @@ def _q6k_parts(blocks: torch.Tensor, rows: int) -> Q6Weights:
                      blocks[:, 208:210].contiguous().view(torch.float16).reshape(rows, -1))
 
 
-def kquant_weights(path: str | os.PathLike[str], layers: range | None = None) -> dict[str, Q4Weights | Q6Weights]:
-    """The layers' Q4_K and Q6_K weight tensors (and such a token table or output head) of a GGUF
-    file as llama.cpp holds them: canonical name -> Q4Weights or Q6Weights (the codes, their scale
-    codes and fp16 superblock factors). For the q4 weight mode, which runs these values on our
-    kernels instead of requantising floats (specwood.models.w4a8, specwood.models.q6k)."""
+def kquant_weights(path: str | os.PathLike[str], layers: range | None = None) -> dict[str, KQuantWeights]:
+    """The layers' quantised weight tensors (and such a token table or output head) of a GGUF file
+    as llama.cpp holds them: canonical name -> Q4Weights, Q5Weights, Q6Weights or Q8Weights (the
+    codes, their scale codes and fp16 factors; Q4_0 and Q5_0 as the same values in Q8_0's form).
+    For the q4 weight mode, which runs these values on our kernels instead of requantising floats
+    (specwood.models.w4a8, specwood.models.q6k, specwood.models.q8_0)."""
     from gguf.constants import GGMLQuantizationType as Q
 
-    readers = {Q.Q4_K: _q4k_parts, Q.Q6_K: _q6k_parts}
+    readers = {Q.Q4_K: _q4k_parts, Q.Q5_K: _q5k_parts, Q.Q6_K: _q6k_parts, Q.Q8_0: _q8_0_parts,
+               Q.Q4_0: _q4_0_parts, Q.Q5_0: _q5_0_parts}
     path = Path(path)
     header = read_gguf_header(path)
     config = config_from_gguf(header)
     permute = config.arch in _PERMUTED_QK_ARCHS
     mm = np.memmap(path, dtype=np.uint8, mode="c")
-    out: dict[str, Q4Weights | Q6Weights] = {}
+    out: dict[str, KQuantWeights] = {}
     try:
         for gname, info in header.tensors.items():
             cname = canonical_name(gname)

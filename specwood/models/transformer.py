@@ -21,8 +21,7 @@ from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, 
 from specwood.models.rope import rope_tables
 
 if TYPE_CHECKING:
-    from specwood.models.q6k import Q6Weights
-    from specwood.models.w4a8 import Q4Weights
+    from specwood.models.gguf_loader import KQuantWeights
 
 
 def cpu_packing_available() -> bool:
@@ -508,12 +507,13 @@ class Transformer(nn.Module):
                     swapped = True
         return swapped
 
-    def quantize_q4(self, exact: dict[str, Q4Weights | Q6Weights] | None = None, embeddings: bool = False,
+    def quantize_q4(self, exact: dict[str, KQuantWeights] | None = None, embeddings: bool = False,
                     lite: bool = False) -> list[str]:
         """Put the linears, the vocabulary head included, on our k-quant kernels
         (specwood.models.w4a8, specwood.models.q6k) where their shapes fit.
 
-        `exact` maps canonical weight names to a GGUF file's Q4_K and Q6_K values: a linear
+        `exact` maps canonical weight names to a GGUF file's quantised values (Q4_K, Q5_K, Q6_K
+        and Q8_0; Q4_0 and Q5_0 in Q8_0's form, gguf_loader.kquant_weights): a linear
         whose parts are all there runs them as the file stores them (a fused linear whose parts
         differ in type runs as a StackedLinear), and a Q4_K token table becomes a Q4Embedding. The
         others stay in floats, in the model's dtype, and their names are returned so the loader can
@@ -521,11 +521,13 @@ class Transformer(nn.Module):
         quantised to 4 bits from their floats instead, and with `embeddings` any token table is
         stored in 4 bits: faster, lossier (BENCHMARKS.md, fidelity)."""
         from specwood.models.q6k import Q6Linear, Q6Weights
-        from specwood.models.w4a8 import GROUP, Q4Embedding, Q4Linear, Q4Weights, StackedLinear, quantize_q4
+        from specwood.models.q8_0 import Q8Linear, Q8Weights
+        from specwood.models.w4a8 import (GROUP, Q4Embedding, Q4Linear, Q4Weights, Q5Linear, Q5Weights, StackedLinear,
+                                          quantize_q4)
 
         self.q4_lite = lite
-        exact = {name: w for name, w in (exact or {}).items() if not lite or isinstance(w, Q4Weights)}
-        kinds = {Q4Weights: Q4Linear, Q6Weights: Q6Linear}
+        exact = {name: w for name, w in (exact or {}).items() if not lite or type(w) is Q4Weights}
+        kinds = {Q4Weights: Q4Linear, Q5Weights: Q5Linear, Q6Weights: Q6Linear, Q8Weights: Q8Linear}
         parts = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"), "attention.wo": ("attention.wo",),
                  "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"), "feed_forward.w2": ("feed_forward.w2",)}
         targets: list[tuple[nn.Module, str, list[str]]] = []
@@ -537,7 +539,7 @@ class Transformer(nn.Module):
         if self.output is not None:
             tied = self.config.tie_embeddings and "output.weight" not in exact
             targets.append((self, "output", ["tok_embeddings.weight" if tied else "output.weight"]))
-        if self.tok_embeddings is not None and isinstance(exact.get("tok_embeddings.weight"), Q4Weights):
+        if self.tok_embeddings is not None and type(exact.get("tok_embeddings.weight")) is Q4Weights:
             self.tok_embeddings = Q4Embedding(exact["tok_embeddings.weight"], self.dtype)  # kept exactly
         elif self.tok_embeddings is not None and embeddings and self.config.dim % GROUP == 0:
             self.tok_embeddings = Q4Embedding(quantize_q4(self.tok_embeddings.weight.data), self.dtype)
@@ -639,7 +641,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
                 device: torch.device | str = "cpu", layers: range | None = None,
                 max_positions: int | None = None, pack: bool = True, int4: bool = False, int8: bool = False,
                 int8_head: bool = False, q4: bool = False, q4_lite: bool = False,
-                q4_exact: dict[str, Q4Weights | Q6Weights] | None = None,
+                q4_exact: dict[str, KQuantWeights] | None = None,
                 q4_embeddings: bool = False, layer_kernels: bool = True) -> Transformer:
     """Instantiate (without random init) and load canonical weights; bf16 on a CPU gets packed
     weights (see PackedLinear) unless `pack` is False, int4 weights with `int4` (drafts), or W8A8

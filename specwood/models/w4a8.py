@@ -128,36 +128,64 @@ def from_lanes(blocks: int, t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 1).reshape(blocks * BLOCK, -1)
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """The low 4 bits of codes [N, K] as the kernel reads them, uint8 [N/32, K/32, 512]: per group
+    two halves of 16 channels, each 4 chunks of 64 bytes; in chunk c, channel n's bytes 4n..4n+3
+    hold inputs 8c..8c+3 in their low nibbles and 8c+4..8c+7 in their high ones."""
+    n, k = codes.shape
+    b, g = n // BLOCK, k // GROUP
+    v = (codes & 0x0F).reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)  # block, group, half, chunk, channel, j, low/high
+    return (v[..., 0] | (v[..., 1] << 4)).reshape(b, g, 512)
+
+
+def unpack_nibbles(raw: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The inverse of pack_nibbles: [N/32, K/32, 512] -> codes [N, K] (0..15)."""
+    b, g = raw.shape[:2]
+    nib = torch.stack([raw & 0x0F, raw >> 4], -1).reshape(b, g, 2, 4, LANES, 4, 2)
+    return nib.permute(0, 2, 4, 1, 3, 6, 5).reshape(b * BLOCK, in_features)
+
+
 def pack_q4(w: Q4Weights) -> torch.Tensor:
     """Q4Weights -> the kernel's layout, uint8 [N/32, block_bytes(K/32)]: for each block of 32
     output channels, per superblock a 128-byte header (d of the 32 channels, then dmin, fp16), then
     per group a 576-byte line: the 32 scale codes, the 32 minimum codes, and 512 bytes of nibbles
-    (two halves of 16 channels, each 4 chunks of 64 bytes; in chunk c, channel n's bytes 4n..4n+3
-    hold inputs 8c..8c+3 in their low nibbles and 8c+4..8c+7 in their high ones)."""
-    n, k = w.codes.shape
-    b, g = n // BLOCK, k // GROUP
-    supers = -(-g // SUPER)
-    v = w.codes.reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)  # block, group, half, chunk, channel, j, low/high
-    nibbles = (v[..., 0] | (v[..., 1] << 4)).reshape(b, g, 512)
-
-    lines = torch.zeros(b, supers * SUPER, GROUP_STRIDE, dtype=torch.uint8)
-    lines[:, :g] = torch.cat([to_lanes(b, w.sub_scales), to_lanes(b, w.sub_mins), nibbles], -1)
+    (pack_nibbles)."""
+    b = w.codes.shape[0] // BLOCK
+    nibbles = pack_nibbles(w.codes)
     header = torch.cat([to_lanes(b, w.super_scales.half()).contiguous().view(torch.uint8),
                         to_lanes(b, w.super_mins.half()).contiguous().view(torch.uint8)], -1)
-    stream = torch.cat([header, lines.reshape(b, supers, SUPER * GROUP_STRIDE)], -1).reshape(b, -1)
-    return stream[:, :block_bytes(g)].contiguous()
+    return to_stream(header, torch.cat([to_lanes(b, w.sub_scales), to_lanes(b, w.sub_mins), nibbles], -1))
+
+
+def to_stream(header: torch.Tensor, lines: torch.Tensor) -> torch.Tensor:
+    """A packed layout's bytes: per block of 32 channels, per superblock of 8 groups its header
+    [blocks, supers, H] then its groups' lines [blocks, groups, L]; a last, shorter superblock ends
+    after its own lines."""
+    b, g, stride = lines.shape
+    supers = header.shape[1]
+    padded = torch.zeros(b, supers * SUPER, stride, dtype=torch.uint8)
+    padded[:, :g] = lines
+    stream = torch.cat([header, padded.reshape(b, supers, SUPER * stride)], -1).reshape(b, -1)
+    full, rest = divmod(g, SUPER)
+    size = full * (header.shape[2] + SUPER * stride) + (header.shape[2] + rest * stride if rest else 0)
+    return stream[:, :size].contiguous()
+
+
+def from_stream(packed: torch.Tensor, groups: int, header_bytes: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of to_stream: (headers [blocks, supers, H], lines [blocks, groups, L])."""
+    b = packed.shape[0]
+    supers = -(-groups // SUPER)
+    per_super = header_bytes + SUPER * stride
+    stream = torch.nn.functional.pad(packed, (0, supers * per_super - packed.shape[1])).reshape(b, supers, per_super)
+    return stream[..., :header_bytes], stream[..., header_bytes:].reshape(b, supers * SUPER, stride)[:, :groups]
 
 
 def unpack_q4(packed: torch.Tensor, in_features: int) -> Q4Weights:
     """The inverse of pack_q4."""
     b, g = packed.shape[0], in_features // GROUP
-    supers = -(-g // SUPER)
-    stream = torch.nn.functional.pad(packed, (0, supers * SUPER_BYTES - packed.shape[1])).reshape(b, supers, SUPER_BYTES)
-
-    header = stream[..., :HEADER_BYTES].contiguous().view(torch.float16)  # [b, supers, 64]
-    lines = stream[..., HEADER_BYTES:].reshape(b, supers * SUPER, GROUP_STRIDE)[:, :g]
-    nib = torch.stack([lines[..., 2 * BLOCK:] & 0x0F, lines[..., 2 * BLOCK:] >> 4], -1).reshape(b, g, 2, 4, LANES, 4, 2)
-    codes = nib.permute(0, 2, 4, 1, 3, 6, 5).reshape(b * BLOCK, in_features)
+    header, lines = from_stream(packed, g, HEADER_BYTES, GROUP_STRIDE)
+    header = header.contiguous().view(torch.float16)  # [b, supers, 64]
+    codes = unpack_nibbles(lines[..., 2 * BLOCK:2 * BLOCK + 512], in_features)
     return Q4Weights(codes, from_lanes(b, lines[..., :BLOCK]), from_lanes(b, lines[..., BLOCK:2 * BLOCK]),
                      from_lanes(b, header[..., :BLOCK]), from_lanes(b, header[..., BLOCK:]))
 
@@ -223,6 +251,55 @@ class Q4Linear(KQuantLinear):
     def from_linear(cls, linear: nn.Module) -> Q4Linear:
         w = linear.weight.data if isinstance(linear.weight, torch.Tensor) else linear.weight
         return cls(quantize_q4(w), getattr(linear, "bias", None))
+
+
+class Q5Weights(Q4Weights):
+    """5-bit weights [N, K] as GGUF's Q5_K holds them: Q4_K's form with codes in 0..31."""
+
+
+Q5_GROUP_STRIDE = GROUP_STRIDE + BLOCK * GROUP // 8  # Q4_K's line, then the codes' fifth bits
+
+
+def pack_fifth_bits(codes: torch.Tensor) -> torch.Tensor:
+    """Bit 4 of codes [N, K] as the kernel reads it, uint8 [N/32, K/32, 128]: per half of 16
+    channels and chunk (pack_nibbles), one 64-bit mask for the low nibbles' vector and one for the
+    high nibbles', bit i for byte i of the vector."""
+    n, k = codes.shape
+    b, g = n // BLOCK, k // GROUP
+    bits = ((codes >> 4) & 1).reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 5, 2, 6)  # block, group, half, chunk, low/high, channel, j
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (bits.reshape(b, g, 128, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def pack_q5(w: Q5Weights) -> torch.Tensor:
+    """Q5Weights -> the kernel's layout: pack_q4's, with the 128 bytes of pack_fifth_bits after
+    each group's nibbles (5.625 bits a weight, Q5_K's own size)."""
+    b = w.codes.shape[0] // BLOCK
+    header = torch.cat([to_lanes(b, w.super_scales.half()).contiguous().view(torch.uint8),
+                        to_lanes(b, w.super_mins.half()).contiguous().view(torch.uint8)], -1)
+    return to_stream(header, torch.cat([to_lanes(b, w.sub_scales), to_lanes(b, w.sub_mins), pack_nibbles(w.codes),
+                                        pack_fifth_bits(w.codes)], -1))
+
+
+def unpack_q5(packed: torch.Tensor, in_features: int) -> Q5Weights:
+    """The inverse of pack_q5."""
+    b, g = packed.shape[0], in_features // GROUP
+    header, lines = from_stream(packed, g, HEADER_BYTES, Q5_GROUP_STRIDE)
+    header = header.contiguous().view(torch.float16)
+    low = unpack_nibbles(lines[..., 2 * BLOCK:2 * BLOCK + 512], in_features)
+    masks = lines[..., 2 * BLOCK + 512:]
+    bits = ((masks[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(b, g, 2, 4, 2, LANES, 4)
+    fifth = bits.permute(0, 2, 5, 1, 3, 4, 6).reshape(b * BLOCK, in_features)
+    return Q5Weights(low | (fifth << 4), from_lanes(b, lines[..., :BLOCK]), from_lanes(b, lines[..., BLOCK:2 * BLOCK]),
+                     from_lanes(b, header[..., :BLOCK]), from_lanes(b, header[..., BLOCK:]))
+
+
+class Q5Linear(KQuantLinear):
+    """Q5_K weights (Q5Weights, the file's values) on the kernel; see KQuantLinear."""
+
+    op = "q5_linear"
+    pack = staticmethod(pack_q5)
+    unpack = staticmethod(unpack_q5)
 
 
 class StackedLinear(nn.Module):

@@ -1,8 +1,11 @@
 // Linears on GGUF k-quant weights, as the file stores them, for x86 CPUs with AVX512-VNNI:
 //  - Q4_K: per group of 32 inputs a 6-bit scale code sc and minimum code m, per superblock of 256
 //    inputs an fp16 d and dmin: w = d * sc * q - dmin * m, q in 0..15;
+//  - Q5_K: Q4_K with a fifth bit, q in 0..31;
 //  - Q6_K: per sub-block of 16 inputs an int8 scale code sc, per superblock an fp16 d:
-//    w = d * sc * (q - 32), q in 0..63.
+//    w = d * sc * (q - 32), q in 0..63;
+//  - Q8_0: per group of 32 inputs an fp16 d: w = d * q, q in -128..127 (Q4_0 and Q5_0 are held as
+//    Q8_0, exactly: their d * (q - 8) and d * (q - 16) are such values).
 // times int8 activations quantised per group of 32 inputs (llama.cpp's Q8_0 granularity; its
 // k-quant dot products use one scale per 256, Q8_K, so ours is at least as fine).
 //
@@ -15,8 +18,9 @@
 // the DRAM stream stalls whenever a tile's multiplies run.
 // A block's bytes are one stream: per superblock a header (d, and dmin for Q4_K, of its 32
 // channels, fp16), then per group of 32 inputs one line: the scale (and minimum) codes, the 512
-// bytes of low nibbles, and for Q6_K 256 bytes of the codes' top two bits. That is the file's own
-// size: 4.625 bits a weight for Q4_K, 6.5625 for Q6_K.
+// bytes of low nibbles, and for Q5_K 128 bytes of the codes' fifth bits, for Q6_K 256 bytes of
+// their top two bits. That is the file's own size (Q4_K: 4.625 bits a weight; Q5_K 5.625, Q6_K
+// 6.5625). Q8_0 has no header; its line is the 32 channels' d and the codes as bytes (8.5 bits).
 //
 // Row-exact: a row's result takes the same integer and float operations in the same order
 // whatever the other rows are, so a tree verified in one call gives each node what a one-row call
@@ -24,6 +28,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -35,6 +41,7 @@ constexpr int GROUP_BYTES = 512;     // one group of a block of 32 channels
 constexpr int SUPER = 8;             // groups per superblock (256 inputs)
 constexpr int MAX_TILE = 8;          // rows multiplied per pass over a block's weights
 constexpr int PREFETCH = 2048;       // bytes of weights ahead of the group being multiplied
+constexpr int Q8_PREFETCH = 8192;    // Q8_0 reads twice Q4_K's bytes a group: further ahead (20 -> 25 GB/s)
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -99,8 +106,8 @@ inline __m512 ucodes16(const uint8_t* p) {
 inline __m512 scodes16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline void prefetch(const uint8_t* p, int bytes) {
-  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + off), _MM_HINT_T0);
+inline void prefetch(const uint8_t* p, int bytes, int ahead = PREFETCH) {
+  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + off), _MM_HINT_T0);
 }
 
 // One type's packed layout: a superblock header, then one line per group.
@@ -112,7 +119,9 @@ struct Layout {
   }
 };
 using Q4Layout = Layout<128, 64 + GROUP_BYTES>;        // d, dmin | sc, m codes, nibbles
+using Q5Layout = Layout<128, 64 + GROUP_BYTES + 128>;  // d, dmin | sc, m codes, nibbles, fifth bits
 using Q6Layout = Layout<64, 64 + GROUP_BYTES + 256>;   // d | sc codes (two sub-blocks), nibbles, top bits
+using Q8Layout = Layout<0, 64 + 2 * GROUP_BYTES>;      // | d, codes + 128
 
 template <int TILE>
 inline void zero_tile(__m512 (&acc)[TILE][2]) {
@@ -128,33 +137,44 @@ inline void store_tile(const __m512 (&acc)[TILE][2], float* y, int64_t n, int64_
   }
 }
 
-// Q4_K: one block of 32 output channels (two registers of 16) for TILE rows. d * sc is exact in
-// fp32 (11 by 6 bits), so the weights are exactly the file's.
-template <int TILE>
+// Q4_K (and Q5_K, FIFTH): one block of 32 output channels (two registers of 16) for TILE rows.
+// d * sc is exact in fp32 (11 by 6 bits), so the weights are exactly the file's. Q5_K's fifth
+// bits come as one 64-bit mask per vector of codes, so setting them is one masked move.
+template <int TILE, bool FIFTH>
 void q4_tile(const uint8_t* w, const Activations& a, const float* xs, const int32_t* sums, const int8_t* xq,
              float* y, int64_t n, int64_t block) {
   const int64_t groups = a.groups, k = a.k;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  using L = std::conditional_t<FIFTH, Q5Layout, Q4Layout>;
+  const __m512i fifth = _mm512_set1_epi8(0x10);
   __m512 acc[TILE][2];
   zero_tile<TILE>(acc);
   for (int64_t s0 = 0; s0 < groups; s0 += SUPER) {
-    const uint8_t* sb = w + (s0 / SUPER) * Q4Layout::super_bytes;
+    const uint8_t* sb = w + (s0 / SUPER) * L::super_bytes;
     const at::Half* hd = reinterpret_cast<const at::Half*>(sb);
     const __m512 da = load_half16(hd), db = load_half16(hd + LANES);
     const __m512 ma = load_half16(hd + 2 * LANES), mb = load_half16(hd + 3 * LANES);
     const int64_t count = std::min<int64_t>(SUPER, groups - s0);
     for (int64_t gi = 0; gi < count; ++gi) {
       const int64_t g = s0 + gi;
-      const uint8_t* line = sb + Q4Layout::header + gi * Q4Layout::stride;
+      const uint8_t* line = sb + L::header + gi * L::stride;
       const uint8_t* wg = line + 64;
-      prefetch(line, Q4Layout::stride + Q4Layout::header);  // headers included, at a superblock's start
+      prefetch(line, L::stride + L::header);  // headers included, at a superblock's start
       __m512i dot[TILE][2];
       for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
         const __m512i pa = _mm512_loadu_si512(wg + c * 64);
         const __m512i pb = _mm512_loadu_si512(wg + HALF_BYTES + c * 64);
-        const __m512i loa = _mm512_and_si512(pa, low), hia = _mm512_and_si512(_mm512_srli_epi16(pa, 4), low);
-        const __m512i lob = _mm512_and_si512(pb, low), hib = _mm512_and_si512(_mm512_srli_epi16(pb, 4), low);
+        __m512i loa = _mm512_and_si512(pa, low), hia = _mm512_and_si512(_mm512_srli_epi16(pa, 4), low);
+        __m512i lob = _mm512_and_si512(pb, low), hib = _mm512_and_si512(_mm512_srli_epi16(pb, 4), low);
+        if constexpr (FIFTH) {  // masks per half and chunk: the low nibbles' fifth bits, the high ones'
+          uint64_t m[4];
+          for (int h = 0; h < 2; ++h) std::memcpy(m + 2 * h, wg + GROUP_BYTES + (h * 4 + c) * 16, 16);
+          loa = _mm512_or_si512(loa, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[0]), fifth));
+          hia = _mm512_or_si512(hia, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[1]), fifth));
+          lob = _mm512_or_si512(lob, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[2]), fifth));
+          hib = _mm512_or_si512(hib, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[3]), fifth));
+        }
         for (int r = 0; r < TILE; ++r) {
           const int8_t* xr = xq + r * k + g * GROUP + c * 8;
           const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
@@ -245,12 +265,55 @@ void q6_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
   store_tile<TILE>(acc, y, n, block);
 }
 
+// Q8_0: per group the 32 channels' fp16 d, then the codes + 128 as bytes (vpdpbusd multiplies
+// unsigned by signed bytes): dot(q, xq) = dot(q + 128, xq) - 128 * sum(xq), exact in int32.
+template <int TILE>
+void q8_tile(const uint8_t* w, const Activations& a, const float* xs, const int32_t* sums, const int8_t* xq,
+             float* y, int64_t n, int64_t block) {
+  const int64_t groups = a.groups, k = a.k;
+  __m512 acc[TILE][2];
+  zero_tile<TILE>(acc);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* line = w + g * Q8Layout::stride;
+    const uint8_t* wg = line + 64;
+    prefetch(line, Q8Layout::stride, Q8_PREFETCH);
+    __m512i dot[TILE][2];
+    for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i pa = _mm512_loadu_si512(wg + c * 64);
+      const __m512i pb = _mm512_loadu_si512(wg + GROUP_BYTES + c * 64);
+      for (int r = 0; r < TILE; ++r) {
+        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * k + g * GROUP + c * 4));
+        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], pa, xv);
+        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], pb, xv);
+      }
+    }
+    const at::Half* hd = reinterpret_cast<const at::Half*>(line);
+    const __m512 da = load_half16(hd), db = load_half16(hd + LANES);
+    for (int r = 0; r < TILE; ++r) {
+      const __m512i offset = _mm512_set1_epi32(128 * (sums[r * 2 * groups + 2 * g] + sums[r * 2 * groups + 2 * g + 1]));
+      const __m512 scale = _mm512_set1_ps(xs[r * groups + g]);
+      const __m512 ta = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][0], offset)), da);
+      const __m512 tb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][1], offset)), db);
+      acc[r][0] = _mm512_fmadd_ps(ta, scale, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(tb, scale, acc[r][1]);
+    }
+  }
+  store_tile<TILE>(acc, y, n, block);
+}
+
 using TileFn = void (*)(const uint8_t*, const Activations&, const float*, const int32_t*, const int8_t*, float*,
                        int64_t, int64_t);
-const TileFn Q4_TILES[MAX_TILE + 1] = {nullptr, q4_tile<1>, q4_tile<2>, q4_tile<3>, q4_tile<4>,
-                                       q4_tile<5>, q4_tile<6>, q4_tile<7>, q4_tile<8>};
+const TileFn Q4_TILES[MAX_TILE + 1] = {nullptr, q4_tile<1, false>, q4_tile<2, false>, q4_tile<3, false>,
+                                       q4_tile<4, false>, q4_tile<5, false>, q4_tile<6, false>,
+                                       q4_tile<7, false>, q4_tile<8, false>};
+const TileFn Q5_TILES[MAX_TILE + 1] = {nullptr, q4_tile<1, true>, q4_tile<2, true>, q4_tile<3, true>,
+                                       q4_tile<4, true>, q4_tile<5, true>, q4_tile<6, true>,
+                                       q4_tile<7, true>, q4_tile<8, true>};
 const TileFn Q6_TILES[MAX_TILE + 1] = {nullptr, q6_tile<1>, q6_tile<2>, q6_tile<3>, q6_tile<4>,
                                        q6_tile<5>, q6_tile<6>, q6_tile<7>, q6_tile<8>};
+const TileFn Q8_TILES[MAX_TILE + 1] = {nullptr, q8_tile<1>, q8_tile<2>, q8_tile<3>, q8_tile<4>,
+                                       q8_tile<5>, q8_tile<6>, q8_tile<7>, q8_tile<8>};
 
 // x [M, K] (fp32 or bf16), packed [N/32, block_bytes] uint8, bias [N] fp32 or empty -> [M, N] in x's dtype.
 torch::Tensor run_linear(const TileFn* tiles, int64_t (*block_bytes)(int64_t), const char* name, torch::Tensor x,
@@ -283,13 +346,25 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
   return run_linear(Q4_TILES, Q4Layout::block_bytes, "q4_linear", x, packed, bias);
 }
 
+torch::Tensor q5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  return run_linear(Q5_TILES, Q5Layout::block_bytes, "q5_linear", x, packed, bias);
+}
+
 torch::Tensor q6_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
   return run_linear(Q6_TILES, Q6Layout::block_bytes, "q6_linear", x, packed, bias);
 }
 
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  return run_linear(Q8_TILES, Q8Layout::block_bytes, "q8_linear", x, packed, bias);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &q4_linear, "Q4_K weights x int8 activations (AVX512-VNNI)");
+  mod.def("q5_linear", &q5_linear, "Q5_K weights x int8 activations (AVX512-VNNI)");
   mod.def("q6_linear", &q6_linear, "Q6_K weights x int8 activations (AVX512-VNNI)");
+  mod.def("q8_linear", &q8_linear, "Q8_0 weights x int8 activations (AVX512-VNNI)");
   mod.def("q4_block_bytes", &Q4Layout::block_bytes, "bytes of one Q4_K block of 32 output channels for K/32 groups");
+  mod.def("q5_block_bytes", &Q5Layout::block_bytes, "bytes of one Q5_K block of 32 output channels for K/32 groups");
   mod.def("q6_block_bytes", &Q6Layout::block_bytes, "bytes of one Q6_K block of 32 output channels for K/32 groups");
+  mod.def("q8_block_bytes", &Q8Layout::block_bytes, "bytes of one Q8_0 block of 32 output channels for K/32 groups");
 }
