@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from specwood.models.w4a8 import BLOCK, GROUP, LANES, SUPER, KQuantLinear, from_lanes, to_lanes
+from specwood.models.w4a8 import (BLOCK, GROUP, LANES, SUPER, KQuantLinear, from_lanes, from_stream, pack_nibbles, to_lanes,
+                                  to_stream, unpack_nibbles)
 
 SUB = 16  # inputs per scale code
 HEADER_BYTES = 2 * BLOCK  # a superblock's d, fp16, per channel of a block
 GROUP_STRIDE = 2 * BLOCK + BLOCK * GROUP // 2 + BLOCK * GROUP // 4  # scale codes, low nibbles, top two bits
-SUPER_BYTES = HEADER_BYTES + SUPER * GROUP_STRIDE
 
 
 class Q6Weights(NamedTuple):
@@ -60,14 +60,8 @@ def quantize_q6(w: torch.Tensor) -> Q6Weights:
     return Q6Weights(q, sc, d)
 
 
-def block_bytes(groups: int) -> int:
-    """Bytes of one block of 32 output channels in the kernel's Q6_K layout (pack_q6)."""
-    full, rest = divmod(groups, SUPER)
-    return full * SUPER_BYTES + (HEADER_BYTES + rest * GROUP_STRIDE if rest else 0)
-
-
 def pack_q6(w: Q6Weights) -> torch.Tensor:
-    """Q6Weights -> the kernel's layout, uint8 [N/32, block_bytes(K/32)]: for each block of 32 output
+    """Q6Weights -> the kernel's layout, uint8 [N/32, bytes of a block]: for each block of 32 output
     channels, per superblock a 64-byte header (d of the 32 channels, fp16), then per group of 32
     inputs an 832-byte line: the scale codes of its two sub-blocks (32 channels each), the low
     nibbles as pack_q4 lays them out (512 bytes), and the top two bits (256 bytes: per half of 16
@@ -75,32 +69,21 @@ def pack_q6(w: Q6Weights) -> torch.Tensor:
     tops of chunk 2s's low and high nibbles and of chunk 2s+1's)."""
     n, k = w.codes.shape
     b, g = n // BLOCK, k // GROUP
-    supers = -(-g // SUPER)
-    v = w.codes.reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)  # block, group, half, chunk, channel, j, low/high
-    nibbles = ((v[..., 0] & 0x0F) | ((v[..., 1] & 0x0F) << 4)).reshape(b, g, 512)
     t = (w.codes >> 4).reshape(b, 2, LANES, g, 2, 2, 2, 4).permute(0, 3, 1, 4, 2, 7, 5, 6)  # ..., half, sub, channel, j, cc, low/high
     tops = (t[..., 0, 0] | (t[..., 0, 1] << 2) | (t[..., 1, 0] << 4) | (t[..., 1, 1] << 6)).reshape(b, g, 256)
 
     scale_codes = to_lanes(b, w.sub_scales.view(torch.uint8)).reshape(b, g, 2 * BLOCK)
-    lines = torch.zeros(b, supers * SUPER, GROUP_STRIDE, dtype=torch.uint8)
-    lines[:, :g] = torch.cat([scale_codes, nibbles, tops], -1)
     header = to_lanes(b, w.super_scales.half()).contiguous().view(torch.uint8)
-    stream = torch.cat([header, lines.reshape(b, supers, SUPER * GROUP_STRIDE)], -1).reshape(b, -1)
-    return stream[:, :block_bytes(g)].contiguous()
+    return to_stream(header, torch.cat([scale_codes, pack_nibbles(w.codes), tops], -1))
 
 
 def unpack_q6(packed: torch.Tensor, in_features: int) -> Q6Weights:
     """The inverse of pack_q6."""
     b, g = packed.shape[0], in_features // GROUP
-    supers = -(-g // SUPER)
-    stream = torch.nn.functional.pad(packed, (0, supers * SUPER_BYTES - packed.shape[1])).reshape(b, supers, SUPER_BYTES)
-
-    header = stream[..., :HEADER_BYTES].contiguous().view(torch.float16)  # [b, supers, 32]
-    lines = stream[..., HEADER_BYTES:].reshape(b, supers * SUPER, GROUP_STRIDE)[:, :g]
+    header, lines = from_stream(packed, g, HEADER_BYTES, GROUP_STRIDE)
+    header = header.contiguous().view(torch.float16)  # [b, supers, 32]
     scale_codes = lines[..., :2 * BLOCK].reshape(b, g * 2, BLOCK)
-    raw = lines[..., 2 * BLOCK:2 * BLOCK + 512]
-    low = torch.stack([raw & 0x0F, raw >> 4], -1).reshape(b, g, 2, 4, LANES, 4, 2)
-    low = low.permute(0, 2, 4, 1, 3, 6, 5).reshape(b * BLOCK, in_features)
+    low = unpack_nibbles(lines[..., 2 * BLOCK:2 * BLOCK + 512], in_features)
     packed_tops = lines[..., 2 * BLOCK + 512:].reshape(b, g, 2, 2, LANES, 4)  # block, group, half, sub, channel, j
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
     t = ((packed_tops[..., None] >> shifts) & 3).reshape(b, g, 2, 2, LANES, 4, 2, 2)  # ..., j, cc, low/high

@@ -25,7 +25,6 @@ BLOCK = 32  # output channels per block of the packed layout (two registers)
 SUPER = 8  # groups per superblock (Q4_K: 256 inputs)
 HEADER_BYTES = 2 * BLOCK * 2  # a superblock's d and dmin, fp16, per channel of a block
 GROUP_STRIDE = 2 * BLOCK + BLOCK * GROUP // 2  # a group's scale and minimum codes, then its nibbles
-SUPER_BYTES = HEADER_BYTES + SUPER * GROUP_STRIDE
 KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
 KERNEL = CpuKernel("specwood_kquants_vnni", "kquants_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
                    "the q4 weight mode")
@@ -112,12 +111,6 @@ def quantize_q4(w: torch.Tensor) -> Q4Weights:
     return Q4Weights(q.reshape(n, k), sub_scales, sub_mins, super_scales, super_mins)
 
 
-def block_bytes(groups: int) -> int:
-    """Bytes of one block of 32 output channels in the kernel's layout (pack_q4)."""
-    full, rest = divmod(groups, SUPER)
-    return full * SUPER_BYTES + (HEADER_BYTES + rest * GROUP_STRIDE if rest else 0)
-
-
 def to_lanes(blocks: int, t: torch.Tensor) -> torch.Tensor:
     """Per-channel values [N, X] -> [N/32, X, 32]: each block's 32 channels side by side."""
     return t.reshape(blocks, BLOCK, -1).permute(0, 2, 1)
@@ -146,7 +139,7 @@ def unpack_nibbles(raw: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 def pack_q4(w: Q4Weights) -> torch.Tensor:
-    """Q4Weights -> the kernel's layout, uint8 [N/32, block_bytes(K/32)]: for each block of 32
+    """Q4Weights -> the kernel's layout, uint8 [N/32, bytes of a block]: for each block of 32
     output channels, per superblock a 128-byte header (d of the 32 channels, then dmin, fp16), then
     per group a 576-byte line: the 32 scale codes, the 32 minimum codes, and 512 bytes of nibbles
     (pack_nibbles)."""
