@@ -118,6 +118,20 @@ def test_the_shipped_drafts_q5_0_and_q8_0_tensors_are_ggmls_values():
     assert seen == {Q.Q5_0, Q.Q8_0}
 
 
+@pytest.mark.parametrize("qtype,read", [(Q.Q5_K, _q5k_parts), (Q.Q8_0, _q8_0_parts), (Q.Q5_0, _q5_0_parts)])
+def test_token_tables_keep_the_files_values(qtype, read):
+    """A token table of any of these types is kept as stored and dequantised row by row on lookup
+    (the shipped draft's table is Q5_0, its head Q8_0)."""
+    from specwood.models.w4a8 import QuantEmbedding
+
+    raw = random_blocks(qtype, 300, 256, seed=7)
+    table = QuantEmbedding(read(torch.from_numpy(raw.copy()).reshape(-1), 300), torch.float32)
+    expected = torch.from_numpy(ggml_dequantize(raw, qtype).astype(np.float32))
+    ids = torch.tensor([[0, 299, 17], [5, 5, 123]])
+    assert torch.equal(table(ids), expected[ids])
+    assert table.packed.dtype in (torch.uint8, torch.int8) and table.packed.numel() == 300 * 256  # a byte a code
+
+
 def every_type_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A q4 model whose linears come in every type the kernels run: q and k Q4_K, v Q6_K (a mixed
     fused qkv), o Q8_0, gate and up Q5_K, down Q8_0."""

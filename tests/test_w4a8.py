@@ -11,7 +11,7 @@ from torch import nn
 
 from specwood.engine.api import Engine
 from specwood.models.transformer import Int8Linear, build_model
-from specwood.models.w4a8 import (GROUP, Q4Embedding, Q4Linear, pack_q4, q4_unavailable_reason, quantize_q4,
+from specwood.models.w4a8 import (GROUP, QuantEmbedding, Q4Linear, pack_q4, q4_unavailable_reason, quantize_q4,
                                   unpack_q4)
 
 pytestmark = pytest.mark.skipif(q4_unavailable_reason() is not None, reason=str(q4_unavailable_reason()))
@@ -122,7 +122,7 @@ def test_q4_values_are_llamacpp_values_on_the_shipped_file():
         assert torch.equal(mine, ref), gname
         assert torch.equal(Q4Linear(exact[cname]).weight, ref), gname
     # the token table is Q4_K in this file too: kept as codes, rows dequantised on lookup
-    table = Q4Embedding(kquant_weights(path, range(0))["tok_embeddings.weight"], torch.float32)
+    table = QuantEmbedding(kquant_weights(path, range(0))["tok_embeddings.weight"], torch.float32)
     ids = torch.tensor([[0, 151643, 17]])
     rows = table(ids)[0]
     ref = dequantize_tensor(mm, header.tensors["token_embd.weight"], torch.float32)[ids[0]]
@@ -171,8 +171,8 @@ def test_load_q4_mode(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):
     engine = specwood.load(files.gguf, files.gguf, dtype="q4-lite", draft_dtype="q4-lite", progress=False)
     assert engine.target.weight_mode == "q4-lite" and engine.draft_model.weight_mode == "q4-lite"
     # an F32 token table is no Q4_K one: the target keeps it in floats; a draft stores it in 4 bits
-    assert not isinstance(engine.target.tok_embeddings, Q4Embedding)
-    assert isinstance(engine.draft_model.tok_embeddings, Q4Embedding)
+    assert not isinstance(engine.target.tok_embeddings, QuantEmbedding)
+    assert isinstance(engine.draft_model.tok_embeddings, QuantEmbedding)
     ids = [3, 4, 5, 6]
     assert engine.generate(ids, max_tokens=6, method="dyspec").token_ids == engine.generate(ids, max_tokens=6).token_ids
     with pytest.raises(specwood.SpecwoodError, match="runs on the CPU|CUDA is not available"):

@@ -515,14 +515,14 @@ class Transformer(nn.Module):
         `exact` maps canonical weight names to a GGUF file's quantised values (Q4_K, Q5_K, Q6_K
         and Q8_0; Q4_0 and Q5_0 in Q8_0's form, gguf_loader.kquant_weights): a linear
         whose parts are all there runs them as the file stores them (a fused linear whose parts
-        differ in type runs as a StackedLinear), and a Q4_K token table becomes a Q4Embedding. The
+        differ in type runs as a StackedLinear), and such a token table becomes a QuantEmbedding. The
         others stay in floats, in the model's dtype, and their names are returned so the loader can
         say so: never silently coarser than the file. With `lite` (q4-lite, and drafts) they are
         quantised to 4 bits from their floats instead, and with `embeddings` any token table is
         stored in 4 bits: faster, lossier (BENCHMARKS.md, fidelity)."""
         from specwood.models.q6k import Q6Linear, Q6Weights
         from specwood.models.q8_0 import Q8Linear, Q8Weights
-        from specwood.models.w4a8 import (GROUP, Q4Embedding, Q4Linear, Q4Weights, Q5Linear, Q5Weights, StackedLinear,
+        from specwood.models.w4a8 import (GROUP, Q4Linear, Q4Weights, Q5Linear, Q5Weights, QuantEmbedding, StackedLinear,
                                           quantize_q4)
 
         self.q4_lite = lite
@@ -539,10 +539,10 @@ class Transformer(nn.Module):
         if self.output is not None:
             tied = self.config.tie_embeddings and "output.weight" not in exact
             targets.append((self, "output", ["tok_embeddings.weight" if tied else "output.weight"]))
-        if self.tok_embeddings is not None and type(exact.get("tok_embeddings.weight")) is Q4Weights:
-            self.tok_embeddings = Q4Embedding(exact["tok_embeddings.weight"], self.dtype)  # kept exactly
+        if self.tok_embeddings is not None and exact.get("tok_embeddings.weight") is not None:
+            self.tok_embeddings = QuantEmbedding(exact["tok_embeddings.weight"], self.dtype)  # kept exactly
         elif self.tok_embeddings is not None and embeddings and self.config.dim % GROUP == 0:
-            self.tok_embeddings = Q4Embedding(quantize_q4(self.tok_embeddings.weight.data), self.dtype)
+            self.tok_embeddings = QuantEmbedding(quantize_q4(self.tok_embeddings.weight.data), self.dtype)
         in_floats = []
         for owner, attr, names in targets:
             child = getattr(owner, attr)

@@ -313,25 +313,31 @@ class StackedLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], -1)
 
 
-class Q4Embedding(nn.Module):
-    """A token embedding kept in 4 bits (Q4Weights; a GGUF's Q4_K `token_embd`, exactly): a step
-    looks up a few rows and dequantises only those. Under a third of the bf16 table's memory
-    (151,936 x 1,536 for the default target: 135 against 467 MB)."""
+class QuantEmbedding(nn.Module):
+    """A token embedding kept as the file stores it (any of our kernels' weight types: a GGUF's
+    Q4_K, Q5_K, Q6_K or Q8_0 `token_embd`, exactly; a Q4_K table's codes two to a byte): a step
+    looks up a few rows and dequantises only those. The default target's Q4_K table (151,936 x
+    1,536) takes 135 MB against bf16's 467."""
 
-    def __init__(self, weights: Q4Weights, dtype: torch.dtype):
+    def __init__(self, weights: Any, dtype: torch.dtype):
         super().__init__()
+        self.kind = type(weights)
+        self.nibbles = self.kind is Q4Weights  # 4-bit codes: two to a byte
         codes = weights.codes
         self.num_embeddings, self.embedding_dim = codes.shape
         self.dtype = dtype
-        self.register_buffer("packed", codes[:, 0::2] | (codes[:, 1::2] << 4), persistent=False)
-        for name in ("sub_scales", "sub_mins", "super_scales", "super_mins"):
+        self.register_buffer("packed", codes[:, 0::2] | (codes[:, 1::2] << 4) if self.nibbles else codes,
+                             persistent=False)
+        self.fields = weights._fields[1:]  # the per-row scales: indexed like the codes
+        for name in self.fields:
             self.register_buffer(name, getattr(weights, name), persistent=False)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        packed = self.packed[ids].reshape(-1, self.embedding_dim // 2)
-        codes = torch.stack([packed & 0x0F, packed >> 4], -1).reshape(-1, self.embedding_dim)
-        rows = Q4Weights(codes, *(getattr(self, name)[ids].reshape(codes.shape[0], -1)
-                                  for name in ("sub_scales", "sub_mins", "super_scales", "super_mins")))
+        flat = ids.reshape(-1)
+        codes = self.packed[flat]
+        if self.nibbles:
+            codes = torch.stack([codes & 0x0F, codes >> 4], -1).reshape(-1, self.embedding_dim)
+        rows = self.kind(codes, *(getattr(self, name)[flat] for name in self.fields))
         return rows.dequantize().reshape(*ids.shape, self.embedding_dim)
 
     @property
