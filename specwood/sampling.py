@@ -13,6 +13,9 @@ import torch
 from specwood.errors import SamplingParamsError
 
 
+SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes seeds below this
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax)
@@ -28,8 +31,8 @@ class SamplingParams:
             raise SamplingParamsError(f"top_k must be an integer >= 0 (0 = off), got {k}")
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise SamplingParamsError(f"seed must be a non-negative integer, got {self.seed}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT):
+            raise SamplingParamsError(f"seed must be an integer in [0, 2**64), got {self.seed}")  # torch's range
 
     @property
     def greedy(self) -> bool:

@@ -76,6 +76,7 @@ def test_chat_template_is_applied_by_default(tiny_engine):
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(seed=-1), "seed"),
+    (dict(seed=2 ** 64), "seed"),  # beyond torch.Generator's seeds
 ])
 def test_invalid_sampling_params(tiny_engine, kwargs, match):
     with pytest.raises(SamplingParamsError, match=match):

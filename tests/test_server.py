@@ -407,6 +407,10 @@ BAD_INPUTS = [
     ("chat", {"messages": CHATS[0], "stop": ["a", 1]}, "stop"),
     ("chat", {"messages": CHATS[0], "stream": "yes"}, "stream"),
     ("chat", {"messages": CHATS[0], "seed": "7"}, "seed"),
+    ("chat", {"messages": CHATS[0], "seed": 2 ** 64}, "seed"),  # beyond torch's seeds: was a 500
+    ("chat", {"messages": CHATS[0], "seed": -1}, "seed"),
+    ("chat", b"[" * 10_000 + b"]" * 10_000, None),  # 10,000 levels of nesting: was a RecursionError, a 500
+    ("chat", b'{"messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", None),
     ("chat", {"messages": CHATS[0], "max_tokens": 0}, "max_tokens"),
     ("chat", {"messages": CHATS[0], "max_tokens": -3}, "max_tokens"),
     ("chat", {"messages": CHATS[0], "max_completion_tokens": 0}, "max_completion_tokens"),
@@ -438,7 +442,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("kind,body,param", BAD_INPUTS)
+@pytest.mark.parametrize("kind,body,param", BAD_INPUTS, ids=[f"{i}-{k}-{p}" for i, (k, _, p) in enumerate(BAD_INPUTS)])
 def test_bad_input_gives_400_and_the_server_goes_on(http, kind, body, param):
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     if isinstance(body, bytes):

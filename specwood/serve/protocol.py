@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from specwood.sampling import SEED_LIMIT
+
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                500: "server_error", 503: "service_unavailable_error"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -77,6 +79,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested deeper than Python's recursion limit
+        raise ProtocolError("the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, not {_json_type(body)}")
     return body
@@ -121,7 +125,7 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
         req.top_p = p
     k = _opt_int(body, "top_k", minimum=-1)  # vLLM's extension; -1 (or 0) = off
     req.top_k = 0 if k is None or k < 0 else k
-    req.seed = _opt_int(body, "seed")
+    req.seed = _opt_int(body, "seed", minimum=0, maximum=SEED_LIMIT - 1)
     req.stop = _parse_stop(body.get("stop"))
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -280,7 +284,7 @@ def _opt_number(body: dict[str, Any], name: str) -> float | None:
     return float(v)
 
 
-def _opt_int(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+def _opt_int(body: dict[str, Any], name: str, minimum: int | None = None, maximum: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
@@ -290,6 +294,8 @@ def _opt_int(body: dict[str, Any], name: str, minimum: int | None = None) -> int
         raise _type_error(name, "an integer", v)
     if minimum is not None and v < minimum:
         raise ProtocolError(f"{name} must be >= {minimum}, got {v}", param=name)
+    if maximum is not None and v > maximum:
+        raise ProtocolError(f"{name} must be <= {maximum}, got {v}", param=name)
     return v
 
 
