@@ -223,7 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         args.method, pipeline = check_serve_args(args)
     need_draft = needs_draft(f"{args.method}@pipeline" if pipeline else args.method)
-    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
+    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
+                        ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
             raise SpecwoodError(f"{flag} must be >= 1, got {value}")
     if args.max_context is None:
@@ -247,7 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             planner = start_background_plan(args, engine)
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
               max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor,
-              background=planner)
+              background=planner, max_body_bytes=args.max_body_bytes)
     finally:
         sock.close()
         if planner is not None and planner.poll() is None:
@@ -320,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot before new ones get 503 (default 64)")
+    s.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
+                   help="largest request body accepted; larger ones get 413 (default 2 MiB)")
     add_executor_args(s, pipeline=True)
     s.add_argument("--no-plan-in-background", dest="plan_in_background", action="store_false",
                    help="with --method auto and no measured plan, do not measure one in a niced child process "

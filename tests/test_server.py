@@ -405,6 +405,9 @@ BAD_INPUTS = [
     ("chat", {"messages": CHATS[0], "max_tokens": "5"}, "max_tokens"),
     ("chat", {"messages": CHATS[0], "stop": 5}, "stop"),
     ("chat", {"messages": CHATS[0], "stop": ["a", 1]}, "stop"),
+    ("chat", {"messages": CHATS[0], "stop": [f"s{i}" for i in range(17)]}, "stop"),  # at most 16
+    ("chat", {"messages": CHATS[0], "stop": "x" * 513}, "stop"),  # of at most 512 characters
+    ("chat", {"messages": CHATS[0], "stop": [chr(97 + i) * 512 for i in range(16)]}, "OK-JSON"),  # the limits themselves
     ("chat", {"messages": CHATS[0], "stream": "yes"}, "stream"),
     ("chat", {"messages": CHATS[0], "seed": "7"}, "seed"),
     ("chat", {"messages": CHATS[0], "seed": 2 ** 64}, "seed"),  # beyond torch's seeds: was a 500
@@ -452,8 +455,26 @@ def test_bad_input_gives_400_and_the_server_goes_on(http, kind, body, param):
     if param == "OK":  # the control: a valid streaming request with another method
         assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
         return
+    if param == "OK-JSON":  # a valid request at a limit
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        return
     assert_openai_error(r, 400, param)
     assert http.get("/health").status_code == 200
+
+
+def test_a_body_over_the_limit_gets_413_and_the_server_goes_on(http):
+    """--max-body-bytes (default 2 MiB): a 10 MB body is refused with an OpenAI-style 413 whether it
+    declares its length or streams it in chunks, and nothing of it is kept."""
+    big = b'{"prompt": "' + b"a" * 10_000_000 + b'"}'
+    r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert_openai_error(r, 413, None)
+    assert "limit" in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions", content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
+                  headers={"content-type": "application/json"})  # chunked: no Content-Length
+    assert_openai_error(r, 413, None)
+    assert http.get("/health").status_code == 200
+    ok = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_bad_input_through_the_openai_client(client):

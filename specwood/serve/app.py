@@ -115,11 +115,12 @@ class _Job:
 
 
 def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", options: dict[str, Any] | None = None,
-               model_name: str | None = None) -> FastAPI:
+               model_name: str | None = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine` through `scheduler` (started and stopped by the app's
     lifespan; a scheduler already started is left running until the app stops). `method`
     (with `options`) is the default method, prepared now; a request may name another with the
-    non-standard body field "method". Raises SpecwoodError for a bad default method."""
+    non-standard body field "method"; a body over `max_body_bytes` gets a 413. Raises SpecwoodError
+    for a bad default method."""
     # the context a request may use: the engine's, or less where the scheduler's rows are shorter
     tree_room = int(getattr(scheduler, "tree_room", TREE_ROOM))
     max_context = min(int(engine.max_context), int(scheduler.row_len) - tree_room)
@@ -212,7 +213,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
 
     async def _generate(http: HTTPRequest, kind: str) -> Response:
         arrival = time.perf_counter()
-        body = P.parse_json(await http.body())
+        body = P.parse_json(await _read_body(http, max_body_bytes))
         g = P.parse_chat_request(body) if kind == "chat" else P.parse_completion_request(body)
         if g.model is not None and g.model != name:
             raise ProtocolError(f"the model '{g.model}' does not exist; this server serves '{name}'", param="model",
@@ -355,6 +356,24 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     return app
 
 
+async def _read_body(http: HTTPRequest, limit: int) -> bytes:
+    """The request body, or a 413 once it exceeds `limit` bytes (by its Content-Length or as it
+    arrives). The rest of a body that is too large is read and dropped, never held, so the client
+    gets the 413 instead of a reset connection."""
+    declared = http.headers.get("content-length", "")
+    too_large = declared.isdigit() and int(declared) > limit
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        too_large = too_large or size > limit
+        if not too_large:
+            chunks.append(chunk)
+    if too_large:
+        raise P.ProtocolError(f"the request body exceeds this server's limit of {limit} bytes (--max-body-bytes)",
+                              code="request_too_large", status=413)
+    return b"".join(chunks)
+
+
 async def _until_disconnect(http: HTTPRequest) -> None:
     """Returns when the client has gone away (the body was read already: nothing else arrives)."""
     while True:
@@ -460,7 +479,7 @@ def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64) -> S
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
           options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
           sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None,
-          background: Any = None) -> None:
+          background: Any = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES) -> None:
     """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line.
     executor: a ParallelExecutor to serve on (DuoDecoding, lock-step batches), a PipelineExecutor
     (SpecPipe-DB, requests joining and leaving between pipeline steps), or None for the
@@ -480,7 +499,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
         scheduler = ParallelScheduler(executor, max_batch=max_batch, max_queue=max_queue)
     else:
         scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
-    app = create_app(engine, scheduler, method=method, options=options)
+    app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes)
     if background is not None:
         pause_while_busy(background, scheduler)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,

@@ -22,6 +22,11 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of the legacy endpoint
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # a request body larger than this is a 413
+
+
 class ProtocolError(Exception):
     """A request the server answers with an OpenAI-style error (400 unless told otherwise)."""
 
@@ -214,10 +219,18 @@ def _parse_stop(stop: Any) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop] if stop else []
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return [s for s in stop if s]
-    raise _type_error("stop", "a string or an array of strings", stop)
+        stop = [stop]
+    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise _type_error("stop", "a string or an array of strings", stop)
+    # every stop string is checked against the text at every step: bounded, so one request cannot
+    # slow everyone's steps
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ProtocolError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ProtocolError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}",
+                            param="stop")
+    return [s for s in stop if s]
 
 
 # name -> the neutral values it may take (anything else is a 400: the engine cannot honour it)
