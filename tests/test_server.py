@@ -477,6 +477,44 @@ def test_a_body_over_the_limit_gets_413_and_the_server_goes_on(http):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_health_answers_while_a_prompt_is_being_tokenised(server, engine, monkeypatch):
+    """Parsing, the chat template and tokenisation run off the event loop: while one request's
+    prompt is held in tokenisation, /health and other requests are answered (were they on the
+    loop, /health would wait for it and time out)."""
+    import asyncio
+
+    entered, release, on_loop = threading.Event(), threading.Event(), []
+    original = engine.encode
+
+    def held_encode(*args: Any, **kwargs: Any) -> list[int]:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            pass
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "encode", held_encode)
+    result: dict[str, Any] = {}
+    body = {"messages": [{"role": "user", "content": "word " * 20}], "max_tokens": 2}
+    slow = threading.Thread(target=lambda: result.update(r=httpx.post(server.url + "/v1/chat/completions", json=body,
+                                                                      timeout=60, trust_env=False)))
+    slow.start()
+    try:
+        assert entered.wait(30)
+        assert httpx.get(server.url + "/health", timeout=10, trust_env=False).status_code == 200
+        other = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=30,
+                           trust_env=False)
+        assert other.status_code == 200, other.text
+    finally:
+        release.set()
+        slow.join(60)
+    assert result["r"].status_code == 200 and not on_loop, result["r"].text
+
+
 def test_bad_input_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=CHATS[0], n=2)

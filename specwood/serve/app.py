@@ -213,14 +213,16 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
 
     async def _generate(http: HTTPRequest, kind: str) -> Response:
         arrival = time.perf_counter()
-        body = P.parse_json(await _read_body(http, max_body_bytes))
-        g = P.parse_chat_request(body) if kind == "chat" else P.parse_completion_request(body)
+        raw = await _read_body(http, max_body_bytes)
+        # parsing, the chat template and tokenisation take a while for a large body: off the event
+        # loop, so /health and every stream go on meanwhile
+        body, g = await asyncio.to_thread(_parse, raw, kind)
         if g.model is not None and g.model != name:
             raise ProtocolError(f"the model '{g.model}' does not exist; this server serves '{name}'", param="model",
                                 code="model_not_found")
         found = methods.cached(g.method)
         method_name, prepared = found if found is not None else await asyncio.to_thread(methods.prepare, g.method)
-        prompt_ids = _encode(g)
+        prompt_ids = await asyncio.to_thread(_encode, g)
         max_tokens = g.max_tokens
         room = max_context - len(prompt_ids)
         if max_tokens is None:
@@ -262,6 +264,10 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             return StreamingResponse(_stream(http, g, kind, rid, req, job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _complete(http, kind, rid, req, job)
+
+    def _parse(raw: bytes, kind: str) -> tuple[dict[str, Any], GenerationRequest]:
+        body = P.parse_json(raw)
+        return body, (P.parse_chat_request(body) if kind == "chat" else P.parse_completion_request(body))
 
     def _encode(g: GenerationRequest) -> list[int]:
         if isinstance(g.prompt, list) and (not g.prompt or isinstance(g.prompt[0], int)):
