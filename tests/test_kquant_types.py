@@ -9,13 +9,13 @@ import torch
 from conftest import assert_every_method_matches_ar
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as ggml_dequantize
+from test_q6k import stored_copy
 from test_w4a8 import assert_rows_independent, reference
 
 from specwood.engine.api import Engine
 from specwood.models.gguf_loader import _q4_0_parts, _q5_0_parts, _q5k_parts, _q8_0_parts
 from specwood.models.q6k import Q6Linear, quantize_q6
 from specwood.models.q8_0 import Q8Linear, Q8Weights, pack_q8, quantize_q8, unpack_q8
-from specwood.models.transformer import build_model
 from specwood.models.w4a8 import (Q4Linear, Q5Linear, Q5Weights, StackedLinear, pack_q5, q4_unavailable_reason,
                                   quantize_q4, unpack_q5)
 
@@ -135,22 +135,17 @@ def test_token_tables_keep_the_files_values(qtype, read):
 def every_type_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A q4 model whose linears come in every type the kernels run: q and k Q4_K, v Q6_K (a mixed
     fused qkv), o Q8_0, gate and up Q5_K, down Q8_0."""
-    exact = {}
-    for name, w in model.canonical_state_dict().items():
-        if not (w.dim() == 2 and name.startswith("layers.")):
-            continue
+    def quantise(name: str, w: torch.Tensor) -> object:
         if name.endswith("attention.wv.weight"):
-            exact[name] = quantize_q6(w)
-        elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            exact[name] = quantize_q8(w)
-        elif name.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight")):
+            return quantize_q6(w)
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return quantize_q8(w)
+        if name.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight")):
             q = quantize_q4(w)
-            exact[name] = Q5Weights(q.codes * 2, q.sub_scales, q.sub_mins, (q.super_scales.float() / 2).half(),
-                                    q.super_mins)
-        else:
-            exact[name] = quantize_q4(w)
-    return build_model(model.config, model.canonical_state_dict(), torch.float32,
-                       max_positions=model.max_positions, q4=True, q4_exact=exact)
+            return Q5Weights(q.codes * 2, q.sub_scales, q.sub_mins, (q.super_scales.float() / 2).half(), q.super_mins)
+        return quantize_q4(w)
+
+    return stored_copy(model, quantise)
 
 
 def test_every_type_runs_as_stored_and_every_method_matches_ar(tiny_pair, tiny_tokenizer):

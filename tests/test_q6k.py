@@ -1,6 +1,8 @@
 """Q6_K weights on our kernel: the kernel equals its reference, rows are independent of the batch,
 the shipped file's Q6_K values are ggml's bit for bit, and a model whose fused linears mix Q4_K
 and Q6_K parts (as Q4_K_M files do) stays token-identical to `ar` for every method."""
+from typing import Any, Callable
+
 import pytest
 import torch
 from conftest import assert_every_method_matches_ar
@@ -98,17 +100,19 @@ def test_q6_values_are_llamacpp_values_on_the_shipped_file():
         assert torch.allclose(ours, quantized_activations(x) @ ref.double().t(), rtol=1e-5, atol=1e-4), gname
 
 
+def stored_copy(model: torch.nn.Module, quantise: Callable[[str, torch.Tensor], Any]) -> torch.nn.Module:
+    """A q4 model whose layers' linears hold `quantise(name, weight)` as a GGUF file's values."""
+    exact = {name: quantise(name, w) for name, w in model.canonical_state_dict().items()
+             if w.dim() == 2 and name.startswith("layers.")}
+    return build_model(model.config, model.canonical_state_dict(), torch.float32,
+                       max_positions=model.max_positions, q4=True, q4_exact=exact)
+
+
 def exact_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A q4 model as a Q4_K_M file gives it: q, k, gate, up and o in Q4_K, v and down in Q6_K
     (so each layer's fused qkv mixes the two types)."""
-    exact = {}
-    for name, w in model.canonical_state_dict().items():
-        if name.endswith(("attention.wv.weight", "feed_forward.w2.weight")):
-            exact[name] = quantize_q6(w)
-        elif w.dim() == 2 and name.startswith("layers."):
-            exact[name] = quantize_q4(w)
-    return build_model(model.config, model.canonical_state_dict(), torch.float32,
-                       max_positions=model.max_positions, q4=True, q4_exact=exact)
+    return stored_copy(model, lambda name, w: quantize_q6(w) if name.endswith(
+        ("attention.wv.weight", "feed_forward.w2.weight")) else quantize_q4(w))
 
 
 def test_mixed_types_run_as_stored_and_every_method_matches_ar(tiny_pair, tiny_tokenizer):

@@ -359,11 +359,11 @@ def _dq_q8_0(b: torch.Tensor) -> torch.Tensor:
     return q.mul_(_f16(b[:, :2]))
 
 
-def _unpack_32(b: torch.Tensor, offset: int) -> torch.Tensor:
-    """Q4_0/Q5_0 nibbles of 16 bytes -> float32 [n, 32]: low nibbles are elements 0..15, high 16..31."""
+def _unpack_32(b: torch.Tensor, offset: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Q4_0/Q5_0 nibbles of 16 bytes -> [n, 32]: low nibbles are elements 0..15, high 16..31."""
     n = b.shape[0]
     qs = b[:, offset:offset + 16].reshape(n, 1, 16)
-    q = torch.empty(n, 2, 16)
+    q = torch.empty(n, 2, 16, dtype=dtype)
     q[:, 0:1] = qs & 0x0F
     q[:, 1:2] = qs >> 4
     return q.view(n, 32)
@@ -624,12 +624,16 @@ def _q6k_codes(b: torch.Tensor) -> torch.Tensor:
     return (q.view(n, 8, 32) | (qh << 4)).view(n, 256)
 
 
+def _f16_rows(b: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each block's fp16 factor (2 bytes of b), as stored, laid out [rows, blocks a row]."""
+    return b.contiguous().view(torch.float16).reshape(rows, -1)
+
+
 def _q4k_parts(blocks: torch.Tensor, rows: int) -> Q4Weights:
     blocks = blocks.reshape(-1, 144)
     sc, mn = _k_scale_min(blocks[:, 4:16])
     return Q4Weights(_unpack_k_nibbles(blocks[:, 16:], torch.uint8).reshape(rows, -1), sc.reshape(rows, -1),
-                     mn.reshape(rows, -1), blocks[:, 0:2].contiguous().view(torch.float16).reshape(rows, -1),
-                     blocks[:, 2:4].contiguous().view(torch.float16).reshape(rows, -1))
+                     mn.reshape(rows, -1), _f16_rows(blocks[:, 0:2], rows), _f16_rows(blocks[:, 2:4], rows))
 
 
 def _q5k_parts(blocks: torch.Tensor, rows: int) -> Q5Weights:
@@ -640,35 +644,34 @@ def _q5k_parts(blocks: torch.Tensor, rows: int) -> Q5Weights:
     fifth = (blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 1  # bit j of byte i: sub-block j, element i
     codes = _unpack_k_nibbles(blocks[:, 48:], torch.uint8) | (fifth << 4)
     return Q5Weights(codes.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1),
-                     blocks[:, 0:2].contiguous().view(torch.float16).reshape(rows, -1),
-                     blocks[:, 2:4].contiguous().view(torch.float16).reshape(rows, -1))
+                     _f16_rows(blocks[:, 0:2], rows), _f16_rows(blocks[:, 2:4], rows))
 
 
 def _q8_0_parts(blocks: torch.Tensor, rows: int) -> Q8Weights:
     blocks = blocks.reshape(-1, 34)
     return Q8Weights(blocks[:, 2:].contiguous().view(torch.int8).reshape(rows, -1),
-                     blocks[:, :2].contiguous().view(torch.float16).reshape(rows, -1))
+                     _f16_rows(blocks[:, :2], rows))
 
 
 def _q4_0_parts(blocks: torch.Tensor, rows: int) -> Q8Weights:
     blocks = blocks.reshape(-1, 18)
-    codes = torch.cat([blocks[:, 2:] & 0x0F, blocks[:, 2:] >> 4], -1)  # low nibbles: elements 0..15
-    return from_offset_codes(codes.reshape(rows, -1), 8, blocks[:, :2].contiguous().view(torch.float16).reshape(rows, -1))
+    codes = _unpack_32(blocks, 2, torch.uint8)
+    return from_offset_codes(codes.reshape(rows, -1), 8, _f16_rows(blocks[:, :2], rows))
 
 
 def _q5_0_parts(blocks: torch.Tensor, rows: int) -> Q8Weights:
     blocks = blocks.reshape(-1, 22)
     n = blocks.shape[0]
     fifth = ((blocks[:, 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(n, 32)  # bit i of a uint32
-    codes = torch.cat([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], -1) | (fifth << 4)
-    return from_offset_codes(codes.reshape(rows, -1), 16, blocks[:, :2].contiguous().view(torch.float16).reshape(rows, -1))
+    codes = _unpack_32(blocks, 6, torch.uint8) | (fifth << 4)
+    return from_offset_codes(codes.reshape(rows, -1), 16, _f16_rows(blocks[:, :2], rows))
 
 
 def _q6k_parts(blocks: torch.Tensor, rows: int) -> Q6Weights:
     blocks = blocks.reshape(-1, 210)
     return Q6Weights(_q6k_codes(blocks).reshape(rows, -1),
                      blocks[:, 192:208].contiguous().view(torch.int8).reshape(rows, -1),
-                     blocks[:, 208:210].contiguous().view(torch.float16).reshape(rows, -1))
+                     _f16_rows(blocks[:, 208:210], rows))
 
 
 def kquant_weights(path: str | os.PathLike[str], layers: range | None = None) -> dict[str, KQuantWeights]:

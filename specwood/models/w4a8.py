@@ -143,11 +143,16 @@ def pack_q4(w: Q4Weights) -> torch.Tensor:
     output channels, per superblock a 128-byte header (d of the 32 channels, then dmin, fp16), then
     per group a 576-byte line: the 32 scale codes, the 32 minimum codes, and 512 bytes of nibbles
     (pack_nibbles)."""
+    return _pack_k(w)
+
+
+def _pack_k(w: Q4Weights, *more: torch.Tensor) -> torch.Tensor:
+    """Q4_K's layout (pack_q4), each group's line followed by `more` bytes [N/32, K/32, X]."""
     b = w.codes.shape[0] // BLOCK
-    nibbles = pack_nibbles(w.codes)
     header = torch.cat([to_lanes(b, w.super_scales.half()).contiguous().view(torch.uint8),
                         to_lanes(b, w.super_mins.half()).contiguous().view(torch.uint8)], -1)
-    return to_stream(header, torch.cat([to_lanes(b, w.sub_scales), to_lanes(b, w.sub_mins), nibbles], -1))
+    return to_stream(header, torch.cat([to_lanes(b, w.sub_scales), to_lanes(b, w.sub_mins), pack_nibbles(w.codes),
+                                        *more], -1))
 
 
 def to_stream(header: torch.Tensor, lines: torch.Tensor) -> torch.Tensor:
@@ -175,12 +180,17 @@ def from_stream(packed: torch.Tensor, groups: int, header_bytes: int, stride: in
 
 def unpack_q4(packed: torch.Tensor, in_features: int) -> Q4Weights:
     """The inverse of pack_q4."""
+    return _unpack_k(packed, in_features, GROUP_STRIDE)[0]
+
+
+def _unpack_k(packed: torch.Tensor, in_features: int, stride: int) -> tuple[Q4Weights, torch.Tensor]:
+    """The inverse of _pack_k: (the Q4_K values with the codes' low 4 bits, the lines' `more` bytes)."""
     b, g = packed.shape[0], in_features // GROUP
-    header, lines = from_stream(packed, g, HEADER_BYTES, GROUP_STRIDE)
+    header, lines = from_stream(packed, g, HEADER_BYTES, stride)
     header = header.contiguous().view(torch.float16)  # [b, supers, 64]
     codes = unpack_nibbles(lines[..., 2 * BLOCK:2 * BLOCK + 512], in_features)
     return Q4Weights(codes, from_lanes(b, lines[..., :BLOCK]), from_lanes(b, lines[..., BLOCK:2 * BLOCK]),
-                     from_lanes(b, header[..., :BLOCK]), from_lanes(b, header[..., BLOCK:]))
+                     from_lanes(b, header[..., :BLOCK]), from_lanes(b, header[..., BLOCK:])), lines[..., GROUP_STRIDE:]
 
 
 class KQuantLinear(nn.Module):
@@ -267,24 +277,16 @@ def pack_fifth_bits(codes: torch.Tensor) -> torch.Tensor:
 def pack_q5(w: Q5Weights) -> torch.Tensor:
     """Q5Weights -> the kernel's layout: pack_q4's, with the 128 bytes of pack_fifth_bits after
     each group's nibbles (5.625 bits a weight, Q5_K's own size)."""
-    b = w.codes.shape[0] // BLOCK
-    header = torch.cat([to_lanes(b, w.super_scales.half()).contiguous().view(torch.uint8),
-                        to_lanes(b, w.super_mins.half()).contiguous().view(torch.uint8)], -1)
-    return to_stream(header, torch.cat([to_lanes(b, w.sub_scales), to_lanes(b, w.sub_mins), pack_nibbles(w.codes),
-                                        pack_fifth_bits(w.codes)], -1))
+    return _pack_k(w, pack_fifth_bits(w.codes))
 
 
 def unpack_q5(packed: torch.Tensor, in_features: int) -> Q5Weights:
     """The inverse of pack_q5."""
+    low, masks = _unpack_k(packed, in_features, Q5_GROUP_STRIDE)
     b, g = packed.shape[0], in_features // GROUP
-    header, lines = from_stream(packed, g, HEADER_BYTES, Q5_GROUP_STRIDE)
-    header = header.contiguous().view(torch.float16)
-    low = unpack_nibbles(lines[..., 2 * BLOCK:2 * BLOCK + 512], in_features)
-    masks = lines[..., 2 * BLOCK + 512:]
     bits = ((masks[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(b, g, 2, 4, 2, LANES, 4)
     fifth = bits.permute(0, 2, 5, 1, 3, 4, 6).reshape(b * BLOCK, in_features)
-    return Q5Weights(low | (fifth << 4), from_lanes(b, lines[..., :BLOCK]), from_lanes(b, lines[..., BLOCK:2 * BLOCK]),
-                     from_lanes(b, header[..., :BLOCK]), from_lanes(b, header[..., BLOCK:]))
+    return Q5Weights(low.codes | (fifth << 4), *low[1:])
 
 
 class Q5Linear(KQuantLinear):

@@ -137,6 +137,16 @@ inline void store_tile(const __m512 (&acc)[TILE][2], float* y, int64_t n, int64_
   }
 }
 
+// One row's integer dots of a block's two registers, closed: acc += xs * (d * (dot - offset)), the
+// offset being the codes' bias times the activations' code sum (Q6_K's -32, Q8_0's +128).
+inline void add_offset_dot(__m512 (&acc)[2], const __m512i (&dot)[2], int32_t offset, __m512 da, __m512 db,
+                           float xs) {
+  const __m512i off = _mm512_set1_epi32(offset);
+  const __m512 scale = _mm512_set1_ps(xs);
+  acc[0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[0], off)), da), scale, acc[0]);
+  acc[1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[1], off)), db), scale, acc[1]);
+}
+
 // Q4_K (and Q5_K, FIFTH): one block of 32 output channels (two registers of 16) for TILE rows.
 // d * sc is exact in fp32 (11 by 6 bits), so the weights are exactly the file's. Q5_K's fifth
 // bits come as one 64-bit mask per vector of codes, so setting them is one masked move.
@@ -251,14 +261,8 @@ void q6_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
         }
         const __m512 sca = _mm512_mul_ps(scodes16(line + s * 32), da);
         const __m512 scb = _mm512_mul_ps(scodes16(line + s * 32 + LANES), db);
-        for (int r = 0; r < TILE; ++r) {
-          const __m512i offset = _mm512_set1_epi32(32 * sums[r * 2 * groups + 2 * g + s]);
-          const __m512 scale = _mm512_set1_ps(xs[r * groups + g]);
-          const __m512 ta = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][0], offset)), sca);
-          const __m512 tb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][1], offset)), scb);
-          acc[r][0] = _mm512_fmadd_ps(ta, scale, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(tb, scale, acc[r][1]);
-        }
+        for (int r = 0; r < TILE; ++r)
+          add_offset_dot(acc[r], dot[r], 32 * sums[r * 2 * groups + 2 * g + s], sca, scb, xs[r * groups + g]);
       }
     }
   }
@@ -290,14 +294,9 @@ void q8_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
     }
     const at::Half* hd = reinterpret_cast<const at::Half*>(line);
     const __m512 da = load_half16(hd), db = load_half16(hd + LANES);
-    for (int r = 0; r < TILE; ++r) {
-      const __m512i offset = _mm512_set1_epi32(128 * (sums[r * 2 * groups + 2 * g] + sums[r * 2 * groups + 2 * g + 1]));
-      const __m512 scale = _mm512_set1_ps(xs[r * groups + g]);
-      const __m512 ta = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][0], offset)), da);
-      const __m512 tb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][1], offset)), db);
-      acc[r][0] = _mm512_fmadd_ps(ta, scale, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(tb, scale, acc[r][1]);
-    }
+    for (int r = 0; r < TILE; ++r)
+      add_offset_dot(acc[r], dot[r], 128 * (sums[r * 2 * groups + 2 * g] + sums[r * 2 * groups + 2 * g + 1]), da, db,
+                     xs[r * groups + g]);
   }
   store_tile<TILE>(acc, y, n, block);
 }
