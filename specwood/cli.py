@@ -8,7 +8,7 @@ from typing import Any
 
 from specwood.errors import SpecwoodError
 
-METHOD_OPTIONS = ("budget", "depth", "topk", "threshold")
+METHOD_OPTIONS = ("budget", "depth", "topk", "threshold", "shape")
 
 
 # the bench's baselines (Hugging Face generate, llama.cpp; not engine methods) and whether they draft with a model
@@ -76,6 +76,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPE_CHOICES,
                    help="auto = q4-lite on CPUs with AVX512-VNNI, else int4 weights on other CPUs (drafts "
                         "never change the output, only the speed), else --dtype")
+    p.add_argument("--head", default=None,
+                   help="a feature-level draft head for --method head: a file from `specwood train-drafter`, or an "
+                        "EAGLE-1/EAGLE-2 head folder (config.json + weights) trained for this target")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
     add_backend_args(p)
@@ -133,6 +136,8 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=None, help="maximum tree depth")
     p.add_argument("--topk", type=int, default=None, help="branching for top-k shapes (eagle)")
     p.add_argument("--threshold", type=float, default=None, help="dyspec-threshold expansion threshold in (0,1)")
+    p.add_argument("--shape", default=None,
+                   help="the tree shape of a method that drafts with any (head, early-exit): chain, eagle, dyspec, ...")
 
 
 def method_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,7 +150,7 @@ def load_engine(args: argparse.Namespace, need_draft: bool = True):
     draft = None if (args.draft in (None, "none") or not need_draft) else args.draft
     return specwood.load(args.target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device,
                          max_context=args.max_context, backend=getattr(args, "backend", "torch"),
-                         draft_backend=getattr(args, "draft_backend", "torch"))
+                         draft_backend=getattr(args, "draft_backend", "torch"), head=getattr(args, "head", None))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -142,22 +142,38 @@ SHAPE_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _shape_option(method: str, options: dict[str, Any], default: str) -> Any:
+    """The tree shape a method with a `shape` option drafts with, built from the options left."""
+    from specwood.drafting.shapes import make_shape
+
+    shape_name = options.pop("shape", default)
+    allowed = SHAPE_OPTIONS.get(str(shape_name), ())
+    extra = sorted(set(options) - set(allowed))
+    if extra:
+        raise SpecwoodError(f"{method} with shape '{shape_name}' does not use option(s) {', '.join(extra)}")
+    return make_shape(shape_name, **options)
+
+
 def _prepare_early_exit(engine: Any, options: dict[str, Any]) -> DrafterFactory:
     from specwood.drafting.model_source import early_exit_model
-    from specwood.drafting.shapes import make_shape
 
     options = dict(options)
     layer = options.pop("exit_layer", None) or max(1, engine.target_config.n_layers // 4)
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise SpecwoodError(f"exit_layer must be an integer, got {layer!r}")
-    shape_name = options.pop("shape", "chain")
-    allowed = SHAPE_OPTIONS.get(str(shape_name), ())
-    extra = sorted(set(options) - set(allowed))
-    if extra:
-        raise SpecwoodError(f"early-exit with shape '{shape_name}' does not use option(s) {', '.join(extra)}")
+    shape = _shape_option("early-exit", options, "chain")
     model = early_exit_model(engine.target, layer)
-    shape = make_shape(shape_name, **options)
     return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(model), shape)
+
+
+def _prepare_head(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+    head = getattr(engine, "draft_head", None)
+    if head is None:
+        raise SpecwoodError("method 'head' needs a draft head; pass --head PATH (head=... in the API), e.g. one "
+                            "made by `specwood train-drafter`")
+    shape = _shape_option("head", dict(options), "eagle")
+    # the head reads the prompt from the target's prefill features, in its first draft forward
+    return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(head), shape, defer_draft_prefill=True)
 
 
 register(Method("ar", "plain autoregressive decoding (the baseline)", False, (), _prepare_ar))
@@ -167,6 +183,11 @@ register(Method("early-exit", "experimental: the target's first layers + its hea
                 "adapter: AAT ~1.0, slower than ar)", False,
                 ("exit_layer", "shape", "budget", "depth", "topk", "threshold", "branching", "acceptance"),
                 _prepare_early_exit))
+
+
+register(Method("head", "a feature-level draft head (EAGLE) drafts the tree from the target's own features "
+                "(--head PATH; shape=eagle by default)", False,
+                ("shape", "budget", "depth", "topk", "threshold", "branching", "acceptance"), _prepare_head))
 
 
 def _prepare_duo(engine: Any, options: dict[str, Any]) -> DrafterFactory:

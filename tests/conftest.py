@@ -134,6 +134,31 @@ def assert_every_method_matches_ar(engine, prompts=("def add(a, b):", "The quick
     assert engine.generate(prompts[0], max_tokens=max_tokens, raw=True, method="chain").stats["mean_accepted_tokens"] > 1.2
 
 
+def trained_tiny_head(target, draft_vocab_size: int, seed: int = 0, steps: int = 200, window: int = 16):
+    """A feature-level draft head trained for a tiny target on its own samples (a few seconds):
+    drafts that agree with the target often but not always. Its draft vocabulary leaves out the
+    target's rarest tokens, so some targets are outside it."""
+    from specwood.drafting.head_training import (TrainSettings, choose_draft_vocab, target_features, train_head,
+                                                 windows_of)
+    from specwood.engine.api import Engine
+
+    engine = Engine(target, make_tiny_tokenizer())
+    g = torch.Generator().manual_seed(seed)
+    V = target.config.vocab_size
+    sequences = []
+    for i in range(32):
+        prompt = torch.randint(V, (3,), generator=g).tolist()
+        out = engine.generate(prompt, max_tokens=4 * window, temperature=1.0, seed=seed * 1000 + i)
+        sequences.append(prompt + out.token_ids)
+    vocab = choose_draft_vocab(sequences, V, draft_vocab_size)
+    windows = windows_of(sequences, window)
+    settings = TrainSettings(steps=steps, batch=8, window=window, lr=3e-3, warmup=20, seed=seed)
+    head, _ = train_head(target, windows, target_features(target, windows), vocab, settings)
+    from specwood.drafting.head import match_target_weights
+
+    return match_target_weights(head, target)
+
+
 def perturbed_copy(model, scale: float, seed: int):
     """A draft that agrees with the target often but not always."""
     from specwood.models.transformer import build_model
@@ -157,7 +182,8 @@ def tiny_model_factory():
 @pytest.fixture(scope="session")
 def tiny_pair():
     target = make_tiny_model(seed=0)
-    return SimpleNamespace(target=target, draft=perturbed_copy(target, 0.3, seed=1))
+    return SimpleNamespace(target=target, draft=perturbed_copy(target, 0.3, seed=1),
+                           head=trained_tiny_head(target, 96, seed=2))
 
 
 @pytest.fixture(scope="session")
@@ -182,7 +208,8 @@ def real_pair_engine_fp32():
 def tiny_engine(tiny_pair, tiny_tokenizer):
     from specwood.engine.api import Engine
 
-    return Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft")
+    return Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft",
+                  head=tiny_pair.head)
 
 
 # --- statistics ---

@@ -38,6 +38,7 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
     "dyspec-threshold": {"budget": 6, "threshold": 0.05},
     "pld": {"budget": 4},
     "early-exit": {"budget": 4},
+    "head": {"budget": 6, "depth": 3, "topk": 2},
     "auto": {"progress": False},
     "prior": {"budget": 6},
     "duo": {"budget": 6},
@@ -445,7 +446,7 @@ def test_a_server_scheduler_has_its_draft_pool_before_any_request(tiny_engine):
     engine = tiny_engine
     sched = engine.make_scheduler(max_batch=2, row_len=256 + TREE_ROOM)
     pools = dict(sched._draft_pools)
-    assert list(pools) == [id(engine.draft_model)]
+    assert list(pools) == [id(engine.draft_model), id(engine.draft_head)]
     made: list = []
     client = threading.Thread(target=lambda: made.append(
         engine.new_request([3, 4, 5], max_tokens=4, method="dyspec", scheduler=sched)))
@@ -640,7 +641,7 @@ def test_bad_input_is_a_specwood_error(tiny_engine, kwargs, error, match):
     assert_pools_free(tiny_engine.scheduler)
 
 
-@pytest.mark.parametrize("method", [m for m in method_names() if m not in ("ar", "pld", "early-exit", "auto")])
+@pytest.mark.parametrize("method", [m for m in method_names() if m not in ("ar", "pld", "early-exit", "auto", "head")])
 def test_methods_that_need_a_draft_refuse_without_one(tiny_pair, tiny_tokenizer, method):
     engine = Engine(tiny_pair.target, tiny_tokenizer)
     with pytest.raises(SpecwoodError, match="needs a draft model"):

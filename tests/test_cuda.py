@@ -33,7 +33,7 @@ def on_cuda(model):
 def cuda_engine(tiny_pair, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
     return Engine(on_cuda(tiny_pair.target), make_tiny_tokenizer(), draft=on_cuda(tiny_pair.draft),
-                  target_name="tiny", draft_name="tiny-draft")
+                  target_name="tiny", draft_name="tiny-draft", head=on_cuda(tiny_pair.head))
 
 
 def test_every_method_in_one_cuda_batch_equals_ar(cuda_engine):

@@ -33,7 +33,8 @@ from specwood.engine.scheduler import TREE_ROOM, Scheduler
 from specwood.methods import method_names
 from specwood.sampling import SamplingParams
 
-from conftest import BiasedVerify, exact_first_two_law, g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy
+from conftest import (BiasedVerify, exact_first_two_law, g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy,
+                      trained_tiny_head)
 
 SAMPLES = int(os.environ.get("SPECWOOD_STAT_SAMPLES", 50_000))  # requests per method and case (see below)
 BIASED_SAMPLES = SAMPLES  # the biased runs must fail at the same sample count
@@ -76,7 +77,10 @@ def stat_engine():
 def make_stat_engine() -> Engine:
     target = make_tiny_model(vocab_size=V, seed=3)
     draft = perturbed_copy(target, 0.3, seed=4)
-    engine = Engine(target, make_tiny_tokenizer(), draft=draft, target_name="tiny32", draft_name="tiny32-draft")
+    # the head's draft vocabulary leaves 8 of the 32 tokens out: their mass reaches the output
+    # through the verifier's residual alone
+    engine = Engine(target, make_tiny_tokenizer(), draft=draft, target_name="tiny32", draft_name="tiny32-draft",
+                    head=trained_tiny_head(target, 24, seed=5))
     assert engine.eos_token_ids == set()  # the tokenizer's specials are outside a 32-token vocabulary
     engine.eos_token_ids = {EOS}
     return engine
@@ -221,7 +225,8 @@ def test_auto_copying_from_the_context_samples_the_target_law(stat_engine, priva
     assert run_requests.copied == 0
 
 
-BIASED = ["chain", "dyspec", "eagle"]  # sampled chain, sampled tree without replacement, selected (top-k)
+# sampled chain, sampled tree without replacement, selected (top-k), the draft head's (top-k) tree
+BIASED = ["chain", "dyspec", "eagle", "head"]
 
 
 @pytest.mark.parametrize("method", BIASED)

@@ -9,7 +9,7 @@ from torch import nn
 
 from specwood.drafting.shapes import MAX_BUDGET
 from specwood.errors import SpecwoodError
-from specwood.models.batch import RowInput, forward_rows
+from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
 from specwood.models.prefill import prefill_chunk
 from specwood.models.transformer import Transformer
@@ -26,6 +26,7 @@ class _DraftRows:
     slots: list[int]
     mask: torch.Tensor  # [T, S] bool over this source's cache row
     new_slots: dict[int, int]  # tree node -> slot, taken on by absorb (a failed forward leaves no trace)
+    inputs: torch.Tensor | None = None  # the rows' model inputs where they are not just `tokens` (a head's pairs)
 
 
 class ModelDraftSource:
@@ -101,7 +102,7 @@ class ModelDraftSource:
     def plan_forward(self, tree: TokenTree, nodes: list[int]) -> _DraftRows | None:
         """What this call needs the draft to process (None: everything is cached already)."""
         self.seen = tree
-        todo = sorted({a for n in nodes for a in tree.path_to(n) if a not in self.slot_of})
+        todo = self.ready(tree, sorted({a for n in nodes for a in tree.path_to(n) if a not in self.slot_of}))
         if not todo and not self.pending:
             return None
         base = self.length  # committed context
@@ -133,8 +134,22 @@ class ModelDraftSource:
             new_slots={n: slot_of[n] for n in todo},
         )
 
-    def absorb(self, rows: _DraftRows, out: torch.Tensor) -> None:
-        """Take the logits [len(todo), V] of this source's tree nodes in a draft forward."""
+    def ready(self, tree: TokenTree, todo: list[int]) -> list[int]:
+        """The nodes of `todo` (sorted, ancestors first) this forward can process: all of them
+        for a model that reads tokens (a node goes in with its unprocessed ancestors)."""
+        return todo
+
+    def row_input(self, rows: _DraftRows) -> RowInput:
+        """This source's rows of a draft forward; logits only for the tree nodes (pending tokens
+        need none: the head is the largest matmul of a small draft)."""
+        n = len(rows.tokens)
+        return RowInput(self.row, rows.inputs if rows.inputs is not None else torch.tensor(rows.tokens),
+                        torch.tensor(rows.positions), torch.tensor(rows.slots), rows.mask,
+                        torch.arange(n - len(rows.todo), n))
+
+    def absorb(self, rows: _DraftRows, out: torch.Tensor, features: torch.Tensor | None = None) -> None:
+        """Take the logits [len(todo), V] of this source's tree nodes in a draft forward (and
+        their features, for a source that asked for them)."""
         self.forwards += 1
         self.slot_of.update(rows.new_slots)
         n_pending = len(self.pending)
@@ -183,25 +198,23 @@ def processed_path(seen: TokenTree, tokens: list[int], processed: Container[int]
 
 def forward_draft_calls(calls: list[tuple[ModelDraftSource, TokenTree, list[int]]]) -> list[torch.Tensor]:
     """Answer the draft calls of many requests: ONE padded forward per draft model and cache pool
-    (per-row positions, slots and masks over each row's own prefix). Returns each call's logits."""
-    plans = [src.plan_forward(tree, nodes) for src, tree, nodes in calls]
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, ((src, _, _), plan) in enumerate(zip(calls, plans)):
-        if plan is not None:
-            groups.setdefault((id(src.model), id(src.cache)), []).append(i)
-    for members in groups.values():
-        srcs = [calls[i][0] for i in members]
-        inputs = []
-        for src, i in zip(srcs, members):
-            p = plans[i]
-            # logits only for the tree nodes (pending tokens need none): the head is the largest
-            # matmul of a small draft
-            inputs.append(RowInput(src.row, torch.tensor(p.tokens), torch.tensor(p.positions), torch.tensor(p.slots),
-                                   p.mask, torch.arange(len(p.tokens) - len(p.todo), len(p.tokens))))
-        out = forward_rows(srcs[0].model, srcs[0].cache, inputs)
-        for k, i in enumerate(members):
-            srcs[k].absorb(plans[i], out[k])
-    return [src.answer(nodes) for src, _, nodes in calls]
+    (per-row positions, slots and masks over each row's own prefix), repeated while a source has
+    nodes left that needed the last forward's output (a feature head goes level by level).
+    Returns each call's logits."""
+    while True:
+        plans = [src.plan_forward(tree, nodes) for src, tree, nodes in calls]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, ((src, _, _), plan) in enumerate(zip(calls, plans)):
+            if plan is not None:
+                groups.setdefault((id(src.model), id(src.cache)), []).append(i)
+        if not groups:
+            return [src.answer(nodes) for src, _, nodes in calls]
+        for members in groups.values():
+            srcs = [calls[i][0] for i in members]
+            logits, features = forward_rows_features(srcs[0].model, srcs[0].cache,
+                                                     [src.row_input(plans[i]) for src, i in zip(srcs, members)])
+            for k, i in enumerate(members):
+                srcs[k].absorb(plans[i], logits[k], features[k])
 
 
 def early_exit_model(target: Transformer, n_layers: int) -> Transformer:

@@ -60,10 +60,12 @@ class Engine:
     """A loaded target (and optional draft) model plus tokenizer; `generate` runs one request."""
 
     def __init__(self, target: Transformer, tokenizer: Any, *, draft: Transformer | None = None,
-                 target_name: str = "", draft_name: str | None = None, max_context: int | None = None):
+                 target_name: str = "", draft_name: str | None = None, max_context: int | None = None,
+                 head: Transformer | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.draft_model = draft
+        self.draft_head = head  # a feature-level draft head (specwood.drafting.head), method "head"
         self.target_name = target_name
         self.draft_name = draft_name
         self.max_context = min(max_context or target.max_positions, target.max_positions)
@@ -140,8 +142,9 @@ class Engine:
             from specwood.engine.runner import RunnerScheduler
 
             return RunnerScheduler(runner, max_queue=max_queue)
+        drafts = tuple(m for m in (self.draft_model, self.draft_head) if m is not None)
         return Scheduler(self.target, max_batch=max_batch, row_len=row_len, max_queue=max_queue, growable=growable,
-                         drafts=(self.draft_model,) if self.draft_model is not None else ())
+                         drafts=drafts)
 
     def prepare(self, method: str, options: dict[str, Any] | None = None) -> "DrafterFactory":
         """Validate a method and its options once (`auto` loads its plan here)."""
@@ -368,6 +371,7 @@ def load(
     progress: bool = True,
     backend: str = "torch",
     draft_backend: str = "torch",
+    head: str | os.PathLike[str] | None = None,
 ) -> Engine:
     """Load a target model (a registry name, a .gguf file or a Hugging Face folder) and a draft.
 
@@ -388,6 +392,9 @@ def load(
     backend="auto" after `specwood plan --choose-config` loads the configuration measured fastest
     on this machine for the pair: both backends and, where dtype/draft_dtype are "auto", both
     weight modes.
+
+    head: a feature-level draft head for method "head" (specwood.drafting.head): a file made by
+    `specwood train-drafter` or an EAGLE-1/2 folder, for a torch target; it runs on the target's kernels.
     """
     from specwood.engine.backends import LlamaCppDraft, LlamaCppTarget, RuntimeConfig, check_backends, resolve_runtime
     from specwood.models.loader import load_checkpoint, load_tokenizer
@@ -450,6 +457,13 @@ def load(
                                   q4_exact=exact_q4_weights(dpath, dq4 or dq4_lite),
                                   q4_embeddings=dq4_lite)  # a draft's precision changes speed, never output
         del dsd
+    draft_head = None
+    if head is not None:
+        if backend != "torch":
+            raise SpecwoodError("a draft head reads the target's features: it needs --backend torch for the target")
+        from specwood.drafting.head import load_head
+
+        draft_head = load_head(head, model)
     release_freed_memory()
     return Engine(model, tokenizer, draft=draft_model, target_name=target,
-                  draft_name=str(draft) if draft is not None else None, max_context=max_context)
+                  draft_name=str(draft) if draft is not None else None, max_context=max_context, head=draft_head)

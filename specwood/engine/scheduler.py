@@ -19,11 +19,12 @@ import torch
 
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.request import QueueCounts, Request, State
-from specwood.engine.step import StepRecord, commit, draft_trees, plain_tree, target_forward, tree_rows, verify_tree
+from specwood.engine.step import (StepRecord, commit, draft_trees, hand_prompt_features, hand_tree_features, plain_tree,
+                                  target_forward, tree_rows, verify_tree, wants_features)
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.cache import KVCache
 from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
-from specwood.models.batch import forward_rows
+from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_outputs, prefill_rows
 from specwood.models.transformer import Transformer
 from specwood.sampling import next_token
@@ -83,12 +84,14 @@ class Scheduler(QueueCounts):
 
     def draft_source(self, model: Transformer) -> ModelDraftSource:
         """A draft source for one request, on a row of this scheduler's pool for `model` (a draft on
-        another backend brings its own: llama.cpp contexts)."""
+        another backend brings its own: llama.cpp contexts; a draft head reads pairs of tokens and
+        target features: its `source_class`)."""
         if not isinstance(model, Transformer):
             return model.new_source()
         if id(model) not in self._draft_pools:
             self._draft_pools[id(model)] = (model, self._pool(model))
-        return ModelDraftSource(model, extra_slots=self.tree_room, pool=self._draft_pools[id(model)][1])
+        source_class = getattr(model, "source_class", ModelDraftSource)
+        return source_class(model, extra_slots=self.tree_room, pool=self._draft_pools[id(model)][1])
 
     def room_for(self, prompt_len: int, max_tokens: int) -> int:
         """Cache slots a request needs (prompt, new tokens, the largest tree)."""
@@ -222,7 +225,12 @@ class Scheduler(QueueCounts):
         if not chunks:
             return
         try:
-            logits = prefill_rows(model, cache, self._row_chunks(chunks, draft))
+            if draft:
+                logits = prefill_rows(model, cache, self._row_chunks(chunks, draft))
+            else:
+                logits, features = forward_rows_features(model, cache, self._target_prefill_inputs(chunks))
+                logits = prefill_outputs(cache, self._row_chunks(chunks, draft), logits)
+                hand_prompt_features(chunks, features)
         except Exception as e:  # noqa: BLE001 - one at a time, to fail only the request at fault
             if len(chunks) == 1:
                 self._fail(chunks[0][0], e)
@@ -231,6 +239,11 @@ class Scheduler(QueueCounts):
                 self._prefill_forward(model, cache, [chunk], draft)
             return
         self._prefilled(chunks, logits, draft)
+
+    @staticmethod
+    def _target_prefill_inputs(chunks: list[tuple[Request, int, int]]) -> list[RowInput]:
+        """The chunks as rows of a target forward; features too for a request whose draft head reads them."""
+        return [prefill_input(r.row, r.prompt_ids, a, b, wants_features(r)) for r, a, b in chunks]
 
     @staticmethod
     def _row_chunks(chunks: list[tuple[Request, int, int]], draft: bool) -> list[tuple[int, list[int], int, int]]:
@@ -330,12 +343,14 @@ class Scheduler(QueueCounts):
         if not chunks:
             return self._forward(live, trees, failed)
         prompt_chunks = self._row_chunks(chunks, draft=False)
-        inputs = tree_rows(self.cache, live, trees) + [prefill_input(*c) for c in prompt_chunks]
+        inputs = tree_rows(self.cache, live, trees) + self._target_prefill_inputs(chunks)
         try:
-            outs = forward_rows(self.target, self.cache, inputs)
+            outs, features = forward_rows_features(self.target, self.cache, inputs)
         except Exception:  # noqa: BLE001
             self._prefill_forward(self.target, self.cache, chunks, draft=False)
             return self._forward(live, trees, failed)
+        hand_tree_features(live, features[:len(live)])
+        hand_prompt_features(chunks, features[len(live):])
         self._prefilled(chunks, prefill_outputs(self.cache, prompt_chunks, outs[len(live):]), draft=False)
         return outs[:len(live)]
 

@@ -10,7 +10,7 @@ from specwood.drafting.base import Drafting
 from specwood.drafting.model_source import ModelDraftSource, forward_draft_calls
 from specwood.engine.request import Request
 from specwood.errors import ContextLengthError, SpecwoodError
-from specwood.models.batch import RowInput, forward_rows
+from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
 from specwood.models.transformer import Transformer
 from specwood.sampling import next_token
@@ -93,20 +93,42 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
 
 def target_forward(model: Transformer, cache: KVCache, requests: list[Request],
                    trees: dict[Request, TokenTree]) -> list[torch.Tensor]:
-    """One forward over every request's tree: logits [len(tree), V] per request."""
-    return forward_rows(model, cache, tree_rows(cache, requests, trees))
+    """One forward over every request's tree: logits [len(tree), V] per request (a draft head's
+    source gets the tree's target features)."""
+    logits, features = forward_rows_features(model, cache, tree_rows(cache, requests, trees))
+    hand_tree_features(requests, features)
+    return logits
+
+
+def wants_features(request: Request) -> bool:
+    """Whether the request's draft source reads the target's features (a feature-level draft head)."""
+    return getattr(request.drafter.source, "wants_target_features", False)
+
+
+def hand_tree_features(requests: list[Request], features: list[torch.Tensor | None]) -> None:
+    for req, f in zip(requests, features):
+        if f is not None:
+            req.drafter.source.take_tree_features(f)
+
+
+def hand_prompt_features(chunks: list[tuple[Request, int, int]], features: list[torch.Tensor | None]) -> None:
+    """The target's features of prefill chunks (request, start, end) to the requests' draft heads."""
+    for (req, start, end), f in zip(chunks, features):
+        if f is not None:
+            req.drafter.source.take_prompt_features(start, end, f)
 
 
 def tree_rows(cache: KVCache, requests: list[Request], trees: dict[Request, TokenTree]) -> list[RowInput]:
     """Each request's tree as a row of a target forward, after its row's cached tokens."""
-    return [tree_row(r.row, trees[r], cache.lengths[r.row]) for r in requests]
+    return [tree_row(r.row, trees[r], cache.lengths[r.row], wants_features(r)) for r in requests]
 
 
-def tree_row(row: int, tree: TokenTree, L: int) -> RowInput:
-    """A tree's part of a target forward: its nodes in slots L.. after the row's L cached tokens."""
+def tree_row(row: int, tree: TokenTree, L: int, features: bool = False) -> RowInput:
+    """A tree's part of a target forward: its nodes in slots L.. after the row's L cached tokens
+    (with `features`, every node's target feature too)."""
     n = len(tree)
     return RowInput(row, torch.tensor(tree.tokens), tree.positions(L), torch.arange(L, L + n),
-                    tree.attention_mask(L), torch.arange(n))
+                    tree.attention_mask(L), torch.arange(n), torch.arange(n) if features else None)
 
 
 def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verdict:

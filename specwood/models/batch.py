@@ -23,6 +23,7 @@ class RowInput:
     mask: torch.Tensor  # [n, s] bool over the row's slots [0, s)
     outputs: torch.Tensor  # indices (into the n tokens) whose logits are wanted (a stage without the
     # head returns every token's hidden state instead)
+    features: torch.Tensor | None = None  # indices whose features (`model.features`) are wanted too
 
 
 def similar_lengths(lengths: list[int]) -> list[list[int]]:
@@ -63,6 +64,13 @@ def forward_rows(model: Transformer, cache: KVCache, inputs: list[RowInput]) -> 
     """Run every row's tokens in ONE forward; logits [len(outputs), V] per row (hidden states
     [n, dim] on a pipeline stage without the head). Padding tokens write their K/V to the cache's
     scratch slot and attend to slot 0; nothing reads them."""
+    return forward_rows_features(model, cache, inputs)[0]
+
+
+def forward_rows_features(model: Transformer, cache: KVCache, inputs: list[RowInput]
+                          ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """`forward_rows`, and each row's features [len(features), dim] where it asks for them
+    (`RowInput.features`; None elsewhere): what a feature-level draft head reads of the target."""
     dev = model.device
     for x in inputs:
         cache.check_room(x.mask.shape[1])
@@ -70,16 +78,24 @@ def forward_rows(model: Transformer, cache: KVCache, inputs: list[RowInput]) -> 
     graphs = getattr(cache, "graphs", None)
     if graphs is not None and graphs.fits(len(inputs), max(len(x.tokens) for x in inputs)):
         return _forward_graphed(model, graphs, inputs)
-    if len(inputs) == 1:  # no padding: a view of the one row
+    if len(inputs) == 1 and inputs[0].features is None:  # no padding: a view of the one row
         x = inputs[0]
         out = model(x.tokens[None].to(dev), x.positions.to(dev), x.mask.to(dev), cache, x.slots.to(dev),
                     output_rows=x.outputs.to(dev), rows=slice(x.row, x.row + 1))
-        return [out[0]]
+        return [out[0]], [None]
     return _forward_packed(model, cache, inputs, similar_lengths([len(x.tokens) for x in inputs]))
 
 
+def _features(model: Transformer, hidden: torch.Tensor, inputs: list[RowInput], first: list[int]
+              ) -> list[torch.Tensor | None]:
+    """The features each row asked for, out of the forward's hidden states [N, dim] (row i's
+    tokens start at `first[i]`)."""
+    return [model.features(hidden[(x.features.long() + first[i]).to(hidden.device)]) if x.features is not None
+            else None for i, x in enumerate(inputs)]
+
+
 def _forward_packed(model: Transformer, cache: KVCache, inputs: list[RowInput], blocks: list[list[int]]
-                    ) -> list[torch.Tensor]:
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The rows in one or more padded blocks, one after another in ONE forward (`hidden_packed`);
     hidden states out on a pipeline stage without the head (each row's own tokens)."""
     dev = model.device
@@ -96,20 +112,23 @@ def _forward_packed(model: Transformer, cache: KVCache, inputs: list[RowInput], 
                       torch.tensor([x.row for x in rows_in], device=dev)))
     hidden = model.hidden_packed(parts, cache)
     if not getattr(model, "is_last", True):
-        return [hidden[first[i]:first[i] + len(x.tokens)] for i, x in enumerate(inputs)]
+        return [hidden[first[i]:first[i] + len(x.tokens)] for i, x in enumerate(inputs)], [None] * len(inputs)
     wanted = torch.cat([x.outputs.long() + first[i] for i, x in enumerate(inputs)])
     out = model.head(hidden[wanted.to(dev)])
-    return list(out.split([len(x.outputs) for x in inputs]))
+    return list(out.split([len(x.outputs) for x in inputs])), _features(model, hidden, inputs, first)
 
 
-def _forward_graphed(model: Transformer, graphs, inputs: list[RowInput]) -> list[torch.Tensor]:
+def _forward_graphed(model: Transformer, graphs, inputs: list[RowInput]
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The same forward through fixed-shape CUDA graphs (`GraphedForward` pads it to a bucket)."""
     tokens, positions, slots, mask = pad_rows(inputs, graphs.cache.scratch_slot)
     hidden = graphs(tokens, positions, mask, slots, [x.row for x in inputs])
     if not getattr(model, "is_last", True):
-        return [hidden[b, :len(x.tokens)].clone() for b, x in enumerate(inputs)]
+        return [hidden[b, :len(x.tokens)].clone() for b, x in enumerate(inputs)], [None] * len(inputs)
     out = model.head(hidden, _wanted(inputs, hidden.device))
-    return list(out.split([len(x.outputs) for x in inputs]))
+    T = hidden.shape[1]
+    feats = _features(model, hidden.flatten(0, 1), inputs, [b * T for b in range(len(inputs))])
+    return list(out.split([len(x.outputs) for x in inputs])), feats
 
 
 def _wanted(inputs: list[RowInput], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

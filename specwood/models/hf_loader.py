@@ -69,7 +69,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str,
     return config, raw
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
+def weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file holding it (from the shard index, or by listing each single file)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -103,7 +103,7 @@ def load_hf_folder(
     path = Path(path)
     config, _ = read_hf_config(path)
     check_layers(config, layers)
-    files = _weight_files(path)
+    files = weight_files(path)
     wanted: dict[Path, list[tuple[str, str]]] = {}
     for hf_name, f in files.items():
         cname = canonical_name(hf_name)

@@ -36,14 +36,15 @@ def prefill_rows(model: Transformer, cache: KVCache, chunks: list[tuple[int, lis
     return prefill_outputs(cache, chunks, forward_rows(model, cache, [prefill_input(*chunk) for chunk in chunks]))
 
 
-def prefill_input(row: int, prompt: list[int], start: int, end: int) -> RowInput:
+def prefill_input(row: int, prompt: list[int], start: int, end: int, features: bool = False) -> RowInput:
     """Prompt tokens [start, end) as a row of a batched forward: into slots [start, end) of cache
-    row `row`, causal over the earlier slots; the last token's logits wanted. After the forward,
-    `prefill_outputs` sets the row's length to `end`."""
+    row `row`, causal over the earlier slots; the last token's logits wanted (and, with
+    `features`, every token's features). After the forward, `prefill_outputs` sets the row's
+    length to `end`."""
     pos = torch.arange(start, end)
     causal = torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start)
     return RowInput(row, torch.tensor(prompt[start:end], dtype=torch.long), pos, pos, causal,
-                    torch.tensor([end - start - 1]))
+                    torch.tensor([end - start - 1]), torch.arange(end - start) if features else None)
 
 
 def prefill_outputs(cache: KVCache, chunks: list[tuple[int, list[int], int, int]], out: list[torch.Tensor]

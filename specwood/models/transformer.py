@@ -440,7 +440,15 @@ class Transformer(nn.Module):
             x = x[output_rows[0], output_rows[1]]
         elif output_rows is not None:
             x = x[:, output_rows]
-        return self.output(self.norm(x)).float()
+        return self.vocab_logits(x)
+
+    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(hidden)).float()
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a feature-level draft head reads of this model (last stage): the final-normed
+        hidden states, the vectors the vocabulary head projects (EAGLE's features)."""
+        return self.norm(hidden)
 
     def check_positions(self, last_position: int) -> None:
         """A clear error where a forward would run past the model's context."""
