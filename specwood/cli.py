@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -77,8 +78,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto = q4-lite on CPUs with AVX512-VNNI, else int4 weights on other CPUs (drafts "
                         "never change the output, only the speed), else --dtype")
     p.add_argument("--head", default=None,
-                   help="a feature-level draft head for --method head: a file from `specwood train-drafter`, or an "
-                        "EAGLE-1/EAGLE-2 head folder (config.json + weights) trained for this target")
+                   help="a feature-level draft head for --method head: a file from `specwood train-drafter`, an "
+                        "EAGLE-1/EAGLE-2 head folder (config.json + weights) trained for this target, or auto (the "
+                        "head shipped for a registry target)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
     add_backend_args(p)
@@ -211,6 +213,20 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def access_of(args: argparse.Namespace) -> Any:
+    """The server's access rules from its flags (specwood.serve.guard.Access)."""
+    from specwood.serve.guard import Access
+
+    def names(value: str | None) -> tuple[str, ...]:
+        return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+    if args.api_key is not None and not args.api_key.strip():
+        raise SpecwoodError("--api-key (or SPECWOOD_API_KEY) is empty; give a key or leave it unset")
+    hosts = names(args.allowed_hosts) if args.allowed_hosts is not None else None
+    return Access(api_key=args.api_key, key_scope=args.api_key_scope, allowed_origins=names(args.allowed_origins),
+                  allowed_hosts=hosts)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from specwood.serve.app import DEFAULT_MAX_CONTEXT, bind_socket, serve
 
@@ -228,6 +244,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         args.method, pipeline = check_serve_args(args)
     need_draft = needs_draft(f"{args.method}@pipeline" if pipeline else args.method)
+    access = access_of(args)
+    if not 0 <= args.drain_timeout <= 3600:
+        raise SpecwoodError(f"--drain-timeout must be between 0 and 3600 seconds, got {args.drain_timeout}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
                         ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
@@ -253,7 +272,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             planner = start_background_plan(args, engine)
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
               max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor,
-              background=planner, max_body_bytes=args.max_body_bytes)
+              background=planner, max_body_bytes=args.max_body_bytes, access=access, drain_timeout=args.drain_timeout)
     finally:
         sock.close()
         if planner is not None and planner.poll() is None:
@@ -270,9 +289,9 @@ def start_background_plan(args: argparse.Namespace, engine: Any):
     import os
     import subprocess
 
+    from specwood.engine.processes import exit_with_parent
     from specwood.planner import load_plan, plan_key_for
-    from specwood.planner.store import DEFAULT_METHOD
-    from specwood.planner.store import plans_dir
+    from specwood.planner.store import DEFAULT_METHOD, plans_dir
 
     if (engine.draft_model is None or engine.backend != "torch"  # `specwood plan` measures torch models
             or load_plan(plan_key_for(engine, DEFAULT_METHOD)) is not None):
@@ -287,9 +306,15 @@ def start_background_plan(args: argparse.Namespace, engine: Any):
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"specwood: no measured plan yet; measuring one in the background at low priority (log: {log})",
           file=sys.stderr)
+    server = os.getpid()
+
+    def in_child() -> None:  # low priority; killed with the server, even while it keeps it stopped
+        os.nice(19)
+        exit_with_parent(server)
+
     with open(log, "w") as out:  # its own process group: the server pauses it (and its workers) while busy
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=lambda: os.nice(19), start_new_session=True)
+                                preexec_fn=in_child, start_new_session=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,6 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot before new ones get 503 (default 64)")
+    s.add_argument("--api-key", default=os.environ.get("SPECWOOD_API_KEY"),
+                   help="require this key ('Authorization: Bearer KEY', as OpenAI clients send it) on /v1/*; "
+                        "default: $SPECWOOD_API_KEY, else none")
+    s.add_argument("--api-key-scope", default="v1", choices=("v1", "all"),
+                   help="v1: the key guards /v1/* (default); all: /health and /metrics too")
+    s.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins allowed to call the server (CORS), e.g. "
+                        "http://localhost:3000; default none: a request from a web page gets 403")
+    s.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names the server answers to (default: loopback names when bound to "
+                        "loopback, any otherwise)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish before they end (streams with "
+                        "an error event and [DONE]); a second signal ends at once (default 30)")
     s.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413 (default 2 MiB)")
     add_executor_args(s, pipeline=True)
@@ -340,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_loadtest_parser(sub)
     add_plan_parser(sub)
+    from specwood.train_drafter import add_train_drafter_parser
+
+    add_train_drafter_parser(sub)
     return parser
 
 

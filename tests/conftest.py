@@ -2,10 +2,17 @@
 seconds; tests on the real default models load them from the installed wheel parts."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from specwood.models.kernels import build_directory
+
+# compiled kernels stay in one place for the whole run: tests (and the processes they start) that
+# point SPECWOOD_CACHE at a private folder must not compile them again there
+os.environ.setdefault("SPECWOOD_KERNEL_DIR", str(build_directory()))
 
 # --- runtime fixtures ---
 

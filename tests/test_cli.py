@@ -86,3 +86,33 @@ def test_bad_generation_options(tiny_folder, tmp_path, flags, needle):
 def test_prompt_longer_than_context(tiny_folder, tmp_path):
     p = run("generate", "word " * 200, "--target", str(tiny_folder), "--draft", "none", "--raw", cache=tmp_path)
     assert_one_line_error(p, "context")
+
+
+def test_train_drafter_then_generate_with_the_head(tiny_folder, tmp_path):
+    """`specwood train-drafter` end to end on a tiny target (answers, text, features, training),
+    a rerun resumes from its caches and checkpoint, and the head drafts losslessly."""
+    head = tmp_path / "head.safetensors"
+    args = ["train-drafter", "--target", str(tiny_folder), "--dtype", "fp32", "--prompts", "3", "--answer-tokens", "8",
+            "--text-tokens", "1500", "--window", "32", "--steps", "6", "--draft-vocab", "200",
+            "--intermediate-size", "64", "--out", str(head)]
+    p = run(*args, cache=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "finished; head written to" in p.stderr and head.is_file()
+    again = run(*args, cache=tmp_path)  # everything cached: no answers or features computed again
+    assert again.returncode == 0 and "target answers" not in again.stderr and "target features" not in again.stderr
+    outs = [run("generate", "hello", "--target", str(tiny_folder), "--draft", "none", "--max-tokens", "12", "--json",
+                "--dtype", "fp32", *extra, cache=tmp_path)
+            for extra in ([], ["--method", "head", "--head", str(head), "--shape", "chain", "--depth", "3"])]
+    assert all(o.returncode == 0 for o in outs), outs[1].stderr
+    ar, spec = (json.loads(o.stdout) for o in outs)
+    assert spec["token_ids"] == ar["token_ids"] and spec["stats"]["spec_steps"] > 0
+
+
+def test_train_drafter_and_head_errors(tiny_folder, tmp_path):
+    assert_one_line_error(run("train-drafter", "--target", str(tiny_folder), "--steps", "0", cache=tmp_path),
+                          "--steps must be positive")
+    assert_one_line_error(run("generate", "x", "--target", str(tiny_folder), "--draft", "none", "--dtype", "fp32",
+                              "--method", "head", "--head", str(tmp_path / "none.safetensors"), cache=tmp_path),
+                          "not found; train one with `specwood train-drafter`")
+    assert_one_line_error(run("generate", "x", "--target", str(tiny_folder), "--draft", "none", "--dtype", "fp32",
+                              "--method", "head", cache=tmp_path), "needs a draft head; pass --head")

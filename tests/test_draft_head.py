@@ -240,3 +240,23 @@ def test_training_raises_acceptance_and_resumes_bit_for_bit(tiny_pair, tmp_path)
 def greedy_aat(target, head) -> float:
     engine = Engine(target, make_tiny_tokenizer(), head=head)
     return greedy_matches_ar(engine, "chain", {"depth": 4}, n=4, max_tokens=32)
+
+
+def test_head_auto_loads_the_shipped_head_for_its_target(tiny_pair, tmp_path, monkeypatch, tiny_tokenizer):
+    """load(head="auto") takes specwood/heads/<target name>.safetensors where it exists, nothing
+    otherwise; "none" never loads one."""
+    import specwood
+    from specwood.drafting import head as head_mod
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("qwen2", vocab_size=tiny_pair.target.config.vocab_size, dim=64)
+    folder = save_hf_folder(tmp_path / "tiny-target", cfg, random_state_dict(cfg, seed=1))
+    tiny_tokenizer.save_pretrained(folder)
+    monkeypatch.setattr(head_mod, "HEADS_DIR", tmp_path / "heads")
+    assert specwood.load(str(folder), None, dtype="fp32", progress=False, head="auto").draft_head is None
+    save_head(tiny_pair.head, tmp_path / "heads" / "tiny-target.safetensors")
+    engine = specwood.load(str(folder), None, dtype="fp32", progress=False, head="auto")
+    assert isinstance(engine.draft_head, DraftHead)
+    ref = engine.generate([5, 6, 7], max_tokens=12)
+    assert engine.generate([5, 6, 7], max_tokens=12, method="head").token_ids == ref.token_ids
+    assert specwood.load(str(folder), None, dtype="fp32", progress=False, head="none").draft_head is None

@@ -119,3 +119,34 @@ def test_incremental_detokenisation_matches_full_decode(tiny_tokenizer):
         assert result.text == tiny_tokenizer.decode(seq, skip_special_tokens=True)
         assert "".join(pieces) == result.text
         assert all("\ufffd" not in p for p in pieces[:-1]) or "\ufffd" in tiny_tokenizer.decode(seq)
+
+
+def test_stop_strings_cut_where_the_first_one_completes(tiny_tokenizer):
+    """OutputStream's stop check (one KMP automaton per string, linear in the text) against brute
+    force: the text is cut at the stop string that completes first (the earliest starting of
+    those), the stream never shows a character past the cut, and a partial match is held back."""
+    import random
+
+    from specwood.engine.output import OutputStream
+
+    for trial in range(300):
+        rnd = random.Random(trial)
+        text = "".join(rnd.choice("abc ") for _ in range(rnd.randint(1, 60)))
+        stops = ["".join(rnd.choice("ab") for _ in range(rnd.randint(1, 5))) for _ in range(rnd.randint(1, 4))]
+        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+        pieces: list[str] = []
+        out = OutputStream(tiny_tokenizer, 1, 1000, set(), stops, pieces.append)
+        i = 0
+        while i < len(ids) and not out.finished:
+            k = rnd.randint(1, 3)
+            out.push_step(ids[i:i + k])
+            i += k
+        result = out.finish("ar")
+        want = text
+        for end in range(1, len(text) + 1):
+            starts = [end - len(s) for s in stops if text[:end].endswith(s)]
+            if starts:
+                want = text[:min(starts)]
+                break
+        assert result.text == want, (text, stops)
+        assert "".join(pieces) == want

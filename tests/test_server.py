@@ -571,6 +571,49 @@ def test_full_queue_gives_503_with_retry_after(env, tiny_model_factory, tiny_tok
     assert sched._thread is None
 
 
+def test_queued_clients_that_leave_free_their_places_at_once(env, tiny_model_factory, tiny_tokenizer):
+    """64 clients queue behind a full batch and disconnect: their requests leave the queue within
+    a step or two, not when a cache row frees, so a new request is queued instead of getting 503."""
+    eng = Engine(tiny_model_factory(seed=0), tiny_tokenizer, target_name="tiny")
+    sched = make_scheduler(eng, max_batch=1, max_queue=64)
+    sched.observers.append(lambda rec: time.sleep(0.05))  # slow steps: the long request holds the batch
+    srv = ServerThread(create_app(eng, sched, method="ar")).start()
+    host, port = srv.url.removeprefix("http://").split(":")
+    socks: list[socket.socket] = []
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as c:
+            long_job = threading.Thread(target=lambda: c.post("/v1/completions", json={
+                "prompt": RAW[0], "max_tokens": 200, "temperature": 0}))
+            long_job.start()
+            wait_for(lambda: c.get("/health").json()["running"] == 1)
+            body = json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True}).encode()
+            head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode()
+            for _ in range(64):
+                s = socket.create_connection((host, int(port)), timeout=10)
+                s.sendall(head + body)
+                socks.append(s)
+            wait_for(lambda: c.get("/health").json()["waiting"] == 64)
+            for s in socks:
+                s.close()
+            wait_for(lambda: c.get("/health").json()["waiting"] == 0, timeout=5)
+            assert c.get("/health").json()["running"] == 1  # the long request still holds the batch
+            late = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert late.status_code == 200
+            long_job.join(60)
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
+def wait_for(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 # ---------------------------------------------------------------------------------------------
 # the command
 
@@ -625,13 +668,197 @@ def test_specwood_serve_command(tmp_path, tiny_tokenizer):
     folder = save_hf_folder(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=1))
     tiny_tokenizer.save_pretrained(folder)
     cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(folder), "--draft", "none", "--dtype",
-           "fp32", "--method", "ar", "--port", "0", "--max-batch", "2"]
+           "fp32", "--method", "ar", "--port", "0", "--max-batch", "2", "--api-key", "k-123"]
     with serve_command(cmd, tmp_path / "cache") as (url, _, _):
-        with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
+        with httpx.Client(base_url=url, timeout=30, trust_env=False, headers={"authorization": "Bearer k-123"}) as c:
             assert c.get("/health").json()["status"] == "ok"
             assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 128
             r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+            # --api-key guards /v1/*; bound to loopback, the server answers loopback Host names only
+            assert_openai_error(c.get("/v1/models", headers={"authorization": ""}), 401, None)
+            assert_openai_error(c.get("/v1/models", headers={"host": "attacker.example"}), 403, None)
+        with httpx.Client(timeout=30, trust_env=False) as plain:
+            assert plain.get(url + "/health").status_code == 200
+
+
+def test_sigterm_drains_running_streams(tmp_path, tiny_tokenizer):
+    """SIGTERM: a running stream gets --drain-timeout seconds and ends normally; with no time
+    left it ends with an error event and [DONE]; the server exits 0 either way."""
+    import specwood
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=1024)
+    folder = save_hf_folder(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=1))
+    tiny_tokenizer.save_pretrained(folder)
+    engine = specwood.load(str(folder), None, dtype="fp32", progress=False)
+    prompt = next(p for p in ("hello", "abc", "the end", "0123") if len(engine.generate(
+        p, raw=True, max_tokens=600).token_ids) == 600)  # a prompt whose reply runs to the limit
+    del engine
+    for drain in ("30", "0"):
+        cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(folder), "--draft", "none", "--dtype",
+               "fp32", "--method", "ar", "--port", "0", "--max-context", "1024", "--drain-timeout", drain]
+        with serve_command(cmd, tmp_path / "cache") as (url, lines, proc):
+            events: list[str] = []
+            with httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
+                with c.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 600, "stream": True,
+                                                                "temperature": 0}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[len("data: "):])
+                            if len(events) == 2:
+                                proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, lines
+            assert events[-1] == "[DONE]"
+            if drain == "30":  # drained: the whole reply
+                assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+            else:  # no time to drain: the stream ends with an error event
+                err = json.loads(events[-2])["error"]
+                assert "shutting down" in err["message"]
+            assert any("draining" in ln for ln in lines)
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("mode", ["background-plan", "parallel-worker"])
+def test_children_die_with_a_killed_server(tmp_path, tiny_tokenizer, mode):
+    """SIGKILL of `specwood serve`: within 10 s no child it started (the background planner, kept
+    stopped while busy; the DuoDecoding draft worker) is alive or stopped."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
+    folder = save_hf_folder(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=1))
+    tiny_tokenizer.save_pretrained(folder)
+    extra = ["--method", "auto"] if mode == "background-plan" else ["--executor", "parallel", "--method", "duo"]
+    cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(folder), "--draft", str(folder), "--dtype",
+           "fp32", "--port", "0", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, SPECWOOD_CACHE=str(tmp_path / "cache")), start_new_session=True)
+    children: list[int] = []
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        wait_for(lambda: any("listening on" in ln for ln in lines) or proc.poll() is not None, timeout=120)
+        assert proc.poll() is None, lines
+        wait_for(lambda: bool(_children(proc.pid)), timeout=60)
+        children = _children(proc.pid)
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_for(lambda: not any(_alive(c) for c in children), timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for c in children:  # whatever the test found left, it does not leave behind
+            if _alive(c):
+                os.kill(c, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# access: API key, browser origins, Host names, JSON bodies (specwood.serve.guard)
+
+KEY = "sk-test-4242"
+GOOD_ORIGIN = "http://localhost:5173"
+
+
+@pytest.fixture(scope="module")
+def guarded(engine):
+    from specwood.serve.guard import LOOPBACK_HOSTS, Access
+
+    sched = make_scheduler(engine, max_batch=2, max_queue=8)
+    app = create_app(engine, sched, method="ar",
+                     access=Access(api_key=KEY, allowed_origins=(GOOD_ORIGIN,), allowed_hosts=LOOPBACK_HOSTS))
+    srv = ServerThread(app).start()
+    yield srv
+    srv.stop()
+
+
+def test_the_api_key_guards_v1_only(guarded):
+    with httpx.Client(base_url=guarded.url, timeout=60, trust_env=False) as c:
+        body = {"messages": CHATS[0], "max_tokens": 3}
+        missing = assert_openai_error(c.post("/v1/chat/completions", json=body), 401, None)
+        assert missing["code"] == "invalid_api_key" and "missing" in missing["message"]
+        wrong = c.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer nope"})
+        assert_openai_error(wrong, 401, None)
+        assert wrong.headers["www-authenticate"] == "Bearer" and "wrong" in wrong.json()["error"]["message"]
+        assert_openai_error(c.get("/v1/models"), 401, None)
+        assert c.get("/v1/models", headers={"x-api-key": KEY}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+    client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    try:
+        out = client.chat.completions.create(model="tiny", messages=CHATS[0], max_tokens=3, temperature=0)
+        assert out.choices[0].message.content is not None
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=guarded.url + "/v1", api_key="bad", max_retries=0).models.list()
+    finally:
+        client.close()
+
+
+def test_non_json_posts_get_415(guarded):
+    auth = {"authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=guarded.url, timeout=60, trust_env=False, headers=auth) as c:
+        for ctype, data in (("text/plain", '{"prompt": "hi"}'), ("application/x-www-form-urlencoded", "prompt=hi"),
+                            ("multipart/form-data; boundary=x", "--x--")):
+            r = c.post("/v1/completions", content=data, headers={"content-type": ctype})
+            assert_openai_error(r, 415, None)
+        ok = c.post("/v1/completions", content=json.dumps({"prompt": "hi", "max_tokens": 2}),
+                    headers={"content-type": "application/json; charset=utf-8"})
+        assert ok.status_code == 200
+
+
+def test_browser_origins_and_host_names(guarded):
+    auth = {"authorization": f"Bearer {KEY}"}
+    body = {"prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=guarded.url, timeout=60, trust_env=False, headers=auth) as c:
+        evil = c.post("/v1/completions", json=body, headers={"origin": "https://evil.example"})
+        assert "--allowed-origins" in assert_openai_error(evil, 403, None)["message"]
+        assert_openai_error(c.options("/v1/completions", headers={
+            "origin": "https://evil.example", "access-control-request-method": "POST"}), 403, None)
+        pre = c.options("/v1/completions", headers={"origin": GOOD_ORIGIN, "access-control-request-method": "POST",
+                                                    "access-control-request-headers": "authorization,content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == GOOD_ORIGIN
+        good = c.post("/v1/completions", json=body, headers={"origin": GOOD_ORIGIN})
+        assert good.status_code == 200 and good.headers["access-control-allow-origin"] == GOOD_ORIGIN
+        rebound = c.post("/v1/completions", json=body, headers={"host": "evil.example:8000"})
+        assert_openai_error(rebound, 403, None)
+        assert c.get("/health", headers={"host": "localhost:1"}).status_code == 200
+        assert c.get("/health", headers={"host": "[::1]:8000"}).status_code == 200
+
+
+def test_a_key_over_every_endpoint(engine):
+    from specwood.serve.guard import Access
+
+    sched = make_scheduler(engine, max_batch=1, max_queue=2)
+    srv = ServerThread(create_app(engine, sched, method="ar", access=Access(api_key=KEY, key_scope="all"))).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30, trust_env=False) as c:
+            for path in ("/health", "/metrics", "/v1/models"):
+                assert_openai_error(c.get(path), 401, None)
+                assert c.get(path, headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+    finally:
+        srv.stop()
 
 
 def test_background_measurement_runs_only_while_the_server_is_idle():

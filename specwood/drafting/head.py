@@ -38,6 +38,13 @@ from specwood.models.transformer import Transformer
 
 HEAD_FORMAT = "specwood-draft-head"
 HEAD_VERSION = 1
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"  # the heads that ship with the package
+
+
+def shipped_head(target_name: str) -> Path | None:
+    """The head shipped for a registry target (specwood/heads/<name>.safetensors), if any."""
+    path = HEADS_DIR / f"{Path(str(target_name)).name}.safetensors"
+    return path if path.is_file() else None
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class TrainSettings:
     seed: int = 0
     checkpoint_every: int = 100
     max_seconds: float | None = None  # stop (and checkpoint) after this much training time
+    bf16: bool = False  # matmuls in bf16 (autocast; CPUs with AVX512-BF16 run them several times faster)
 
 
 @dataclass
@@ -68,13 +69,16 @@ def choose_draft_vocab(sequences: Iterable[list[int]], vocab_size: int, n: int) 
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
-def windows_of(sequences: Iterable[list[int]], window: int) -> torch.Tensor:
-    """The sequences cut into windows of `window` tokens [N, window] (a shorter tail is dropped;
-    every sequence shorter than a window is dropped too)."""
-    rows = [seq[a:a + window] for seq in sequences for a in range(0, len(seq) - window + 1, window)]
-    if not rows:
-        raise SpecwoodError(f"no training text of at least {window} tokens; add text or lower the window")
-    return torch.tensor(rows, dtype=torch.long)
+def windows_of(sequences: Iterable[list[int]], window: int, separator: int | None = None) -> torch.Tensor:
+    """The sequences one after another (with `separator` between them, e.g. an end-of-text token),
+    cut into windows of `window` tokens [N, window]; a shorter tail is dropped."""
+    stream: list[int] = []
+    for seq in sequences:
+        stream += list(seq) + ([separator] if separator is not None else [])
+    n = len(stream) // window
+    if n == 0:
+        raise SpecwoodError(f"less than {window} tokens of training text; add text or lower the window")
+    return torch.tensor(stream[:n * window], dtype=torch.long).reshape(n, window)
 
 
 @torch.inference_mode()
@@ -124,9 +128,10 @@ def _lr_at(step: int, settings: TrainSettings) -> float:
 
 def train_head(target: Transformer, windows: torch.Tensor, features: torch.Tensor, draft_vocab: torch.Tensor,
                settings: TrainSettings, out: str | Path | None = None, progress: bool = False,
-               name: str = "") -> tuple[DraftHead, TrainRecord]:
+               name: str = "", about: dict | None = None) -> tuple[DraftHead, TrainRecord]:
     """Train a head on the target's `features` of `windows`; save it to `out` (with a resumable
-    checkpoint beside it) when given. Returns the head in fp32 and the training curve."""
+    checkpoint beside it) when given. Returns the head in fp32 and the training curve. `about`
+    (e.g. the command and the data) is recorded in the head's spec."""
     from tqdm import tqdm
 
     torch.manual_seed(settings.seed)
@@ -154,7 +159,8 @@ def train_head(target: Transformer, windows: torch.Tensor, features: torch.Tenso
         idx = torch.randint(len(windows), (settings.batch,), generator=gen)
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, settings)
-        feature_loss, token_loss, agree = head_losses(head, windows[idx], features[idx], settings, gen)
+        with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+            feature_loss, token_loss, agree = head_losses(head, windows[idx], features[idx], settings, gen)
         loss = settings.feature_weight * feature_loss + settings.token_weight * token_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -175,7 +181,7 @@ def train_head(target: Transformer, windows: torch.Tensor, features: torch.Tenso
     head.eval().requires_grad_(False)
     head.spec = type(head.spec)(**{**asdict(head.spec), "trained": {
         "steps": step, "seconds": round(record.seconds, 1), "settings": asdict(settings),
-        "final": list(record.curve[-1][1:]) if record.curve else None}})
+        "final": list(record.curve[-1][1:]) if record.curve else None, **(about or {})}})
     if out is not None:
         save_head(head, out, int8=True)
     return head, record

@@ -395,6 +395,7 @@ def load(
 
     head: a feature-level draft head for method "head" (specwood.drafting.head): a file made by
     `specwood train-drafter` or an EAGLE-1/2 folder, for a torch target; it runs on the target's kernels.
+    "auto" loads the head that ships with the package for a registry target, if there is one.
     """
     from specwood.engine.backends import LlamaCppDraft, LlamaCppTarget, RuntimeConfig, check_backends, resolve_runtime
     from specwood.models.loader import load_checkpoint, load_tokenizer
@@ -458,6 +459,10 @@ def load(
                                   q4_embeddings=dq4_lite)  # a draft's precision changes speed, never output
         del dsd
     draft_head = None
+    if isinstance(head, str) and head.strip().lower() in ("auto", "none"):
+        from specwood.drafting.head import shipped_head
+
+        head = shipped_head(target) if head.strip().lower() == "auto" and backend == "torch" else None
     if head is not None:
         if backend != "torch":
             raise SpecwoodError("a draft head reads the target's features: it needs --backend torch for the target")

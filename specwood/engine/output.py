@@ -20,6 +20,55 @@ class GenerationResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+class StopMatcher:
+    """Where stop strings complete in a text that only grows, in time linear in the text: one
+    Knuth-Morris-Pratt automaton per string, fed each new character once. `held` is the longest
+    partial match at the end of the text, which streaming must hold back."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.fail = [_prefix_function(s) for s in stops]
+        self.state = [0] * len(stops)  # characters of each stop string matched at the text's end
+        self.fed = 0  # characters of the text read so far
+
+    def feed(self, text: str) -> int | None:
+        """Read text[fed:]; the index where the first completed stop string starts (the one that
+        completes first, the earliest starting of those), or None."""
+        for pos in range(self.fed, len(text)):
+            ch, done = text[pos], None
+            for j, s in enumerate(self.stops):
+                k, fail = self.state[j], self.fail[j]
+                while k and s[k] != ch:
+                    k = fail[k - 1]
+                if s[k] == ch:
+                    k += 1
+                if k == len(s):
+                    start = pos + 1 - k
+                    done = start if done is None else min(done, start)
+                    k = fail[k - 1]
+                self.state[j] = k
+            if done is not None:
+                self.fed = pos + 1
+                return done
+        self.fed = len(text)
+        return None
+
+    @property
+    def held(self) -> int:
+        return max(self.state, default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP's failure function: pi[i] = the longest proper prefix of s[:i + 1] that is also its suffix."""
+    pi = [0] * len(s)
+    for i in range(1, len(s)):
+        k = pi[i - 1]
+        while k and s[i] != s[k]:
+            k = pi[k - 1]
+        pi[i] = k + (s[i] == s[k])
+    return pi
+
+
 class OutputStream:
     """Accumulates generated tokens; applies EOS, stop strings and the token limit; streams text."""
 
@@ -30,6 +79,7 @@ class OutputStream:
         self.max_tokens = max_tokens
         self.eos_ids = eos_ids
         self.stop = [s for s in (stop or []) if s]
+        self._stops = StopMatcher(self.stop)
         self.on_text = on_text
         self.token_ids: list[int] = []
         self.text = ""
@@ -68,14 +118,12 @@ class OutputStream:
             return True
         self.token_ids.append(token)
         self._detokenize()
-        for s in self.stop:
-            # only search where a newly completed stop string can be
-            i = self.text.find(s, max(0, self.emitted - len(s)))
-            if i >= 0:
-                self.text = self.text[:i]
-                self._cut = True
-                self.finish_reason = "stop"
-                return True
+        i = self._stops.feed(self.text) if self.stop else None
+        if i is not None:
+            self.text = self.text[:i]
+            self._cut = True
+            self.finish_reason = "stop"
+            return True
         if len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
             return True
@@ -96,11 +144,8 @@ class OutputStream:
         if not self.finished:
             if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its rest
                 end = len(self.text.rstrip("\ufffd"))
-            for s in self.stop:  # hold back a tail that may grow into a stop string
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if self.text[:end].endswith(s[:k]):
-                        end -= k
-                        break
+            # hold back a tail that may grow into a stop string
+            end = min(end, len(self.text) - self._stops.held)
         if end > self.emitted:  # (text never ends inside a UTF-8 sequence before the end)
             if self.on_text is not None:
                 self.on_text(self.text[self.emitted:end])

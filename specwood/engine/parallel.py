@@ -357,6 +357,9 @@ def _pin(threads: int) -> list[int] | None:
 
 def _worker_main(conn: Any) -> None:
     """The draft process: build the draft model from the shipped weights, then serve messages."""
+    from specwood.engine.processes import exit_with_parent
+
+    exit_with_parent()  # never outlives the server or the CLI that started it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     try:
         _, spec = conn.recv()

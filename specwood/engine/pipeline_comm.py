@@ -47,16 +47,6 @@ def die(line: str, code: int = 1) -> None:
     time.sleep(3600)  # another thread is already reporting and exiting
 
 
-def exit_with_parent() -> None:
-    """Linux: get SIGKILL when the launcher dies, so no rank outlives it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class Monitor(threading.Thread):
     """Heartbeats through the store and a watch on every other rank's."""
 

@@ -69,7 +69,8 @@ def _stage_weights(model: Any, layers: range) -> dict[str, torch.Tensor]:
 def _rank_entry(conn: Any) -> None:
     """A spawned rank: receive its spec, build its parts, run (pipeline.run_rank)."""
     from specwood.engine.pipeline import run_rank
-    from specwood.engine.pipeline_comm import connect_store, die, exit_with_parent
+    from specwood.engine.pipeline_comm import connect_store, die
+    from specwood.engine.processes import exit_with_parent
 
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle

@@ -1,8 +1,22 @@
-"""Small helpers shared by the executors that run model work in child processes (the DuoDecoding
-draft worker, the SpecPipe stage ranks)."""
+"""Small helpers shared by everything that runs work in child processes (the DuoDecoding draft
+worker, the SpecPipe stage ranks, the server's background planner)."""
 from __future__ import annotations
 
+import os
 import signal
+
+
+def exit_with_parent(parent: int | None = None) -> None:
+    """Linux: this process gets SIGKILL when its parent dies (also while it is stopped), so no
+    child outlives a killed server; if the parent (`parent`, when known) is already gone, exit now."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:  # it died before the prctl
+        os._exit(1)
 
 
 def describe_exit(code: int | None) -> str:

@@ -120,6 +120,16 @@ class Scheduler(QueueCounts):
             self._lock.notify()
         return request
 
+    def _drop_cancelled_waiting(self) -> None:
+        """Queued requests whose client left end now, not when a cache row frees: their queue
+        places go to new requests at once."""
+        with self._lock:
+            gone = [r for r in self.waiting if r.cancelled]
+            for req in gone:
+                self.waiting.remove(req)
+        for req in gone:
+            self._finish(req, cancelled=True)
+
     def _admit(self) -> None:
         with self._lock:
             while self.waiting and self.cache.free_rows:
@@ -142,6 +152,7 @@ class Scheduler(QueueCounts):
 
     def step(self) -> bool:
         """Admit, drop cancelled requests, prefill a chunk, decode one step. False when idle."""
+        self._drop_cancelled_waiting()
         self._admit()
         for req in [r for r in self.running if r.cancelled]:
             self._finish(req, cancelled=True)

@@ -1,6 +1,7 @@
 """Model hyper-parameters in one architecture-neutral dataclass (Llama family)."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, asdict
 from typing import Any
 
@@ -37,6 +38,11 @@ class ModelConfig:
                 f"unsupported architecture '{self.arch}' (specwood runs {', '.join(SUPPORTED_ARCHS)}); "
                 "use a Llama, SmolLM2, Qwen2/Qwen2.5 or Mistral checkpoint"
             )
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ModelFileError(f"model config: {name} must be a positive integer, got {value!r} (a damaged "
+                                     "or unsupported config)")
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:

@@ -71,6 +71,13 @@ _GLOBAL_NAMES = {
     "output.weight": "output.weight",
 }
 
+def _show(value: Any, limit: int = 60) -> str:
+    """A value read from a (possibly damaged) file, fit for a one-line message: quoted, control
+    characters escaped, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
+
+
 _TRUNCATED_FIX = "the file is truncated or corrupt; re-download or re-assemble it (registry models: delete it from the specwood cache and run again)"
 
 
@@ -151,7 +158,7 @@ class _Cursor:
         if vtype == _ARRAY:
             etype, count = self.scalar("<I"), self.scalar("<Q")
             if count > self.size:
-                raise ModelFileError(f"{self.path}: metadata array '{key}' claims {count} items; {_TRUNCATED_FIX}")
+                raise ModelFileError(f"{self.path}: metadata array {_show(key)} claims {count} items; {_TRUNCATED_FIX}")
             lengths[key] = count
             if etype == _STRING:
                 self.skip_strings(count)
@@ -162,11 +169,13 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
                 self.pos += count * dt.itemsize
                 return arr
-            # Nested arrays never occur in model files we read; skip them conservatively.
+            if etype == _ARRAY:  # arrays of arrays: never in model files; a deep nest would recurse unbounded
+                raise ModelFileError(f"{self.path}: metadata {_show(key)} is a nested array, which GGUF model files do "
+                                     f"not use; {_TRUNCATED_FIX}")
             for _ in range(count):
                 self.value(etype, key, {})
             return None
-        raise ModelFileError(f"{self.path}: unknown metadata value type {vtype} for '{key}'; {_TRUNCATED_FIX}")
+        raise ModelFileError(f"{self.path}: unknown metadata value type {vtype} for {_show(key)}; {_TRUNCATED_FIX}")
 
 
 def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
@@ -203,7 +212,7 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
                 name = cur.string()
                 n_dims = cur.scalar("<I")
                 if n_dims > 8:
-                    raise ModelFileError(f"{path}: tensor '{name}' has {n_dims} dims; {_TRUNCATED_FIX}")
+                    raise ModelFileError(f"{path}: tensor {_show(name)} has {n_dims} dims; {_TRUNCATED_FIX}")
                 dims = [cur.scalar("<Q") for _ in range(n_dims)]
                 infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
             header_end = cur.pos
@@ -218,17 +227,17 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
             raise ModelFileError(
-                f"{path}: tensor '{name}' has unknown ggml type {ggml_type}; upgrade the gguf package "
+                f"{path}: tensor {_show(name)} has unknown ggml type {ggml_type}; upgrade the gguf package "
                 "(pip install -U gguf) or use a file with a common quantisation (Q4_K_M, Q8_0, F16)"
             ) from None
         n_el = int(np.prod(dims)) if dims else 1
         if dims and dims[0] % block:
-            raise ModelFileError(f"{path}: tensor '{name}' row length {dims[0]} is not a multiple of its block size {block}; {_TRUNCATED_FIX}")
+            raise ModelFileError(f"{path}: tensor {_show(name)} row length {dims[0]} is not a multiple of its block size {block}; {_TRUNCATED_FIX}")
         n_bytes = n_el // block * type_size
         start = data_offset + rel
         if start + n_bytes > size:
             raise ModelFileError(
-                f"{path}: tensor '{name}' data ends at byte {start + n_bytes} but the file has {size} bytes; {_TRUNCATED_FIX}"
+                f"{path}: tensor {_show(name)} data ends at byte {start + n_bytes} but the file has {size} bytes; {_TRUNCATED_FIX}"
             )
         tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, start, n_bytes)
     return GGUFHeader(path, version, metadata, lengths, tensors, data_offset, size, alignment)
@@ -242,7 +251,7 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     arch = md.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelFileError(
-            f"{path}: unsupported GGUF architecture '{arch}' (specwood runs {', '.join(SUPPORTED_ARCHS)}); "
+            f"{path}: unsupported GGUF architecture {_show(arch)} (specwood runs {', '.join(SUPPORTED_ARCHS)}); "
             "use a Llama, SmolLM2, Qwen2/Qwen2.5 or Mistral GGUF"
         )
 
@@ -250,26 +259,52 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
         v = md.get(f"{arch}.{key}")
         if v is None:
             if required:
-                raise ModelFileError(f"{path}: GGUF metadata lacks '{arch}.{key}'; {_TRUNCATED_FIX}")
+                raise ModelFileError(f"{path}: GGUF metadata lacks {_show(f'{arch}.{key}')}; {_TRUNCATED_FIX}")
             return default
         if isinstance(v, np.ndarray):  # per-layer arrays (e.g. head counts) -- we need uniform layers
             if len(set(v.tolist())) != 1:
-                raise ModelFileError(f"{path}: '{arch}.{key}' varies per layer, which specwood does not support")
+                raise ModelFileError(f"{path}: {_show(f'{arch}.{key}')} varies per layer, which specwood does not support")
             v = v.tolist()[0]
         return v
+
+    def count(key: str, default: int | None = None, required: bool = False, low: int = 1,
+              high: int = 1 << 20) -> int | None:
+        """An integer field within [low, high]: a string, a float or an absurd value is a bad file,
+        not a traceback or an allocation without bound."""
+        v = get(key, default, required)
+        if v is None:
+            return None
+        if isinstance(v, (bool, str, bytes)) or not float(v).is_integer() or not low <= int(v) <= high:
+            raise ModelFileError(f"{path}: GGUF metadata {_show(f'{arch}.{key}')} is {_show(v)}, not an integer in "
+                                 f"[{low}, {high}]; {_TRUNCATED_FIX}")
+        return int(v)
+
+    def real(key: str, default: float) -> float:
+        v = get(key, default)
+        if isinstance(v, (bool, str, bytes)) or not np.isfinite(float(v)) or float(v) <= 0:
+            raise ModelFileError(f"{path}: GGUF metadata {_show(f'{arch}.{key}')} is {_show(v)}, not a positive number; "
+                                 f"{_TRUNCATED_FIX}")
+        return float(v)
 
     tensors = header.tensors
     if "token_embd.weight" not in tensors:
         raise ModelFileError(f"{path}: no token_embd.weight tensor; the file is incomplete or not a decoder model")
     vocab, dim = tensors["token_embd.weight"].shape
-    n_heads = int(get("attention.head_count", required=True))
-    n_kv = int(get("attention.head_count_kv", n_heads))
-    head_dim = int(get("attention.key_length", 0) or 0)
+    n_heads = count("attention.head_count", required=True, high=4096)
+    n_kv = count("attention.head_count_kv", n_heads, high=n_heads)
+    head_dim = count("attention.key_length", 0, low=0, high=65536) or 0
     if not head_dim and "blk.0.attn_q.weight" in tensors:
         head_dim = tensors["blk.0.attn_q.weight"].shape[0] // n_heads
-    inter = get("feed_forward_length")
+    inter = count("feed_forward_length")
     if inter is None and "blk.0.ffn_gate.weight" in tensors:
         inter = tensors["blk.0.ffn_gate.weight"].shape[0]
+    # the layers the tensors hold: block_count must name exactly those (a huge one would make
+    # every per-layer table that size)
+    blocks = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    n_layers = count("block_count", required=True, high=max(blocks, default=0) + 1)
+    if blocks != set(range(n_layers)):
+        raise ModelFileError(f"{path}: '{arch}.block_count' is {n_layers} but the file has tensors for layers "
+                             f"{min(blocks, default=0)}..{max(blocks, default=-1)}; {_TRUNCATED_FIX}")
 
     rope_scaling = None
     stype = get("rope.scaling.type")
@@ -294,26 +329,29 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     bos = md.get("tokenizer.ggml.bos_token_id")
     window = get("attention.sliding_window")
 
-    return ModelConfig(
-        arch=arch,
-        vocab_size=int(vocab),
-        dim=int(get("embedding_length", dim)),
-        n_layers=int(get("block_count", required=True)),
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        intermediate_size=int(inter or 0),
-        head_dim=head_dim,
-        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(get("context_length", 4096)),
-        tie_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
-        sliding_window=int(window) if window else None,
-        bos_token_id=int(bos) if bos is not None else None,
-        eos_token_ids=eos_ids,
-        name=str(md.get("general.name") or path.stem),
-    )
+    try:
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(vocab),
+            dim=count("embedding_length", dim, high=1 << 16),
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            intermediate_size=int(inter or 0),
+            head_dim=head_dim,
+            norm_eps=real("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=real("rope.freq_base", 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=count("context_length", 4096, high=1 << 24),
+            tie_embeddings="output.weight" not in tensors,
+            qkv_bias="blk.0.attn_q.bias" in tensors,
+            sliding_window=int(window) if window else None,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=eos_ids,
+            name=str(md.get("general.name") or path.stem),
+        )
+    except ModelFileError as e:  # the config's own checks: name the file
+        raise ModelFileError(f"{path}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- weights

@@ -120,8 +120,10 @@ def write_gguf(
         w.add_eos_token_id(config.eos_token_ids[0])
     if tokens is not None:
         _add_vocab(w, tokens)
-    for key, value in (extra_metadata or {}).items():
-        if isinstance(value, str):
+    for key, value in (extra_metadata or {}).items():  # a standard key given here replaces its value
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
             w.add_string(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)

@@ -28,12 +28,14 @@ from specwood.engine.request import Request
 from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
 from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
 from specwood.serve import protocol as P
+from specwood.serve.guard import Access, guard_app
 from specwood.serve.metrics import ServerMetrics
 from specwood.serve.protocol import GenerationRequest, ProtocolError
 
 RETRY_AFTER_S = 1
 QUEUE_SAMPLE_S = 0.005  # period of the queue-time sampler while requests wait for admission
 DEFAULT_MAX_CONTEXT = 4096  # `specwood serve` without --max-context: the cache holds max_batch rows of it
+DEFAULT_DRAIN_S = 30.0  # on SIGTERM, how long running requests may take to finish
 
 
 def _log(msg: str) -> None:
@@ -115,12 +117,14 @@ class _Job:
 
 
 def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", options: dict[str, Any] | None = None,
-               model_name: str | None = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               model_name: str | None = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES,
+               access: Access = Access()) -> FastAPI:
     """The FastAPI app serving `engine` through `scheduler` (started and stopped by the app's
     lifespan; a scheduler already started is left running until the app stops). `method`
     (with `options`) is the default method, prepared now; a request may name another with the
-    non-standard body field "method"; a body over `max_body_bytes` gets a 413. Raises SpecwoodError
-    for a bad default method."""
+    non-standard body field "method"; a body over `max_body_bytes` gets a 413; `access` says who
+    may call it (API key, origins, Host names: specwood.serve.guard). Raises SpecwoodError for a
+    bad default method."""
     # the context a request may use: the engine's, or less where the scheduler's rows are shorter
     tree_room = int(getattr(scheduler, "tree_room", TREE_ROOM))
     max_context = min(int(engine.max_context), int(scheduler.row_len) - tree_room)
@@ -359,7 +363,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             if not req.done.is_set():
                 req.cancel()  # the client went away (or the server is stopping)
 
-    return app
+    return guard_app(app, access)
 
 
 async def _read_body(http: HTTPRequest, limit: int) -> bytes:
@@ -485,8 +489,11 @@ def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64) -> S
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
           options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
           sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None,
-          background: Any = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES) -> None:
-    """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line.
+          background: Any = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
+          drain_timeout: float = DEFAULT_DRAIN_S) -> None:
+    """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line. On the
+    signal it stops accepting requests and drains: running requests get `drain_timeout` seconds
+    to finish, then end (streams with an error event and [DONE]); a second signal ends at once.
     executor: a ParallelExecutor to serve on (DuoDecoding, lock-step batches), a PipelineExecutor
     (SpecPipe-DB, requests joining and leaving between pipeline steps), or None for the
     continuous-batching scheduler. background: a child process (group leader) that may only
@@ -505,10 +512,12 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
         scheduler = ParallelScheduler(executor, max_batch=max_batch, max_queue=max_queue)
     else:
         scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
-    app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes)
+    app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes,
+                     access=access.for_bind(str(sock.getsockname()[0])))
     if background is not None:
         pause_while_busy(background, scheduler)
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5,
+    # uvicorn waits for open responses a little longer than the drain, so streams get their end
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=drain_timeout + 10,
                             lifespan="on")
     server = uvicorn.Server(config)
     bound_host, bound_port = sock.getsockname()[:2]
@@ -543,10 +552,21 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
             scheduler.stop()  # also when uvicorn could not start
 
     http_thread = threading.Thread(target=http, name="specwood-http", daemon=True)
-    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    draining = threading.Event()
+
+    def on_signal(sig: int, frame: Any) -> None:
+        if not draining.is_set():  # the first: drain, then stop the scheduler (failing what is left)
+            draining.set()
+            timer = threading.Timer(drain_timeout, scheduler.stop, kwargs={"timeout": 0})
+            timer.daemon = True
+            timer.start()
+            _log(f"draining: running requests get {drain_timeout:g} s to finish (a second signal ends at once)")
+        server.handle_exit(sig, frame)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         scheduler.run_here(then=http_thread.start)
-        http_thread.join(30)
+        http_thread.join(drain_timeout + 30)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

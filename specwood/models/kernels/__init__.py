@@ -6,9 +6,12 @@ print one line instead of a traceback.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,52 @@ def cpu_flags() -> set[str]:
 
 
 def build_directory() -> Path:
-    return Path(os.environ.get("SPECWOOD_KERNEL_DIR", Path.home() / ".cache" / "specwood" / "kernels"))
+    """Where compiled kernels live: $SPECWOOD_KERNEL_DIR, else $SPECWOOD_CACHE/kernels, else
+    ~/.cache/specwood/kernels (one folder per kernel build, `CpuKernel.build_dir`)."""
+    if os.environ.get("SPECWOOD_KERNEL_DIR"):
+        return Path(os.environ["SPECWOOD_KERNEL_DIR"])
+    cache = os.environ.get("SPECWOOD_CACHE")
+    return (Path(cache).expanduser() if cache else Path.home() / ".cache" / "specwood") / "kernels"
+
+
+STALE_LOCK_S = 60.0  # a build lock this old with no live builder on record is left over from a killed build
+
+
+def clear_stale_lock(build: Path) -> bool:
+    """Remove torch's build lock in `build` when its builder is gone: the pid we record while
+    building is dead, or there is no record and the lock is older than STALE_LOCK_S. A killed
+    build leaves the lock behind, and torch's loader then waits for it forever. True if removed."""
+    lock, owner = build / "lock", build / "builder.pid"
+    if not lock.exists():
+        return False
+    try:
+        pid: int | None = int(owner.read_text())
+    except (OSError, ValueError):
+        pid = None
+    try:
+        stale = not _alive(pid) if pid is not None else time.time() - lock.stat().st_mtime > STALE_LOCK_S
+    except OSError:
+        return False
+    if stale:
+        lock.unlink(missing_ok=True)
+        print(f"[load] removed a stale kernel build lock in {build} (a build was killed)", file=sys.stderr)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 class CpuKernel:
@@ -40,6 +88,13 @@ class CpuKernel:
         self._lock = threading.Lock()
         self._module: Any = None
         self.failure: str | None = None
+
+    def build_dir(self) -> Path:
+        """This build's own folder, keyed by the source, the compiler flags, torch's and Python's
+        versions: a changed source or another torch never loads (or waits on) an old build."""
+        key = hashlib.sha256(self.source.read_bytes() + json.dumps(
+            [self.cflags, torch_version(), list(sys.version_info[:2])]).encode()).hexdigest()[:12]
+        return build_directory() / f"{self.name}-{key}"
 
     def missing_flags(self) -> list[str]:
         """The required CPU flags this machine lacks (none: the kernel can run here, if it builds)."""
@@ -66,12 +121,18 @@ class CpuKernel:
             try:
                 from torch.utils.cpp_extension import load
 
-                build = build_directory()
+                build = self.build_dir()
                 build.mkdir(parents=True, exist_ok=True)
+                clear_stale_lock(build)
                 if not any(build.glob(f"{self.name}*.so")):
                     print(f"[load] compiling {self.source.name} (once, about a minute)", file=sys.stderr)
-                self._module = load(name=self.name, sources=[str(self.source)], build_directory=str(build),
-                                    extra_cflags=self.cflags, verbose=False)
+                owner = build / "builder.pid"
+                owner.write_text(str(os.getpid()))  # lets a later process see that a lock is stale
+                try:
+                    self._module = load(name=self.name, sources=[str(self.source)], build_directory=str(build),
+                                        extra_cflags=self.cflags, verbose=False)
+                finally:
+                    owner.unlink(missing_ok=True)
             except Exception as e:  # no compiler, no ninja, a failed build: one line, not a traceback
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self.failure = f"{self.use}: the kernel could not be built ({first[:200]}); install a C++ compiler and ninja"

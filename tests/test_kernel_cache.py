@@ -1,0 +1,50 @@
+"""The compiled-kernel cache: one folder per build keyed by source, flags, torch and Python
+versions, where the caches point; a lock left by a killed build is removed, not waited on forever."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from specwood.models import kernels
+from specwood.models.layer_ops import KERNEL
+
+
+def test_each_build_has_its_own_folder(tmp_path, monkeypatch):
+    base = KERNEL.build_dir()
+    assert base.parent == kernels.build_directory() and base.name.startswith(KERNEL.name + "-")
+    other_flags = kernels.CpuKernel(KERNEL.name, KERNEL.source.name, KERNEL.cflags + ["-DSPECWOOD_X"], KERNEL.required,
+                                    KERNEL.use)
+    assert other_flags.build_dir() != base
+    monkeypatch.setattr(kernels, "torch_version", lambda: "0.0.1")
+    assert KERNEL.build_dir() != base
+    monkeypatch.undo()
+    monkeypatch.delenv("SPECWOOD_KERNEL_DIR", raising=False)
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path))
+    assert kernels.build_directory() == tmp_path / "kernels"
+
+
+def test_a_stale_lock_is_removed_and_the_kernel_loads():
+    """A lock from a killed build (its recorded builder is dead): the next start removes it with one
+    line and loads the kernel instead of hanging in torch's wait."""
+    assert KERNEL.load() is not None, KERNEL.failure  # built (or loaded) here first
+    build = KERNEL.build_dir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (build / "lock").write_text("")
+    (build / "builder.pid").write_text(str(dead.pid))
+    code = "from specwood.models.layer_ops import KERNEL; assert KERNEL.load() is not None, KERNEL.failure"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "removed a stale kernel build lock" in proc.stderr and not (build / "lock").exists()
+
+
+def test_a_live_builders_lock_is_left_alone(tmp_path):
+    (tmp_path / "lock").write_text("")
+    (tmp_path / "builder.pid").write_text(str(subprocess.os.getpid()))
+    assert not kernels.clear_stale_lock(tmp_path) and (tmp_path / "lock").exists()
+    (tmp_path / "builder.pid").unlink()  # no record: only a lock older than STALE_LOCK_S is stale
+    assert not kernels.clear_stale_lock(tmp_path)
+    old = time.time() - kernels.STALE_LOCK_S - 5
+    subprocess.os.utime(tmp_path / "lock", (old, old))
+    assert kernels.clear_stale_lock(tmp_path) and not (tmp_path / "lock").exists()
