@@ -48,3 +48,21 @@ def test_a_live_builders_lock_is_left_alone(tmp_path):
     old = time.time() - kernels.STALE_LOCK_S - 5
     subprocess.os.utime(tmp_path / "lock", (old, old))
     assert kernels.clear_stale_lock(tmp_path) and not (tmp_path / "lock").exists()
+
+
+def test_without_a_compiler_generation_runs_on_torch_with_one_line(tmp_path, tiny_tokenizer):
+    import os
+
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
+    folder = save_hf_folder(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=1))
+    tiny_tokenizer.save_pretrained(folder)
+    env = dict(os.environ, SPECWOOD_KERNEL_DIR=str(tmp_path / "kernels"), SPECWOOD_CACHE=str(tmp_path / "cache"),
+               CXX="/bin/false")
+    proc = subprocess.run([sys.executable, "-m", "specwood.cli", "generate", "hello", "--target", str(folder),
+                           "--draft", "none", "--method", "ar", "--max-tokens", "4", "--raw"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    said = [ln for ln in proc.stderr.splitlines() if "could not be built" in ln]
+    assert len(said) == 1 and "run on torch instead" in said[0] and "Traceback" not in proc.stderr

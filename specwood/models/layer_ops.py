@@ -7,6 +7,8 @@ versions are mostly dispatch (BENCHMARKS.md §7o).
 """
 from __future__ import annotations
 
+import sys
+
 from typing import Any
 
 import torch
@@ -139,7 +141,13 @@ _kernel_ops: KernelLayerOps | None = None
 
 def kernel_layer_ops() -> KernelLayerOps | None:
     """The kernels' implementation, or None where they cannot be built (see KERNEL.failure)."""
-    global _kernel_ops
+    global _kernel_ops, _fallback_said
     if _kernel_ops is None and KERNEL.load() is not None:
         _kernel_ops = KernelLayerOps()
+    if _kernel_ops is None and not _fallback_said and not KERNEL.missing_flags():
+        _fallback_said = True  # a failed build (no compiler): one line, then torch's operations
+        print(f"[load] {KERNEL.failure}; the layers' small operations run on torch instead", file=sys.stderr)
     return _kernel_ops
+
+
+_fallback_said = False
