@@ -102,7 +102,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     _, record = train_head(engine.target, windows, features, vocab, settings, out=out, progress=True,
                            name=target_name, about=about)
     done = record.curve[-1][0] if record.curve else 0
-    load_head(out, engine.target)  # it loads
+    load_head(out, engine.target, fast=False)  # it loads (no need to put it on the kernels for that)
     status = "finished" if done >= args.steps else f"stopped at step {done} of {args.steps} (rerun to go on)"
     print(f"[train-drafter] {status}; head written to {out} ({out.stat().st_size / 1e6:.1f} MB)\n"
           f"use it: specwood generate \"PROMPT\" --method head --head {out}", file=sys.stderr)

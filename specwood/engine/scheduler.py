@@ -25,7 +25,7 @@ from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.cache import KVCache
 from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
 from specwood.models.batch import RowInput, forward_rows_features
-from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_outputs, prefill_rows
+from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_outputs, prefill_rows_features
 from specwood.models.transformer import Transformer
 from specwood.sampling import next_token
 from specwood.tree.token_tree import TokenTree
@@ -236,12 +236,9 @@ class Scheduler(QueueCounts):
         if not chunks:
             return
         try:
-            if draft:
-                logits = prefill_rows(model, cache, self._row_chunks(chunks, draft))
-            else:
-                logits, features = forward_rows_features(model, cache, self._target_prefill_inputs(chunks))
-                logits = prefill_outputs(cache, self._row_chunks(chunks, draft), logits)
-                hand_prompt_features(chunks, features)
+            logits, features = prefill_rows_features(model, cache, self._row_chunks(chunks, draft),
+                                                     [not draft and wants_features(r) for r, _, _ in chunks])
+            hand_prompt_features(chunks, features)
         except Exception as e:  # noqa: BLE001 - one at a time, to fail only the request at fault
             if len(chunks) == 1:
                 self._fail(chunks[0][0], e)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specwood.models.batch import RowInput, forward_rows
+from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
 from specwood.models.transformer import Transformer
 
@@ -33,7 +33,16 @@ def prefill_rows(model: Transformer, cache: KVCache, chunks: list[tuple[int, lis
     (row, prompt, start, end) writes prompt tokens [start, end) into slots [start, end) of cache
     row `row` and sets the row's length to `end`. Returns each chunk's last-token logits [V]
     (meaningful where `end` is the prompt's end)."""
-    return prefill_outputs(cache, chunks, forward_rows(model, cache, [prefill_input(*chunk) for chunk in chunks]))
+    return prefill_rows_features(model, cache, chunks)[0]
+
+
+def prefill_rows_features(model: Transformer, cache: KVCache, chunks: list[tuple[int, list[int], int, int]],
+                          features: list[bool] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """`prefill_rows`, and the features of every token of the chunks whose `features` flag is set
+    (what a feature-level draft head reads of the target's prefill; None for the others)."""
+    wanted = features or [False] * len(chunks)
+    logits, feats = forward_rows_features(model, cache, [prefill_input(*c, f) for c, f in zip(chunks, wanted)])
+    return prefill_outputs(cache, chunks, logits), feats
 
 
 def prefill_input(row: int, prompt: list[int], start: int, end: int, features: bool = False) -> RowInput:
