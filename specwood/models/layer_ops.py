@@ -28,6 +28,11 @@ KERNEL = CpuKernel("specwood_layer_ops", "layer_ops.cpp",
 class TorchLayerOps:
     """The reference implementations (any device, any dtype)."""
 
+    def __deepcopy__(self, memo: dict) -> "TorchLayerOps":
+        # stateless and shared by every module (the kernels' version holds a compiled extension
+        # module, which cannot be copied): a copied model points at the same operations
+        return self
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # normalise in fp32 like the reference implementations, so bf16 stays close to them
         xf = x.float()

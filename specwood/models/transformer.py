@@ -335,7 +335,10 @@ class Transformer(nn.Module):
             raise ValueError(f"layer range {self.layer_range} outside 0..{config.n_layers}")
         self.is_first = self.layer_range.start == 0
         self.is_last = self.layer_range.stop == config.n_layers
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim) if self.is_first else None
+        on_meta = torch.empty(0).device.type == "meta"
+        # on meta the table is not initialised: Embedding's normal_ on meta imports torch._dynamo (~1 s a load)
+        table = torch.empty(config.vocab_size, config.dim) if on_meta else None
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=table) if self.is_first else None
         self.layers = nn.ModuleList(Block(config) for _ in self.layer_range)
         self.norm = RMSNorm(config.dim, config.norm_eps) if self.is_last else None
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None
@@ -343,7 +346,6 @@ class Transformer(nn.Module):
         self.q4_lite = False  # quantize_q4's choice: every weight in 4 bits, not the file's types
         self.weights_in_floats: list[str] = []  # what quantize_q4 found no kernel for
         # under a meta-device context (build_model) the tables are filled in after allocation
-        on_meta = torch.empty(0).device.type == "meta"
         cos, sin = (torch.empty(0), torch.empty(0)) if on_meta else rope_tables(config, self.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
