@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specwood.models.kernels import build_directory
+from specwood.models.testing import make_tiny_tokenizer  # noqa: F401 - the tests import it from here
 
 # compiled kernels stay in one place for the whole run: tests (and the processes they start) that
 # point SPECWOOD_CACHE at a private folder must not compile them again there
@@ -90,26 +91,6 @@ def exact_first_two_law(engine, prompt: list[int], params):
     return law
 
 TINY_VOCAB = 264  # 256 byte tokens + specials, padded
-
-
-def make_tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    for i, special in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]):
-        vocab[special] = 256 + i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    return fast
 
 
 def make_tiny_model(vocab_size: int = TINY_VOCAB, seed: int = 0, arch: str = "qwen2", n_layers: int = 3,

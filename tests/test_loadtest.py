@@ -357,9 +357,8 @@ def test_stream_edge_cases_and_failed_requests(fake_server, tmp_path: Path) -> N
 
     assert asyncio.run(one("bad", 5))["error"] == "HTTP 400: unknown method 'bad'"
     assert "engine failure" in asyncio.run(one("broken", 5))["error"]
-    t0 = time.perf_counter()
     r = asyncio.run(one("slow", 0.3))
-    assert r["error"].startswith("timeout") and time.perf_counter() - t0 < 3
+    assert r["error"].startswith("timeout")
     assert asyncio.run(one("cut", 5))["error"].startswith("the stream ended early")
     r = asyncio.run(one("multiline", 5))
     assert r["error"] is None and r["completion_tokens"] == 7 and r["chunks"] == 7 and r["tokens_per_chunk"] == "exact"

@@ -507,11 +507,9 @@ def test_killed_rank_ends_every_rank(pair, capfd):
         os.kill(victim.pid, signal.SIGKILL)
 
     threading.Thread(target=kill, daemon=True).start()
-    t0 = time.monotonic()
     with pytest.raises(PipelineFailure, match=r"pipeline rank 1 \(pid \d+\) was killed by SIGKILL"):
         for _ in range(1000):
             ex.generate(PROMPTS[0], raw=True, max_tokens=200)
-    assert time.monotonic() - t0 < 30
     assert all(p.exitcode not in (None, 0) for p in ex.procs)
     err = capfd.readouterr().err
     for r in (0, 2):
@@ -677,3 +675,92 @@ def test_bench_runs_the_pipeline_methods(tiny_folder, tmp_path):
         for m in ("specpipe@pipeline", "pp@pipeline", "specinfer@pipeline"):
             assert by[f"p{i}", m]["token_ids"] == ar and by[f"p{i}", m]["engine_stats"]["executor"] == "pipeline"
     assert by["p0", "specpipe@pipeline"]["engine_stats"]["width"] == 2
+
+
+def _listening_addresses(pids: list[int]) -> list[str]:
+    """The local addresses of every listening TCP socket (IPv4 and IPv6) the processes hold."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                address = cols[1].split(":")[0]
+                found.append(address)
+    return found
+
+
+def test_ranks_listen_on_loopback_only(pair):
+    """Nothing of a single-machine pipeline listens beyond loopback: the rendezvous store is a file
+    in a private directory and gloo is bound to the loopback interface."""
+    with PipelineExecutor(pair, 2, width=4, topk=4, threads=1) as ex:
+        ids = pair.encode(PROMPTS[0], raw=True)
+        assert ex.generate(ids, max_tokens=8).token_ids == ar_ids(pair, ids, 8)
+        store_dir = ex._store_dir
+        assert os.stat(store_dir).st_mode & 0o077 == 0  # this user's alone
+        addresses = _listening_addresses([os.getpid(), *ex.pids])
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    assert addresses and set(addresses) <= loopback, addresses
+    assert not os.path.exists(store_dir)
+
+
+def test_a_dead_rank_turns_health_503_and_ends_the_server(pair, tiny_folder, tmp_path):
+    """A rank killed under a running server: /health answers 503 naming it (in-process app), and
+    `specwood serve --executor pipeline` exits non-zero with one line, leaving no rank behind."""
+    import re
+
+    import httpx
+
+    from specwood.engine.pipeline_serve import PipelineScheduler
+    from specwood.serve.app import create_app
+    from test_server import ServerThread, _alive
+
+    ex = PipelineExecutor(pair, 2, width=4, topk=4, threads=1, max_lanes=2)
+    srv = ServerThread(create_app(pair, PipelineScheduler(ex, max_batch=2, max_queue=8))).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30, trust_env=False) as c:
+            assert c.get("/health").status_code == 200
+            os.kill(ex.procs[1].pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (r := c.get("/health")).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert r.status_code == 503 and "pipeline rank 1" in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
+
+    cmd = [sys.executable, "-m", "specwood.cli", "serve", "--executor", "pipeline", "--stages", "2", "--target",
+           str(tiny_folder), "--draft", "none", "--pipeline-mode", "pp", "--dtype", "fp32", "--port", "0", "--max-batch", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, SPECWOOD_CACHE=str(tmp_path)))
+    try:
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+        deadline = time.monotonic() + 50
+        while not any("listening on" in ln for ln in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, lines
+            time.sleep(0.05)
+        ranks = subprocess.run(["pgrep", "-s", str(proc.pid), "-f", "spawn_main"], capture_output=True,
+                               text=True).stdout.split()  # the spawned ranks (not the resource tracker)
+        ranks = [int(p) for p in ranks]
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 2
+        time.sleep(0.5)
+        out = "".join(lines)
+        errors = [ln for ln in out.splitlines() if ln.startswith("specwood: error:")]
+        assert "Traceback" not in out and any(re.search(r"executor went down .*start it again", e) for e in errors), out
+        session = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        left = [int(p) for p in session if _alive(int(p))]  # (zombies await a reaper; they hold nothing)
+        assert not left, f"processes left behind: {left}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

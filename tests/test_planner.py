@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 import math
-import time
 import warnings
 
 import numpy as np
@@ -777,11 +776,10 @@ def test_build_plan_end_to_end_on_tiny_engine(tiny_engine, tmp_path):
     from specwood.planner.cli import format_plan
     from specwood.planner.plots import plot_plan
 
-    t0 = time.perf_counter()
     plan = build_plan(tiny_engine, "dyspec", quick=True, calibration_prompts=RAW_PROMPTS, raw_prompts=True,
                       contexts=(32, 96), xs=(1, 2, 4, 8, 16), aat_xs=(2, 4, 8, 16), max_tokens=16, repeats=2,
                       progress=False, parallel=False)
-    assert time.perf_counter() - t0 < 20 and plan.parallel is None
+    assert plan.parallel is None
     assert plan.contexts == [32, 96] and set(plan.aat_points) == {2, 4, 8, 16}
     assert plan.aat.n_points == 4 and len(plan.choices) == 2
     for c in plan.choices:

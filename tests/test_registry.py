@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -166,9 +165,7 @@ def test_resolve_model_paths(tmp_path: Path) -> None:
 def test_real_default_draft_model() -> None:
     from specwood.models.loader import load_checkpoint, load_tokenizer
 
-    t0 = time.perf_counter()
     cfg, sd, path = load_checkpoint(DEFAULT_DRAFT, torch.bfloat16)
-    load_s = time.perf_counter() - t0
     assert path.suffix == ".gguf" and is_verified(path, REGISTRY[DEFAULT_DRAFT].size, REGISTRY[DEFAULT_DRAFT].sha256)
     assert (cfg.arch, cfg.n_layers, cfg.dim, cfg.vocab_size) == ("qwen2", 24, 896, 151936)
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size) == (14, 2, 64, 4864)
@@ -178,7 +175,6 @@ def test_real_default_draft_model() -> None:
     assert not cfg.tie_embeddings
     emb, out = sd["tok_embeddings.weight"].float(), sd["output.weight"].float()
     assert ((emb - out).norm() / emb.norm()).item() < 0.08
-    assert load_s < 120
 
     tok = load_tokenizer(DEFAULT_DRAFT)
     text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # héllo 世界"

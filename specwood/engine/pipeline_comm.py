@@ -11,7 +11,7 @@ Messages, all int64 except hidden states:
   transfer  rank i -> i+1 every step: [step, n, checksum of row keys], then hidden [n, dim]
 Every receiver checks the step and what it expected, so ranks that disagree fail loudly.
 
-Liveness: every rank bumps a counter in the rendezvous store (the launcher's TCPStore, or
+Liveness: every rank bumps a counter in the rendezvous store (the launcher's file store, or
 torchrun's) every HEARTBEAT_S; a watcher thread that sees another rank's counter stand still for
 STALE_S, or a failure note (`fail/<rank>`) in the store, prints one line and exits the process.
 A collective that fails because a peer vanished asks the watcher which rank it was.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 import sys
 import threading
 import time
@@ -114,10 +113,6 @@ class Monitor(threading.Thread):
         while time.monotonic() < deadline and self.verdict is None:
             time.sleep(0.1)
         return self.verdict or "a peer rank vanished"
-
-
-def connect_store(host: str, port: int, timeout_s: float = 60.0) -> Any:
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def init_group(rank: int, world: int, backend: str, store: Any | None, timeout_s: float) -> Any:

@@ -1,6 +1,7 @@
 """Launching the pipeline executor on one machine: `PipelineExecutor` spawns one process per stage
-(torch.multiprocessing, spawn) joined over gloo (NCCL for CUDA stages) on 127.0.0.1, with the
-rendezvous TCPStore hosted here on a free port. The weights are shipped once through shared memory
+(torch.multiprocessing, spawn) joined over gloo (NCCL for CUDA stages) on the loopback interface
+only, with the rendezvous store a file in a private directory (mode 0700): nothing of a
+single-machine pipeline listens beyond 127.0.0.1, and no other user can write the store. The weights are shipped once through shared memory
 (each rank gets its layers; rank 0 also the draft, the tokenizer and the EOS ids), so ranks start
 in seconds and never re-read model files.
 
@@ -10,10 +11,11 @@ that have not after GRACE_S are killed, so nothing is left behind. Ranks also di
 """
 from __future__ import annotations
 
-import datetime
 import itertools
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import weakref
@@ -35,6 +37,7 @@ from specwood.engine.processes import describe_exit
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.sampling import SamplingParams
 
+LOOPBACK = "lo"  # Linux's loopback interface: where single-machine ranks talk
 GRACE_S = 25.0  # how long the other ranks get to exit by themselves after one died
 
 
@@ -69,7 +72,9 @@ def _stage_weights(model: Any, layers: range) -> dict[str, torch.Tensor]:
 def _rank_entry(conn: Any) -> None:
     """A spawned rank: receive its spec, build its parts, run (pipeline.run_rank)."""
     from specwood.engine.pipeline import run_rank
-    from specwood.engine.pipeline_comm import connect_store, die
+    import torch.distributed as dist
+
+    from specwood.engine.pipeline_comm import die
     from specwood.engine.processes import exit_with_parent
 
     exit_with_parent()
@@ -85,10 +90,13 @@ def _rank_entry(conn: Any) -> None:
             os.sched_setaffinity(0, spec["cores"])
         except (AttributeError, OSError):
             pass
+    # gloo and NCCL would otherwise pick the interface the host name resolves to
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK)
     try:
-        store = connect_store("127.0.0.1", spec["port"])
+        store = dist.FileStore(spec["store"], -1)
     except Exception as e:  # noqa: BLE001
-        die(f"pipeline rank {rank}: cannot reach the launcher's store: {e}")
+        die(f"pipeline rank {rank}: cannot open the launcher's store: {e}")
 
     def build(r: int, layers: range) -> dict[str, Any]:
         from specwood.engine.parallel import _build_draft
@@ -172,12 +180,12 @@ class PipelineExecutor:
         self.engine, self.stages, self.width, self.topk, self.max_lanes = engine, stages, width, topk, max_lanes
         self.layers = stage_ranges(target.config, stages, draft_load(engine))
         pin = stages * self.threads <= len(cores)  # one core set per rank when they fit
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=60))
+        self._store_dir = tempfile.mkdtemp(prefix="specwood-pipeline-")  # 0700: this user's alone
+        self._store = dist.FileStore(os.path.join(self._store_dir, "store"), -1)
         on_cuda = target.device.type == "cuda"
         ctx = tmp.get_context("spawn")
         self.procs, self.conn = [], None
-        self._finalizer = weakref.finalize(self, _kill_all, self.procs)
+        self._finalizer = weakref.finalize(self, _kill_all, self.procs, self._store_dir)
         self.failed: str | None = None
         self._pending: dict[int, PipelineRequest] = {}
         self._ids = itertools.count()
@@ -199,7 +207,7 @@ class PipelineExecutor:
                     draft = _draft_spec(engine.draft_model, str(target.device), self.threads)
                 device = f"cuda:{r % torch.cuda.device_count()}" if on_cuda else "cpu"
                 parent.send({
-                    "rank": r, "world": stages, "port": self._store.port, "layers": self.layers,
+                    "rank": r, "world": stages, "store": os.path.join(self._store_dir, "store"), "layers": self.layers,
                     "config": target.config, "weights": _stage_weights(target, self.layers[r]), "dtype": target.dtype,
                     "device": device, "max_positions": target.max_positions, "threads": self.threads,
                     "cores": cores[r * self.threads:(r + 1) * self.threads] if pin else None,
@@ -404,12 +412,15 @@ class PipelineExecutor:
         self.close()
 
 
-def _kill_all(procs: list[Any]) -> None:
+def _kill_all(procs: list[Any], store_dir: str | None = None) -> None:
+    """Kill the ranks still alive; with `store_dir` (the executor's end), remove the store too."""
     for p in procs:
         if p.is_alive():
             p.kill()
     for p in procs:
         p.join(5)
+    if store_dir is not None:
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def generate_pipeline(engine: Any, prompt: Any, *, stages: int = 2, width: int | str | None = 8, topk: int = 4,

@@ -25,8 +25,12 @@ class PipelineMethods:
     """The server's method table on the pipeline (the app's `_Methods` interface)."""
 
     def __init__(self, default: str, options: dict[str, Any] | None = None):
+        from specwood.drafting.shapes import SHAPES
+        from specwood.engine.pipeline_launch import PIPELINE_METHODS
+
         self.options = {k: v for k, v in (options or {}).items() if v is not None}
         self.default = self._check(default)[0]
+        self.names = [*PIPELINE_METHODS, *(s for s in SHAPES if s != "pld")]  # what a request may name
 
     def _check(self, name: str) -> tuple[str, tuple[str, dict[str, Any] | None]]:
         from specwood.serve.protocol import ProtocolError
@@ -63,6 +67,11 @@ class PipelineScheduler(QueueCounts):
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the pipeline is down for good (a rank died or failed), or None while it serves."""
+        return self.executor.failed
 
     def room_for(self, prompt_len: int, max_tokens: int) -> int:
         return prompt_len + max_tokens + self.tree_room

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from specwood.models.config import ModelConfig
 from specwood.models.loader import canonical_shapes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 
 def random_tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
@@ -180,3 +184,25 @@ def save_hf_folder(path: str | os.PathLike[str], config: ModelConfig, state_dict
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
     return Path(path)
+
+
+def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer of 259 tokens (256 bytes, then <|endoftext|>, <|im_start|>, <|im_end|>)
+    with a ChatML template: what the tiny test models and benchmarks run with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    for i, special in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]):
+        vocab[special] = 256 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return fast

@@ -30,11 +30,13 @@ from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodErr
 from specwood.serve import protocol as P
 from specwood.serve.guard import Access, guard_app
 from specwood.serve.metrics import ServerMetrics
+from specwood.serve.openapi import chat_body, completion_body, generation_operation
 from specwood.serve.protocol import GenerationRequest, ProtocolError
 
 RETRY_AFTER_S = 1
 QUEUE_SAMPLE_S = 0.005  # period of the queue-time sampler while requests wait for admission
 DEFAULT_MAX_CONTEXT = 4096  # `specwood serve` without --max-context: the cache holds max_batch rows of it
+EXECUTOR_POLL_S = 0.5  # how often the server looks whether its executor went down
 DEFAULT_DRAIN_S = 30.0  # on SIGTERM, how long running requests may take to finish
 
 
@@ -47,7 +49,7 @@ class _Methods:
     the others on first use (off the event loop) and cached."""
 
     def __init__(self, engine: Any, default: str, options: dict[str, Any] | None):
-        from specwood.methods import get_method
+        from specwood.methods import get_method, method_names
 
         self.engine = engine
         self.options = {k: v for k, v in (options or {}).items() if v is not None}
@@ -64,6 +66,7 @@ class _Methods:
             name, factory = "ar", engine.prepare("ar", {})
         self.default = name
         self._cache[name] = factory
+        self.names = method_names()  # what a request may name
 
     def cached(self, name: str | None) -> tuple[str, Any] | None:
         if name is None:
@@ -191,8 +194,13 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         thread = getattr(scheduler, "_thread", None)
         if thread is not None and not thread.is_alive():
             return JSONResponse(P.error_body("the scheduler thread has stopped", 503), status_code=503)
+        failure = getattr(scheduler, "failure", None)  # an executor down for good (a dead pipeline rank)
+        if failure:
+            return JSONResponse(P.error_body(f"the executor is down: {failure}", 503), status_code=503)
+        cache = getattr(scheduler, "cache", None)  # the pipeline's ranks hold theirs elsewhere
         return JSONResponse({"status": "ok", "model": name, "running": scheduler.num_running,
-                             "waiting": scheduler.num_waiting})
+                             "waiting": scheduler.num_waiting,
+                             "free_rows": cache.free_rows if cache is not None else None})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -207,11 +215,11 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
 
     # --- generation ---------------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=generation_operation(chat_body(name, methods.names, max_context)))
     async def chat_completions(request: HTTPRequest) -> Response:
         return await _generate(request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=generation_operation(completion_body(name, methods.names, vocab, max_context)))
     async def completions(request: HTTPRequest) -> Response:
         return await _generate(request, "completion")
 
@@ -523,6 +531,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in str(bound_host) else bound_host
 
+    down: list[str] = []  # why the executor went down for good, if it did
+
     async def run() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
@@ -530,6 +540,14 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
         if server.started:
             print(f"specwood: listening on http://{shown}:{bound_port} (model {engine.target_name}, "
                   f"method {app.state.methods.default}, max batch {max_batch})", flush=True)
+        # an executor that cannot recover (a dead pipeline rank) ends the server: /health says 503
+        # meanwhile, and a supervisor restarts the process on its non-zero exit
+        while not task.done():
+            failure = getattr(scheduler, "failure", None)
+            if failure and not down:
+                down.append(failure)
+                server.should_exit = True
+            await asyncio.wait([task], timeout=EXECUTOR_POLL_S)
         await task
 
     if not isinstance(scheduler, Scheduler) or threading.current_thread() is not threading.main_thread():
@@ -539,6 +557,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
         finally:
             scheduler.stop()
             sock.close()
+        if down:
+            raise SpecwoodError(f"the executor went down ({down[0]}); the server stopped -- start it again")
         return
 
     # Decode steps run on this (the main) thread, HTTP on a second one: torch's OpenMP team is

@@ -1,0 +1,92 @@
+"""`specwood serve` under hostile and long use, as a real process on 127.0.0.1: schemathesis fuzzes
+both generation endpoints from the server's own OpenAPI schema (positive and negative cases) and
+must find no 5xx; a soak of mixed requests (streams, cancellations, bad input, full concurrency)
+must give back memory, file descriptors, threads and cache rows. The 5,000-request soak is
+benchmarks/soak.py (BENCHMARKS.md)."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from specwood.bench.soak import Soak
+from specwood.models.testing import make_tiny_tokenizer, random_state_dict, random_tiny_config, save_hf_folder
+
+from test_server import serve_command
+
+MAX_BATCH = 4
+FUZZ_EXAMPLES = 200
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`specwood serve` on a tiny target and draft (dyspec by default), port 0."""
+    root = tmp_path_factory.mktemp("reliability")
+    folders = []
+    for name, seed in (("target", 1), ("draft", 2)):
+        cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=256)
+        folder = save_hf_folder(root / name, cfg, random_state_dict(cfg, seed=seed))
+        make_tiny_tokenizer().save_pretrained(folder)
+        folders.append(folder)
+    cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(folders[0]), "--draft", str(folders[1]),
+           "--dtype", "fp32", "--method", "dyspec", "--port", "0", "--max-batch", str(MAX_BATCH)]
+    with serve_command(cmd, root / "cache") as (url, lines, proc):
+        yield url, proc, root
+
+
+def test_fuzzing_both_generation_endpoints_finds_no_server_error(served):
+    url, proc, root = served
+    report = root / "fuzz"
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--include-method", "POST",
+           "--checks", "not_a_server_error", "--mode", "all", "--phases", "coverage,fuzzing",
+           "--max-examples", str(FUZZ_EXAMPLES), "--seed", "7", "--workers", "1", "--generation-database", "none",
+           "--request-timeout", "60", "--no-color", "--report", "ndjson", "--report-dir", str(report)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    # from the run's own record: every answer per endpoint, and how many fuzzing cases each had
+    statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    fuzzed: collections.Counter = collections.Counter()
+    for line in next(report.glob("*.ndjson")).read_text().splitlines():
+        event = json.loads(line)
+        finished = event.get("ScenarioFinished")
+        if not finished:
+            continue
+        rec = finished["recorder"]
+        statuses[rec["label"]].update(i["response"]["status_code"] for i in rec["interactions"].values()
+                                      if i.get("response"))
+        if finished["phase"] == "fuzzing":
+            fuzzed[rec["label"]] += len(rec["cases"])
+    labels = {"POST /v1/chat/completions", "POST /v1/completions"}
+    assert set(fuzzed) == labels and min(fuzzed.values()) >= FUZZ_EXAMPLES, fuzzed
+    for label in labels:  # accepted and refused cases both reached the server, and no 5xx
+        seen = statuses[label]
+        assert seen[200] > 0 and sum(n for s, n in seen.items() if 400 <= s < 500) > 0, (label, seen)
+        assert not [s for s in seen if s >= 500], (label, seen)
+    with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
+        assert c.get("/health").json()["status"] == "ok"
+        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200
+    assert proc.poll() is None
+
+
+def test_a_soak_gives_everything_back(served):
+    """Mixed requests at full concurrency: no 5xx, every good request completes, and after a
+    warm-up the server's memory grows < 5% while descriptors, threads and cache rows return."""
+    url, proc, _ = served
+    with Soak(url, proc.pid, concurrency=MAX_BATCH, seed=3) as soak:
+        report = soak.run(1500, warmup=100)
+    print("\n" + report.summary())
+    assert report.server_errors == 0 and not report.failures, report.failures[:5]
+    assert sum(report.statuses.values()) == report.requests and all(report.kinds.values())
+    assert report.rss_growth < 0.05, report.summary()
+    assert report.end["fds"] <= report.warm["fds"], report.summary()
+    # the event loop's worker pool (parsing, tokenising) grows on demand up to its fixed size and
+    # stays: bounded, where a leak would add threads with every request
+    assert report.end["threads"] <= report.warm["threads"] + min(32, (os.cpu_count() or 1) + 4), report.summary()
+    assert report.warm["free_rows"] == report.end["free_rows"] == MAX_BATCH
+    assert proc.poll() is None
