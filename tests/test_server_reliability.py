@@ -46,7 +46,7 @@ def test_fuzzing_both_generation_endpoints_finds_no_server_error(served):
            "--checks", "not_a_server_error", "--mode", "all", "--phases", "coverage,fuzzing",
            "--max-examples", str(FUZZ_EXAMPLES), "--seed", "7", "--workers", "1", "--generation-database", "none",
            "--request-timeout", "60", "--no-color", "--report", "ndjson", "--report-dir", str(report)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=root)  # its caches go there
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     # from the run's own record: every answer per endpoint, and how many fuzzing cases each had
     statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
