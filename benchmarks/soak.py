@@ -15,7 +15,7 @@ from pathlib import Path
 
 from specwood.bench.loadtest import ServerProcess, free_port, serve_command
 from specwood.bench.soak import Soak, print_progress
-from specwood.models.testing import make_tiny_tokenizer, random_state_dict, random_tiny_config, save_hf_folder
+from specwood.models.testing import tiny_pair_folders
 
 
 def main() -> int:
@@ -27,14 +27,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        folders = []
-        for name, seed in (("target", 1), ("draft", 2)):
-            cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=256)
-            folder = save_hf_folder(Path(tmp) / name, cfg, random_state_dict(cfg, seed=seed))
-            make_tiny_tokenizer().save_pretrained(folder)
-            folders.append(str(folder))
+        target, draft = tiny_pair_folders(tmp)
         port = free_port()
-        cmd = serve_command(port, max_batch=args.max_batch, target=folders[0], draft=folders[1], dtype="fp32")
+        cmd = serve_command(port, max_batch=args.max_batch, target=str(target), draft=str(draft), dtype="fp32")
         cmd += ["--method", args.method]
         with ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path=Path(tmp) / "server.log") as server:
             with Soak(server.base_url, server.proc.pid, concurrency=args.max_batch, seed=args.seed) as soak:

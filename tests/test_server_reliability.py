@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from specwood.bench.soak import Soak
-from specwood.models.testing import make_tiny_tokenizer, random_state_dict, random_tiny_config, save_hf_folder
+from specwood.models.testing import tiny_pair_folders
 
 from test_server import serve_command
 
@@ -27,13 +27,8 @@ FUZZ_EXAMPLES = 200
 def served(tmp_path_factory):
     """`specwood serve` on a tiny target and draft (dyspec by default), port 0."""
     root = tmp_path_factory.mktemp("reliability")
-    folders = []
-    for name, seed in (("target", 1), ("draft", 2)):
-        cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=256)
-        folder = save_hf_folder(root / name, cfg, random_state_dict(cfg, seed=seed))
-        make_tiny_tokenizer().save_pretrained(folder)
-        folders.append(folder)
-    cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(folders[0]), "--draft", str(folders[1]),
+    target, draft = tiny_pair_folders(root)
+    cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(target), "--draft", str(draft),
            "--dtype", "fp32", "--method", "dyspec", "--port", "0", "--max-batch", str(MAX_BATCH)]
     with serve_command(cmd, root / "cache") as (url, lines, proc):
         yield url, proc, root

@@ -206,3 +206,15 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     return fast
+
+
+def tiny_pair_folders(root: str | os.PathLike[str], max_positions: int = 256) -> tuple[Path, Path]:
+    """A tiny random target and draft (3 layers, vocabulary 264) saved as Hugging Face folders
+    with the tiny tokenizer under `root`: what `specwood serve --target ... --draft ...` takes."""
+    folders = []
+    for name, seed in (("target", 1), ("draft", 2)):
+        cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=max_positions)
+        folder = save_hf_folder(Path(root) / name, cfg, random_state_dict(cfg, seed=seed))
+        make_tiny_tokenizer().save_pretrained(folder)
+        folders.append(folder)
+    return folders[0], folders[1]
