@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--xs", default="4,8,16,32,64", help="tree sizes (tokens verified per step)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="eager,graphs", help="eager and/or graphs (CUDA graphs for decode steps)")
+    ap.add_argument("--head-shapes", default="chain:4,eagle",
+                    help="feature-level draft head steps to time (SHAPE[:DEPTH], an untrained head of the trainer's "
+                         "default size); empty: none")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     if a.dump_configs:
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     tokenizer = AutoTokenizer.from_pretrained(str(a.tokenizer))
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1000, 100_000, (a.prompt_tokens,), generator=g).tolist()
+    vocab = cfgs["target"].vocab_size
+    prompt = torch.randint(min(1000, vocab // 2), min(100_000, vocab), (a.prompt_tokens,), generator=g).tolist()
     device_name = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
     result: dict = {"device": device_name, "torch": torch.__version__, "dtype": a.dtype, "tokens": a.tokens,
                     "prompt_tokens": a.prompt_tokens}
@@ -103,10 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     result["t_v_ms_eager"] = {x: 1000 * t for x, t in sorted(tv.items())}
     print("eager T_v(x)/T_v(1): " + ", ".join(f"{x}:{t / tv[1]:.2f}" for x, t in sorted(tv.items())), flush=True)
     aat = AATFit.from_dict(json.loads(a.plan.read_text())["aat"]) if a.plan else None
+    head = None
+    if a.head_shapes:
+        from specwood.drafting.head import untrained_head
+
+        # the trainer's default size (32,768 draft tokens, MLP 4,096); speed does not depend on training
+        head = untrained_head(target, torch.arange(min(32768, vocab)), intermediate_size=4096, dtype=dtype).to(a.device)
 
     for mode in a.modes.split(","):
         os.environ["SPECWOOD_CUDA_GRAPHS"] = "1" if mode == "graphs" else "0"  # read when a scheduler is made
-        engine = Engine(target, tokenizer, draft=draft, target_name=NAMES["target"] + "-random",
+        engine = Engine(target, tokenizer, draft=draft, head=head, target_name=NAMES["target"] + "-random",
                         draft_name=NAMES["draft"] + "-random")
         ar = timed_generate(engine, prompt, a.tokens, a.repeats, method="ar")
         res = result[mode] = {"ar": ar, "sd": {}}
@@ -122,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
             extra = (f", AAT {sd['aat_cpu_plan']:.2f} -> projected {sd['projected_tok_s']:.1f} tok/s "
                      f"({sd['projected_speedup']:.2f}x ar)") if aat else ""
             print(f"[{mode}] dyspec x={x}: {sd['step_ms']:.2f} ms/step{extra}", flush=True)
+        for shape in filter(None, a.head_shapes.split(",")):
+            name, _, depth = shape.partition(":")
+            options = {"shape": name, **({"depth": int(depth)} if depth else {})}
+            hs = res.setdefault("head", {})[shape] = timed_generate(engine, prompt, a.tokens, a.repeats, method="head",
+                                                                    **options)
+            print(f"[{mode}] head {shape}: {hs['step_ms']:.2f} ms/step (draft levels + one verification; "
+                  f"{hs['step_ms'] / ar['step_ms']:.2f} ar steps)", flush=True)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "gpu_steps.json").write_text(json.dumps(result, indent=1))
