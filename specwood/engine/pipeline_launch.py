@@ -1,9 +1,9 @@
 """Launching the pipeline executor on one machine: `PipelineExecutor` spawns one process per stage
 (torch.multiprocessing, spawn) joined over gloo (NCCL for CUDA stages) on the loopback interface
 only, with the rendezvous store a file in a private directory (mode 0700): nothing of a
-single-machine pipeline listens beyond 127.0.0.1, and no other user can write the store. The weights are shipped once through shared memory
-(each rank gets its layers; rank 0 also the draft, the tokenizer and the EOS ids), so ranks start
-in seconds and never re-read model files.
+single-machine pipeline listens beyond 127.0.0.1, and no other user can write the store. The
+weights are shipped once through shared memory (each rank gets its layers; rank 0 also the draft,
+the tokenizer and the EOS ids), so ranks start in seconds and never re-read model files.
 
 The launcher watches its children: a rank that dies fails the running request with one line
 naming it; the other ranks notice on their own (failed collectives, heartbeats) and exit, and any
@@ -71,9 +71,9 @@ def _stage_weights(model: Any, layers: range) -> dict[str, torch.Tensor]:
 
 def _rank_entry(conn: Any) -> None:
     """A spawned rank: receive its spec, build its parts, run (pipeline.run_rank)."""
-    from specwood.engine.pipeline import run_rank
     import torch.distributed as dist
 
+    from specwood.engine.pipeline import run_rank
     from specwood.engine.pipeline_comm import die
     from specwood.engine.processes import exit_with_parent
 
