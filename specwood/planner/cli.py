@@ -133,6 +133,10 @@ def _local_plan(args: argparse.Namespace) -> Any:
         print(f"[plan] using the stored {plan.mode} plan from {plan.created} (--force to re-measure)",
               file=sys.stderr)
     else:
+        # said up front: the measurement takes a while (the default pair, 2 cores: ~5 / ~25 minutes)
+        print(f"[plan] measuring a {mode} plan for {engine.target_name} on {engine.device}: about "
+              f"{'5' if args.quick else '25'} minutes for a 1.5B target on 2 CPU cores, less on faster hardware",
+              file=sys.stderr)
         plan = build_plan(engine, args.method, quick=args.quick, contexts=args.contexts,
                           parallel=not args.no_parallel)
         path = save_plan(plan)
