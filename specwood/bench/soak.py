@@ -91,8 +91,9 @@ class Soak:
                  headers: dict[str, str] | None = None, timeout_s: float = 120):
         self.url, self.pid, self.concurrency, self.max_tokens = url, pid, concurrency, max_tokens
         self.rng = random.Random(seed)
-        self.client = httpx.Client(base_url=url, timeout=timeout_s, trust_env=False, headers=headers,
-                                   limits=httpx.Limits(max_connections=concurrency + 2))
+        self._client_args = {"base_url": url, "timeout": timeout_s, "trust_env": False, "headers": headers,
+                             "limits": httpx.Limits(max_connections=concurrency + 2)}
+        self.client = httpx.Client(**self._client_args)
 
     def close(self) -> None:
         self.client.close()
@@ -165,6 +166,10 @@ class Soak:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the server did not become idle: {h}")
             time.sleep(0.05)
+        # no connection of ours stays open (the pool keeps a varying number alive): the server's
+        # descriptors are then its own alone
+        self.client.close()
+        self.client = httpx.Client(**self._client_args)
         time.sleep(0.5)  # closed connections and finished to_thread calls settle
         return {**process_sample(self.pid), "free_rows": h.get("free_rows")}
 
