@@ -60,12 +60,9 @@ class BiasedVerify:
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     """A tiny random Qwen2 checkpoint with its tokenizer as an HF folder, for CLI tests."""
-    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+    from specwood.models.testing import tiny_hf_folder
 
-    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
-    folder = save_hf_folder(tmp_path_factory.mktemp("m") / "tiny", cfg, random_state_dict(cfg, seed=1))
-    make_tiny_tokenizer().save_pretrained(folder)
-    return folder
+    return tiny_hf_folder(tmp_path_factory.mktemp("m") / "tiny")
 
 
 def exact_first_two_law(engine, prompt: list[int], params):

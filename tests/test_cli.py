@@ -8,15 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder, write_gguf
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tiny_tokenizer):
-    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
-    folder = save_hf_folder(tmp_path_factory.mktemp("m") / "tiny", cfg, random_state_dict(cfg, seed=1))
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
+from specwood.models.testing import random_state_dict, random_tiny_config, write_gguf
 
 
 def run(*args: str, cache: Path) -> subprocess.CompletedProcess:

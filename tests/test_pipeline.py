@@ -737,7 +737,8 @@ def test_a_dead_rank_turns_health_503_and_ends_the_server(pair, tiny_folder, tmp
         srv.stop()
 
     cmd = [sys.executable, "-m", "specwood.cli", "serve", "--executor", "pipeline", "--stages", "2", "--target",
-           str(tiny_folder), "--draft", "none", "--pipeline-mode", "pp", "--dtype", "fp32", "--port", "0", "--max-batch", "2"]
+           str(tiny_folder), "--draft", "none", "--pipeline-mode", "pp", "--dtype", "fp32", "--port", "0",
+           "--max-batch", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=dict(os.environ, SPECWOOD_CACHE=str(tmp_path)))
     try:

@@ -660,13 +660,11 @@ def serve_command(cmd: list[str], cache: Any, start_timeout_s: float = 60, stop_
             proc.wait(timeout=10)
 
 
-def test_specwood_serve_command(tmp_path, tiny_tokenizer):
+def test_specwood_serve_command(tmp_path):
     """`specwood serve` as a user runs it: a tiny HF folder, port 0, the listening line, SIGTERM."""
-    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+    from specwood.models.testing import tiny_hf_folder
 
-    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
-    folder = save_hf_folder(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=1))
-    tiny_tokenizer.save_pretrained(folder)
+    folder = tiny_hf_folder(tmp_path / "tiny", max_positions=128)
     cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(folder), "--draft", "none", "--dtype",
            "fp32", "--method", "ar", "--port", "0", "--max-batch", "2", "--api-key", "k-123"]
     with serve_command(cmd, tmp_path / "cache") as (url, _, _):
@@ -682,15 +680,13 @@ def test_specwood_serve_command(tmp_path, tiny_tokenizer):
             assert plain.get(url + "/health").status_code == 200
 
 
-def test_sigterm_drains_running_streams(tmp_path, tiny_tokenizer):
+def test_sigterm_drains_running_streams(tmp_path):
     """SIGTERM: a running stream gets --drain-timeout seconds and ends normally; with no time
     left it ends with an error event and [DONE]; the server exits 0 either way."""
     import specwood
-    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+    from specwood.models.testing import tiny_hf_folder
 
-    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=1024)
-    folder = save_hf_folder(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=1))
-    tiny_tokenizer.save_pretrained(folder)
+    folder = tiny_hf_folder(tmp_path / "tiny", max_positions=1024)
     engine = specwood.load(str(folder), None, dtype="fp32", progress=False)
     prompt = next(p for p in ("hello", "abc", "the end", "0123") if len(engine.generate(
         p, raw=True, max_tokens=600).token_ids) == 600)  # a prompt whose reply runs to the limit
@@ -742,14 +738,12 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["background-plan", "parallel-worker"])
-def test_children_die_with_a_killed_server(tmp_path, tiny_tokenizer, mode):
+def test_children_die_with_a_killed_server(tmp_path, mode):
     """SIGKILL of `specwood serve`: within 10 s no child it started (the background planner, kept
     stopped while busy; the DuoDecoding draft worker) is alive or stopped."""
-    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+    from specwood.models.testing import tiny_hf_folder
 
-    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=128)
-    folder = save_hf_folder(tmp_path / "tiny", cfg, random_state_dict(cfg, seed=1))
-    tiny_tokenizer.save_pretrained(folder)
+    folder = tiny_hf_folder(tmp_path / "tiny", max_positions=128)
     extra = ["--method", "auto"] if mode == "background-plan" else ["--executor", "parallel", "--method", "duo"]
     cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(folder), "--draft", str(folder), "--dtype",
            "fp32", "--port", "0", *extra]

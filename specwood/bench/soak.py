@@ -150,7 +150,8 @@ class Soak:
                 events.append(line[6:])
                 if kind == "cancel":
                     return 200, None  # leaving the block closes the connection mid-stream
-        finished = any('"finish_reason": "' in e or '"finish_reason":"' in e for e in events)
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        finished = any(c.get("choices") and c["choices"][0].get("finish_reason") for c in chunks)
         return 200, None if events and events[-1] == "[DONE]" and finished else f"stream ended early: {events[-2:]}"
 
     def health(self) -> dict[str, Any]:

@@ -208,13 +208,16 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def tiny_hf_folder(path: str | os.PathLike[str], seed: int = 1, max_positions: int = 128) -> Path:
+    """A tiny random Qwen2 model (vocabulary 264) saved as a Hugging Face folder with the tiny
+    tokenizer: what `specwood generate|serve --target PATH` takes in tests and benchmarks."""
+    cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=max_positions)
+    folder = save_hf_folder(path, cfg, random_state_dict(cfg, seed=seed))
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def tiny_pair_folders(root: str | os.PathLike[str], max_positions: int = 256) -> tuple[Path, Path]:
-    """A tiny random target and draft (3 layers, vocabulary 264) saved as Hugging Face folders
-    with the tiny tokenizer under `root`: what `specwood serve --target ... --draft ...` takes."""
-    folders = []
-    for name, seed in (("target", 1), ("draft", 2)):
-        cfg = random_tiny_config("qwen2", vocab_size=264, max_position_embeddings=max_positions)
-        folder = save_hf_folder(Path(root) / name, cfg, random_state_dict(cfg, seed=seed))
-        make_tiny_tokenizer().save_pretrained(folder)
-        folders.append(folder)
-    return folders[0], folders[1]
+    """A tiny random target and draft as Hugging Face folders under `root`."""
+    return (tiny_hf_folder(Path(root) / "target", 1, max_positions),
+            tiny_hf_folder(Path(root) / "draft", 2, max_positions))

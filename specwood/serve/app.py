@@ -215,11 +215,14 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
 
     # --- generation ---------------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions", openapi_extra=generation_operation(chat_body(name, methods.names, max_context)))
+    chat_schema = generation_operation(chat_body(name, methods.names, max_context))
+    completion_schema = generation_operation(completion_body(name, methods.names, vocab, max_context))
+
+    @app.post("/v1/chat/completions", openapi_extra=chat_schema)
     async def chat_completions(request: HTTPRequest) -> Response:
         return await _generate(request, "chat")
 
-    @app.post("/v1/completions", openapi_extra=generation_operation(completion_body(name, methods.names, vocab, max_context)))
+    @app.post("/v1/completions", openapi_extra=completion_schema)
     async def completions(request: HTTPRequest) -> Response:
         return await _generate(request, "completion")
 

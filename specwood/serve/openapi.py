@@ -50,7 +50,8 @@ def completion_body(model: str, methods: list[str], vocab_size: int, max_context
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
            "minItems": 1, "maxItems": max_context}
     return {"type": "object", "required": ["prompt"], "properties": {
-        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, ids], "description": "a string or the prompt's token ids"},
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, ids],
+                   "description": "a string or the prompt's token ids"},
         **_common(model, methods, max_context)}}
 
 
