@@ -3,7 +3,7 @@ from specwood.engine.api import Engine, load
 from specwood.engine.output import GenerationResult
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
+from specwood.version import __version__
 import specwood.planner  # noqa: E402,F401 - registers the planner's methods (auto, prior)
 
-__version__ = "0.1.0"
 __all__ = ["Engine", "GenerationResult", "SamplingParams", "SpecwoodError", "load", "__version__"]

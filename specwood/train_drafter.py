@@ -55,8 +55,8 @@ def add_train_drafter_parser(sub: Any) -> None:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    import specwood
-    from specwood.drafting.head import load_head
+    from specwood.engine.api import load
+    from specwood.drafting.head_files import load_head
     from specwood.drafting.head_training import TrainSettings, train_head
     from specwood.engine.api import cpu_has_bf16
     from specwood.models.registry import DEFAULT_TARGET, cache_dir
@@ -78,7 +78,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         Path(str(out) + ".ckpt").unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     print(f"[train-drafter] target {target_name}; data and checkpoints in {work}", file=sys.stderr)
-    engine = specwood.load(target_name, None, dtype=args.dtype, device=args.device)
+    engine = load(target_name, None, dtype=args.dtype, device=args.device)
     if args.window > engine.max_context:
         raise SpecwoodError(f"--window {args.window} is longer than the target's context ({engine.max_context})")
     if not hasattr(engine.target, "features"):

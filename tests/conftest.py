@@ -139,7 +139,7 @@ def trained_tiny_head(target, draft_vocab_size: int, seed: int = 0, steps: int =
     windows = windows_of(sequences, window)
     settings = TrainSettings(steps=steps, batch=8, window=window, lr=3e-3, warmup=20, seed=seed)
     head, _ = train_head(target, windows, target_features(target, windows), vocab, settings)
-    from specwood.drafting.head import match_target_weights
+    from specwood.drafting.head_files import match_target_weights
 
     return match_target_weights(head, target)
 

@@ -23,6 +23,7 @@ from specwood.drafting.shapes import make_shape
 from specwood.engine.api import Engine
 from specwood.engine.request import Drafter, Request, State
 from specwood.engine.scheduler import TREE_ROOM, Scheduler
+from specwood.engine.sequential import SequentialExecutor
 from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
 from specwood.methods import method_names
 from specwood.tree.token_tree import TokenTree
@@ -697,7 +698,7 @@ def test_static_shape_forwards_equal_eager_for_every_method(tiny_engine, monkeyp
         made.append(cache.graphs)
         return cache
 
-    monkeypatch.setattr(Scheduler, "_pool", static_pool)
+    monkeypatch.setattr(SequentialExecutor, "_pool", static_pool)
     sched = Scheduler(engine.target, max_batch=5, prefill_chunk_tokens=16)
     run_jobs(engine, sched, jobs)
     for j, ref in zip(jobs, refs):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specwood.drafting.eagle_files import load_eagle_head
-from specwood.drafting.head import (DraftHead, load_head, match_target_weights, read_head_file, save_head,
-                                    untrained_head)
+from specwood.drafting.head import DraftHead, untrained_head
+from specwood.drafting.head_files import load_head, match_target_weights, read_head_file, save_head
 from specwood.drafting.head_training import TrainSettings, choose_draft_vocab, target_features, train_head, windows_of
 from specwood.engine.api import Engine
 from specwood.errors import ModelFileError, SpecwoodError
@@ -246,7 +246,7 @@ def test_head_auto_loads_the_shipped_head_for_its_target(tiny_pair, tmp_path, mo
     """load(head="auto") takes specwood/heads/<target name>.safetensors where it exists, nothing
     otherwise; "none" never loads one."""
     import specwood
-    from specwood.drafting import head as head_mod
+    from specwood.drafting import head_files as head_mod
     from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
 
     cfg = random_tiny_config("qwen2", vocab_size=tiny_pair.target.config.vocab_size, dim=64)

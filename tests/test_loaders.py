@@ -15,7 +15,8 @@ from specwood.errors import ModelFileError, SpecwoodError
 from specwood.models.gguf_loader import GGUFTensorInfo, dequantize_tensor, load_gguf, read_gguf_header
 from specwood.models.hf_export import to_hf_model
 from specwood.models.hf_loader import load_hf_folder
-from specwood.models.loader import canonical_shapes, load_checkpoint
+from specwood.models.canonical import canonical_shapes
+from specwood.models.loader import load_checkpoint
 from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder, write_gguf
 
 # Relative error a quantisation format may introduce on N(0, 1/sqrt(dim)) weights.

@@ -492,11 +492,11 @@ def test_server_on_the_parallel_executor(engine):
     import httpx
     from concurrent.futures import ThreadPoolExecutor
 
-    from specwood.engine.parallel import ParallelScheduler
+    from specwood.engine.scheduler import Scheduler
     from specwood.serve.app import create_app
     from test_server import ServerThread
 
-    sched = ParallelScheduler(executor(engine), max_batch=4, max_queue=8)
+    sched = Scheduler(executor(engine), max_batch=4, max_queue=8)
     app = create_app(engine, sched, method="duo")
     srv = ServerThread(app).start()
     try:
@@ -519,7 +519,7 @@ def test_server_on_the_parallel_executor(engine):
             assert complete("hello")["choices"][0]["text"] == engine.generate("hello", max_tokens=16, raw=True).text
     finally:
         srv.stop()
-    assert sched._thread is not None and not sched._thread.is_alive() and sched.executor.worker_pid is None
+    assert sched._thread is None and sched._loop_done.is_set() and sched.executor.worker_pid is None  # loop and worker ended
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,7 +591,7 @@ def run_requests(ex: ParallelExecutor, options: dict, params: SamplingParams, n:
             assert len(ids) == 2 or r.result.finish_reason == "stop"
             counts[ids[0] if ids else V, ids[1] if len(ids) > 1 else V] += 1
             chained += r.stats.drafted_depth > 0  # the second token came from a pre-drafted chain
-            chained_other += r.stats.drafted_depth > 0 and r.duo.hit_rank > 0
+            chained_other += r.stats.drafted_depth > 0 and ex.state_of(r).hit_rank > 0
             accepted += r.stats.accepted
     return counts, chained, accepted, chained_other
 

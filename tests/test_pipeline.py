@@ -414,11 +414,11 @@ def test_serve_on_the_pipeline(pair):
     import httpx
 
     from specwood.serve.app import create_app
-    from specwood.engine.pipeline_serve import PipelineScheduler
+    from specwood.engine.scheduler import Scheduler
     from test_server import ServerThread
 
     ex = PipelineExecutor(pair, 2, width=4, topk=4, threads=1, max_lanes=2)
-    sched = PipelineScheduler(ex, max_batch=2, max_queue=8)
+    sched = Scheduler(ex, max_batch=2, max_queue=8)
     app = create_app(pair, sched)
     srv = ServerThread(app).start()
     jobs = [(PROMPTS[0], None, 30), (PROMPTS[1], "pp", 12), (PROMPTS[2], "specpipe", 25), (DB_PROMPTS[3], None, 18)]
@@ -564,7 +564,7 @@ def test_cli_serve_bad_input_one_line(flags, line):
 
 def test_torchrun_stage_count_must_match_world_size():
     """Ranks as torchrun starts them (env://): --stages 3 with 2 launched ranks."""
-    procs = [subprocess.Popen([sys.executable, "-m", "specwood.engine.pipeline", "hi", "--stages", "3"],
+    procs = [subprocess.Popen([sys.executable, "-m", "specwood.engine.pipeline_torchrun", "hi", "--stages", "3"],
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
@@ -576,7 +576,7 @@ def test_torchrun_stage_count_must_match_world_size():
 
 
 def _torchrun_like(argv_per_rank: list[list[str]], timeout: float = 50) -> list[tuple[int, str]]:
-    """Start one `python -m specwood.engine.pipeline` per rank as torchrun would (env://); every
+    """Start one `python -m specwood.engine.pipeline_torchrun` per rank as torchrun would (env://); every
     rank's (exit code, stderr). A rank still running at `timeout` is killed (the test then fails)."""
     import socket
 
@@ -584,7 +584,7 @@ def _torchrun_like(argv_per_rank: list[list[str]], timeout: float = 50) -> list[
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = len(argv_per_rank)
-    procs = [subprocess.Popen([sys.executable, "-m", "specwood.engine.pipeline", *argv],
+    procs = [subprocess.Popen([sys.executable, "-m", "specwood.engine.pipeline_torchrun", *argv],
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -719,12 +719,12 @@ def test_a_dead_rank_turns_health_503_and_ends_the_server(pair, tiny_folder, tmp
 
     import httpx
 
-    from specwood.engine.pipeline_serve import PipelineScheduler
+    from specwood.engine.scheduler import Scheduler
     from specwood.serve.app import create_app
     from test_server import ServerThread, _alive
 
     ex = PipelineExecutor(pair, 2, width=4, topk=4, threads=1, max_lanes=2)
-    srv = ServerThread(create_app(pair, PipelineScheduler(ex, max_batch=2, max_queue=8))).start()
+    srv = ServerThread(create_app(pair, Scheduler(ex, max_batch=2, max_queue=8))).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=30, trust_env=False) as c:
             assert c.get("/health").status_code == 200

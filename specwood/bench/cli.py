@@ -7,7 +7,7 @@ import shlex
 import sys
 from typing import Any
 
-from specwood.cli import (
+from specwood.engine.args import (
     HF_DRAFTS,
     add_executor_args,
     add_method_options,
@@ -243,7 +243,7 @@ def _check_loadtest_args(args: argparse.Namespace) -> tuple[list[int], list[str]
 
     concurrency = parse_concurrency(args.concurrency)
     methods = parse_methods(args.methods)
-    from specwood.cli import HF_DRAFTS
+    from specwood.engine.args import HF_DRAFTS
 
     bench_only = [m for m in methods if m in HF_DRAFTS]
     if bench_only:
@@ -297,7 +297,7 @@ def _sigterm_as_interrupt() -> Any:
 
 
 def _load_inprocess_engine(args: argparse.Namespace, methods: list[str]) -> Any:
-    import specwood
+    from specwood.engine.api import load
 
     need = False
     for m in methods:
@@ -306,7 +306,7 @@ def _load_inprocess_engine(args: argparse.Namespace, methods: list[str]) -> Any:
         except SpecwoodError:
             need = True
     draft = None if (args.draft == "none" or not need) else (args.draft or "auto")
-    return specwood.load(args.target, draft, dtype=args.dtype or "auto", draft_dtype=args.draft_dtype or "auto",
+    return load(args.target, draft, dtype=args.dtype or "auto", draft_dtype=args.draft_dtype or "auto",
                          max_context=args.max_context)
 
 

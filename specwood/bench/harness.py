@@ -238,11 +238,11 @@ class _Runner:
         if backend is None or (e.backend == backend and (e.draft_backend or backend) == backend):
             return e
         if backend not in self.engines:
-            import specwood
+            from specwood.engine.api import load
             from specwood.engine.backends import DEFAULT_LLAMACPP_CTX
 
             ctx = min(e.max_context, DEFAULT_LLAMACPP_CTX) if backend == "llama.cpp" else e.max_context
-            self.engines[backend] = specwood.load(e.target_name, e.draft_name, backend=backend, draft_backend=backend,
+            self.engines[backend] = load(e.target_name, e.draft_name, backend=backend, draft_backend=backend,
                                                   max_context=ctx, progress=False)
         return self.engines[backend]
 

@@ -24,7 +24,8 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from specwood.drafting.head import DraftHead, save_head, untrained_head
+from specwood.drafting.head import DraftHead, untrained_head
+from specwood.drafting.head_files import save_head
 from specwood.errors import SpecwoodError
 from specwood.models.transformer import Transformer
 

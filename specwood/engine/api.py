@@ -9,8 +9,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from specwood.engine.executor import executor_name
 from specwood.engine.output import GenerationResult, OutputStream
-from specwood.engine.request import QueueCounts, Request
+from specwood.engine.parallel import generate_parallel
+from specwood.engine.pipeline_launch import generate_on_pipeline
+from specwood.engine.request import Request
+from specwood.engine.runner import RunnerExecutor
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.config import ModelConfig
@@ -139,9 +143,7 @@ class Engine:
         target (llama.cpp: one KV sequence) requests take turns, whatever `max_batch` says."""
         runner = getattr(self.target, "runner", None)
         if runner is not None:
-            from specwood.engine.runner import RunnerScheduler
-
-            return RunnerScheduler(runner, max_queue=max_queue)
+            return Scheduler(RunnerExecutor(runner), max_batch=1, max_queue=max_queue)
         drafts = tuple(m for m in (self.draft_model, self.draft_head) if m is not None)
         return Scheduler(self.target, max_batch=max_batch, row_len=row_len, max_queue=max_queue, growable=growable,
                          drafts=drafts)
@@ -196,7 +198,7 @@ class Engine:
         if stop is not None and not all(isinstance(s, str) for s in stop):
             raise SpecwoodError("stop must be a string or a list of strings")
         factory = prepared if prepared is not None else self.prepare(method, method_options)
-        load = scheduler.admission_load if isinstance(scheduler, QueueCounts) else 1  # an executor: alone
+        load = scheduler.admission_load if isinstance(scheduler, Scheduler) else 1  # an executor alone: 1
         drafter = factory(scheduler.draft_source, len(prompt_ids), max_tokens, load)
         out = OutputStream(self.tokenizer, len(prompt_ids), max_tokens, self.eos_token_ids, stop, on_text)
         return Request(prompt_ids, max_tokens, params, drafter, out, method=method, device=self.device,
@@ -233,27 +235,18 @@ class Engine:
             executor, prompt = self._executor_for(method, prompt, raw, method_options)
             if executor == "parallel":
                 method_options = {}  # auto's own options do not apply to duo
-        if not (isinstance(executor, str) and executor == "sequential"):
-            from specwood.engine.backends import check_backends
+        name = executor_name(executor)
+        if name == "sequential":
+            request = self.new_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                       top_k=top_k, seed=seed, stop=stop, method=method, raw=raw, on_text=on_text,
+                                       **method_options)
+            return self.run(request)
+        from specwood.engine.backends import check_backends
 
-            name = executor if isinstance(executor, str) else "pipeline" if "Pipeline" in type(executor).__name__ else "parallel"
-            check_backends(self.backend, self.draft_backend or "torch", executor=name)
-        if (isinstance(executor, str) and executor == "pipeline") or type(executor).__name__ == "PipelineExecutor":
-            from specwood.engine.pipeline_launch import generate_on_pipeline  # SpecPipe, PP, PP + SpecInfer
-
-            return generate_on_pipeline(self, executor, prompt, max_tokens=max_tokens, temperature=temperature,
-                                        top_p=top_p, top_k=top_k, seed=seed, stop=stop, method=method, raw=raw,
-                                        on_text=on_text, **method_options)
-        if not (isinstance(executor, str) and executor == "sequential"):
-            from specwood.engine.parallel import generate_parallel
-
-            return generate_parallel(self, executor, prompt, max_tokens=max_tokens, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, seed=seed, stop=stop, method=method, raw=raw,
-                                     on_text=on_text, **method_options)
-        request = self.new_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                   top_k=top_k, seed=seed, stop=stop, method=method, raw=raw, on_text=on_text,
-                                   **method_options)
-        return self.run(request)
+        check_backends(self.backend, self.draft_backend or "torch", executor=name)
+        run = generate_on_pipeline if name == "pipeline" else generate_parallel
+        return run(self, executor, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                   seed=seed, stop=stop, method=method, raw=raw, on_text=on_text, **method_options)
 
     def _executor_for(self, method: str, prompt: Any, raw: bool, options: dict[str, Any]) -> tuple[str, Any]:
         """The executor a method picks for this prompt (sequential unless it chooses: auto follows
@@ -307,7 +300,7 @@ def gguf_is_q4k(name_or_path: str | os.PathLike[str]) -> bool:
     from gguf.constants import GGMLQuantizationType as Q
 
     from specwood.models.gguf_loader import canonical_name, read_gguf_header
-    from specwood.models.loader import layer_index
+    from specwood.models.canonical import layer_index
     from specwood.models.registry import resolve_model
 
     path = resolve_model(name_or_path)
@@ -460,13 +453,13 @@ def load(
         del dsd
     draft_head = None
     if isinstance(head, str) and head.strip().lower() in ("auto", "none"):
-        from specwood.drafting.head import shipped_head
+        from specwood.drafting.head_files import shipped_head
 
         head = shipped_head(target) if head.strip().lower() == "auto" and backend == "torch" else None
     if head is not None:
         if backend != "torch":
             raise SpecwoodError("a draft head reads the target's features: it needs --backend torch for the target")
-        from specwood.drafting.head import load_head
+        from specwood.drafting.head_files import load_head
 
         draft_head = load_head(head, model)
     release_freed_memory()

@@ -7,7 +7,7 @@ The target and the draft choose independently (`backend`, `draft_backend`). A ta
 for the model pair (both backends and weight modes; see `resolve_runtime`); without one, `auto`
 picks llama.cpp when llama-cpp-python is importable and the model is a GGUF file, else torch. On
 llama.cpp a target is a `LlamaCppTarget` (driven through the ModelRunner seam by a
-RunnerScheduler) and a draft a `LlamaCppDraft` (a pool of llama.cpp contexts that hands each
+RunnerExecutor) and a draft a `LlamaCppDraft` (a pool of llama.cpp contexts that hands each
 request a LlamaCppDraftSource), so tree shapes, draft sources, verifiers and the method registry
 are the same on both backends.
 """

@@ -35,10 +35,11 @@ seen: those the target decoded plainly while the worker was still prefilling. On
 probabilities of drafted tokens cross; full vocabulary rows (`dists`, float32) only under sampling
 and only for drafted positions that have a drafted child (what the verifier needs).
 
-Scope: the executor advances a *set* of requests in lock step (`run(requests)`: one batched target
-forward and one batched draft forward per round for all of them), so the batch scheduler can drive
-it later; requests join only at the start of a run (no continuous admission yet), and
-`Engine.generate(..., executor="parallel")` runs one request at a time.
+Scope: the executor advances a *set* of requests in lock step (one batched target forward and one
+batched draft forward per round for all of them). Driven by the one Scheduler
+(specwood.engine.scheduler) like every executor: a batch is admitted while none runs and runs to
+its end in one scheduler step (no continuous admission on this executor yet); a request that
+raises fails alone. `Engine.generate(..., executor="parallel")` runs one request at a time.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ import threading
 import time
 import traceback
 import weakref
+from weakref import WeakKeyDictionary
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -57,7 +59,9 @@ import torch
 
 from specwood.drafting.multi_sequence import MultiSequenceShape, make_multi_sequence, sequence_end
 from specwood.engine.processes import describe_exit
-from specwood.engine.request import Drafter, QueueCounts, Request, State
+from specwood.engine.executor import Executor
+from specwood.engine.request import Drafter, Request, State
+from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.tree.token_tree import TokenTree
 
@@ -602,11 +606,15 @@ class _Duo:
     catchup_s: float = 0.0
 
 
-class ParallelExecutor:
+class ParallelExecutor(Executor):
     """DuoDecoding: the draft model in a worker process (`draft_device`, `draft_threads` cores),
-    the target here. `generate` runs one request; `run(requests)` advances a set of requests made
-    by `new_request` in lock step. The worker starts on first use and is restarted after a
-    failure; `close()` stops it."""
+    the target here. As an executor (specwood.engine.executor) it runs the scheduler's requests
+    in lock-step batches: a batch is admitted while none runs and runs to completion. `generate`
+    runs one request; `run(requests)` a set made by `new_request`. The worker starts on first
+    use and is restarted after a failure; `close()` stops it."""
+
+    name = "parallel"
+    steps_in_caller = False  # a batch runs to its end in one step: the server's loop gets its own thread
 
     def __init__(self, engine: Any, *, draft: Any = None, draft_device: str = "cpu", draft_threads: int | None = None,
                  gamma_max: int = GAMMA_MAX, remeasure_tokens: int = REMEASURE_TOKENS,
@@ -642,6 +650,8 @@ class ParallelExecutor:
             raise SpecwoodError(f"unknown draft dtype '{draft_dtype}' (use auto, int4, bf16 or fp32)")
         self.limit_positions = min(self.target.max_positions, model.max_positions)
         self.tree_room = 2 * gamma_max + 4
+        self.row_len = self.limit_positions + self.tree_room
+        self._duo: WeakKeyDictionary[Request, _Duo] = WeakKeyDictionary()  # each request's DuoDecoding state
         self.cache = None
         self._remote: _Remote | _Inline | None = None
         # replies the worker still owes for messages whose answer is no longer wanted (a run ended
@@ -722,22 +732,18 @@ class ParallelExecutor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # --- requests (the executor stands in for a scheduler in Engine.new_request) ---------------
+    # --- requests -----------------------------------------------------------------------------
 
-    def room_for(self, prompt_len: int, max_tokens: int) -> int:
-        return prompt_len + max_tokens + self.tree_room
-
-    def ensure_room(self, needed: int) -> None:
+    def ensure_room(self, needed: int, idle: bool = True) -> None:
         if needed - self.tree_room > self.limit_positions:
             raise ContextLengthError(f"the request needs {needed - self.tree_room} context tokens but the models hold "
                                      f"{self.limit_positions}; shorten the prompt or lower max_tokens")
 
-    def draft_source(self, model: Any) -> Any:
-        raise SpecwoodError("the parallel executor drafts in its worker process")
-
-    def new_request(self, prompt: Any, *, method: str = "duo", **kwargs: Any) -> Request:
-        """A request for `run` (same arguments as Engine.new_request; method options: budget =
-        a fixed gamma instead of the hardware-aware one, depth, max_sequences)."""
+    def make_request(self, engine: Any, prompt: Any, *, scheduler: Any = None, method: str | None = "duo",
+                     prepared: Any = None, **kwargs: Any) -> Request:
+        """A request for this executor (Engine.new_request's arguments; method options: budget =
+        a fixed gamma instead of the hardware-aware one, depth, max_sequences). A server's
+        prepared drafter is not used: the worker drafts."""
         method = parallel_method(method)
         options = {k: kwargs.pop(k) for k in ("budget", "depth", "max_sequences") if k in kwargs}
         options = {k: v for k, v in options.items() if v is not None}
@@ -752,10 +758,18 @@ class ParallelExecutor:
         def factory(sources: Any, prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
             return Drafter(None, shape)
 
-        req = self.engine.new_request(prompt, method=method, scheduler=self, prepared=factory, **kwargs)
-        req.duo = state
+        req = self.engine.new_request(prompt, method=method, scheduler=scheduler or self, prepared=factory, **kwargs)
+        self._duo[req] = state
         req.extra_stats = lambda: self._stats(state)
         return req
+
+    def new_request(self, prompt: Any, *, method: str = "duo", **kwargs: Any) -> Request:
+        """A request for `run` (same arguments as Engine.new_request)."""
+        return self.make_request(self.engine, prompt, method=method, **kwargs)
+
+    def state_of(self, req: Request) -> _Duo:
+        """A request's DuoDecoding state (its pending chain, guesses and hits, gammas)."""
+        return self._duo[req]
 
     def generate(self, prompt: Any, *, method: str = "duo", **kwargs: Any) -> Any:
         request = self.new_request(prompt, method=method, **kwargs)
@@ -794,12 +808,35 @@ class ParallelExecutor:
     # --- running -----------------------------------------------------------------------------
 
     def run(self, requests: list[Request]) -> None:
-        """Run `requests` (made by `new_request`) to completion. A worker failure fails the
-        running requests with one clear error; the next run restarts the worker."""
+        """Run `requests` (made by `new_request`) to completion, in one lock-step batch."""
+        for r in requests:
+            if r not in self._duo:
+                raise SpecwoodError("requests for the parallel executor come from ParallelExecutor.new_request")
+        scheduler = Scheduler(self, max_batch=max(1, len(requests)), max_queue=max(1, len(requests)))
+        for r in requests:
+            scheduler.submit(r)
+        scheduler.run_until_done(requests)
+
+    # --- the executor interface (specwood.engine.executor) ---------------------------------------
+
+    def free_slots(self, running: int) -> int:
+        return 0 if running else 1 << 30  # lock step: a batch is admitted while none runs
+
+    def admit(self, req: Request) -> None:
+        if req not in self._duo:
+            raise SpecwoodError("requests for the parallel executor come from its make_request (new_request)")
+
+    def release(self, r: Request) -> None:
+        if r.row is not None and self.cache is not None:
+            self.cache.release(r.row)
+        r.row = None
+        self._to_drop.append(r.id)  # the worker forgets it with the next message
+
+    def step(self, running: list[Request]) -> None:
+        """Run the admitted batch to completion. A worker failure fails its requests with one
+        clear error; the next batch restarts the worker."""
+        requests = running
         with self._lock:
-            for r in requests:
-                if not hasattr(r, "duo"):
-                    raise SpecwoodError("requests for the parallel executor come from ParallelExecutor.new_request")
             threads = torch.get_num_threads()
             try:
                 restart = self._failed or (self._remote is not None and not self._remote.proc.is_alive())
@@ -815,7 +852,7 @@ class ParallelExecutor:
                 msg = f"{e}; the request failed and the next request restarts the worker"
                 for r in requests:
                     if r.state is not State.FINISHED:
-                        self._fail(r, WorkerFailure(msg))
+                        self.fail(r, WorkerFailure(msg))
                 if self.verbose:
                     print(f"specwood: {msg}", file=sys.stderr)
             except BaseException as e:
@@ -823,7 +860,7 @@ class ParallelExecutor:
                 self._failed = True
                 for r in requests:
                     if r.state is not State.FINISHED:
-                        self._fail(r, e)
+                        self.fail(r, e)
                 if not isinstance(e, Exception):
                     raise
             finally:
@@ -857,7 +894,7 @@ class ParallelExecutor:
             r.row = self.cache.allocate()
             r.state = State.PREFILL
             r.t_admitted = time.perf_counter()
-            st: _Duo = r.duo
+            st: _Duo = self._duo[r]
             st.gamma = self._gamma_for(r, len(r.prompt_ids) - 1)
             st.gammas.append(st.gamma)
             seed = None if r.params.greedy else r.draft_generator.initial_seed()
@@ -882,7 +919,7 @@ class ParallelExecutor:
             torch.set_num_threads(threads)
         t_prefill = time.perf_counter() - t0
         for r in requests:
-            r.duo.target_prefill_s = t_prefill
+            self._duo[r].target_prefill_s = t_prefill
         live = [r for r in requests if r.state is State.DECODE]
         if shared and live:
             self._send(prefill_msg)
@@ -896,18 +933,18 @@ class ParallelExecutor:
         catch_up = self.catch_up and all(r.params.greedy or r.params.seed is None for r in live)
         while catch_up and live and not self._drafts_ready():
             for r in live:
-                r.duo.pending = TokenTree.with_root(r.root, "selected" if r.params.greedy else "sampled")
-                r.duo.catchup_steps += 1
+                self._duo[r].pending = TokenTree.with_root(r.root, "selected" if r.params.greedy else "sampled")
+                self._duo[r].catchup_steps += 1
             dt = self._target_step(live)
             for r in live:
-                r.duo.catchup_s += dt
+                self._duo[r].catchup_s += dt
             live = [r for r in live if r.state is State.DECODE]
         if not live:
             self._stale += 1
             return
         payloads, timing = self._recv_drafts()
         for r in live:
-            st = r.duo
+            st = self._duo[r]
             st.draft_prefill_s = timing["busy_s"]
             st.target_idle_s += time.perf_counter() - t1 - st.catchup_s
             if st.catchup_steps:  # the trees guess a token the target has passed: a miss
@@ -916,13 +953,13 @@ class ParallelExecutor:
         while live:
             for r in [r for r in live if r.cancelled]:
                 r.out.finish_reason = "cancelled"
-                self._finish(r)
+                self.finish(r)
             live = [r for r in live if r.state is State.DECODE]
             if not live:
                 return
             go = []
             for r in live:
-                st = r.duo
+                st = self._duo[r]
                 st.gamma = self._gamma_for(r, len(r.context) + len(st.pending) - 1)
                 # the first go after catch-up steps hands the worker the tokens it missed
                 catchup = r.context[st.worker_len:] if st.catchup_steps and st.worker_len is not None else []
@@ -940,8 +977,8 @@ class ParallelExecutor:
             payloads, timing = self._recv_drafts()
             waited = time.perf_counter() - t1
             for r in live:
-                r.duo.target_idle_s += waited
-                r.duo.draft_idle_s += timing["idle_s"]
+                self._duo[r].target_idle_s += waited
+                self._duo[r].draft_idle_s += timing["idle_s"]
             self._measure(t_target, timing, len(live), max(len(r.context) for r in live))
             for r in still:
                 self._take_tree(r, payloads[r.id])
@@ -962,12 +999,15 @@ class ParallelExecutor:
                                     [(r.row, r.prompt_ids, start, min(start + PREFILL_CHUNK, len(r.prompt_ids)))
                                      for r in chunk])
                 for r, logits in zip(chunk, outs):
-                    if start + PREFILL_CHUNK >= len(r.prompt_ids):
-                        r.root = int(next_token(logits, r.params, r.target_generator))
-                        r.state = State.DECODE
-                        r.duo.worker_len = len(r.prompt_ids)  # what the prefill message gives the worker
-                        if r.out.push_step([r.root]):
-                            self._finish(r)
+                    if start + PREFILL_CHUNK >= len(r.prompt_ids) and r.state is State.PREFILL:
+                        try:
+                            r.root = int(next_token(logits, r.params, r.target_generator))
+                            r.state = State.DECODE
+                            self._duo[r].worker_len = len(r.prompt_ids)  # what the prefill message gives the worker
+                            if r.out.push_step([r.root]):
+                                self.finish(r)
+                        except Exception as e:  # noqa: BLE001 - this request fails alone
+                            self.fail(r, e)
                 start += PREFILL_CHUNK
 
     def _target_step(self, live: list[Request]) -> float:
@@ -976,18 +1016,22 @@ class ParallelExecutor:
         from specwood.engine.step import StepRecord, commit, target_forward, verify_tree
 
         t0 = time.perf_counter()
-        trees = {r: r.duo.pending for r in live}
+        trees = {r: self._duo[r].pending for r in live}
         rows = sum(len(t) for t in trees.values())
         with torch.inference_mode():
             outs = target_forward(self.target, self.cache, live, trees)
             for r, logits in zip(live, outs):
-                st, tree = r.duo, trees[r]
-                verdict = verify_tree(r, tree, logits)
-                st.all_accepted = len(verdict.accepted) == tree.max_depth
-                st.iterations += 1
-                tokens = commit(self.cache, r, tree, verdict, StepRecord(len(live), rows, 0.0, time.perf_counter() - t0))
-                if r.out.push_step(tokens):
-                    self._finish(r)
+                st, tree = self._duo[r], trees[r]
+                try:
+                    verdict = verify_tree(r, tree, logits)
+                    st.all_accepted = len(verdict.accepted) == tree.max_depth
+                    st.iterations += 1
+                    tokens = commit(self.cache, r, tree, verdict,
+                                    StepRecord(len(live), rows, 0.0, time.perf_counter() - t0))
+                    if r.out.push_step(tokens):
+                        self.finish(r)
+                except Exception as e:  # noqa: BLE001 - this request fails alone; the batch goes on
+                    self.fail(r, e)
         return time.perf_counter() - t0
 
     def _drafts_ready(self) -> bool:
@@ -1000,7 +1044,7 @@ class ParallelExecutor:
     def _take_tree(self, r: Request, payload: tuple) -> None:
         """The worker's tree for this request: keep the sequence that starts with the token the
         target just produced (if the pending chain was accepted whole), else nothing pends."""
-        st: _Duo = r.duo
+        st: _Duo = self._duo[r]
         tree = tree_from_payload(payload, r.params.greedy, self.target.device)
         firsts = tree.children(0)
         st.sequences.append(len(firsts))
@@ -1015,7 +1059,7 @@ class ParallelExecutor:
     def _gamma_for(self, r: Request, root_pos: int) -> int:
         """This iteration's budget for a tree rooted at position `root_pos`: the fixed or the
         hardware-aware gamma, within the context and the tokens the request may still emit."""
-        st: _Duo = r.duo
+        st: _Duo = self._duo[r]
         gamma = st.fixed_gamma or self._gamma
         room = min(self.limit_positions, self.cache.max_len) - 1 - root_pos
         return max(0, min(gamma, room))
@@ -1023,7 +1067,7 @@ class ParallelExecutor:
     def _depth_for(self, r: Request) -> int:
         """No sequence longer than the tokens the request may still emit (a sequence starts with
         the token after the pending chain) or the method's depth option."""
-        st: _Duo = r.duo
+        st: _Duo = self._duo[r]
         pend = st.pending.size if st.pending is not None else 0  # chain tokens, the root is emitted
         left = max(1, r.max_tokens - len(r.out.token_ids) - pend)
         return min(left, st.shape.max_depth) if st.shape.max_depth else left
@@ -1042,22 +1086,6 @@ class ParallelExecutor:
             self._ctx_at_update = ctx
             self._gamma = self._gamma_from(self.c)
 
-    def _release(self, r: Request) -> None:
-        if r.row is not None and self.cache is not None:
-            self.cache.release(r.row)
-        r.row = None
-        self._to_drop.append(r.id)
-
-    def _finish(self, r: Request) -> None:
-        self._release(r)
-        r.complete()
-
-    def _fail(self, r: Request, error: BaseException) -> None:
-        try:
-            self._release(r)
-        except Exception:  # noqa: BLE001
-            pass
-        r.fail(error)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1089,89 +1117,3 @@ def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) ->
     else:
         raise SpecwoodError(f"unknown executor {executor!r} (use 'sequential', 'parallel' or 'pipeline')")
     return ex.generate(prompt, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------
-# serving on the parallel executor
-
-
-class ParallelScheduler(QueueCounts):
-    """The server's scheduler on the parallel executor (`specwood serve --executor parallel`):
-    queued requests run in lock-step batches of up to `max_batch` on one draft worker. A batch
-    runs to completion and newcomers wait for the next one (no continuous admission on this
-    executor yet). Same interface as the batch Scheduler where the server uses it."""
-
-    def __init__(self, executor: ParallelExecutor, *, max_batch: int = 8, max_queue: int = 64,
-                 row_len: int | None = None):
-        from collections import deque
-
-        self.executor = executor
-        self.max_batch = max_batch
-        self.max_queue = max_queue
-        self.tree_room = executor.tree_room
-        self.row_len = row_len or executor.limit_positions + self.tree_room
-        self.observers: list[Callable[[Any], None]] = []  # no per-step records on this executor
-        self.waiting: Any = deque()
-        self.running: list[Request] = []
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    def room_for(self, prompt_len: int, max_tokens: int) -> int:
-        return self.executor.room_for(prompt_len, max_tokens)
-
-    def ensure_room(self, needed: int) -> None:
-        self.executor.ensure_room(needed)
-
-    def draft_source(self, model: Any) -> Any:
-        return self.executor.draft_source(model)
-
-    def make_request(self, prompt: Any, *, method: str = "duo", prepared: Any = None, **kwargs: Any) -> Request:
-        """A request for this executor (the server's `engine.new_request` stand-in)."""
-        return self.executor.new_request(prompt, method=method, **kwargs)
-
-    def submit(self, request: Request) -> None:
-        from specwood.engine.scheduler import QueueFullError
-
-        with self._cv:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
-            self.waiting.append(request)
-            self._cv.notify()
-
-    def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stopping = False
-        self.executor.start()  # the worker and the cost coefficient before the first request
-        self._thread = threading.Thread(target=self._loop, name="specwood-parallel", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-        self.executor.close()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self.waiting and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
-                    for r in self.waiting:
-                        self.executor._fail(r, SpecwoodError("the server is shutting down"))
-                    self.waiting.clear()
-                    return
-                n = min(self.max_batch, len(self.waiting))
-                self.running = [self.waiting.popleft() for _ in range(n)]
-            try:
-                self.executor.run(self.running)  # fails its requests itself on any error
-            except BaseException as e:  # noqa: BLE001 - the loop outlives any one batch
-                for r in self.running:
-                    if r.state is not State.FINISHED:
-                        self.executor._fail(r, e)
-            finally:
-                self.running = []

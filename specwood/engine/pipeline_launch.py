@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
 import shutil
 import signal
 import tempfile
@@ -23,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from specwood.engine.executor import Executor
 from specwood.engine.output import GenerationResult
 from specwood.engine.pipeline import (
     DRAFTED_MODES,
@@ -34,9 +36,23 @@ from specwood.engine.pipeline import (
     weight_elements,
 )
 from specwood.engine.processes import describe_exit
+from specwood.engine.request import Drafter, Request, State
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.sampling import SamplingParams
 
+# `--width auto`: the planner (a higher layer) registers its search for w here when it is imported,
+# as it registers its methods in specwood.methods.
+WidthPlanner = Callable[..., dict[str, Any]]
+_width_planner: WidthPlanner | None = None
+
+
+def register_width_planner(planner: WidthPlanner) -> None:
+    global _width_planner
+    _width_planner = planner
+
+
+END_POLL_S = 0.05  # a scheduler's step waits this long for a lane to end (then looks for cancellations)
+SERVE_TREE_ROOM = 64  # a server's margin between a row and the context; the ranks size their rows themselves
 LOOPBACK = "lo"  # Linux's loopback interface: where single-machine ranks talk
 GRACE_S = 25.0  # how long the other ranks get to exit by themselves after one died
 
@@ -146,14 +162,20 @@ class PipelineRequest:
         return self.result
 
 
-class PipelineExecutor:
+class PipelineExecutor(Executor):
     """The target's layers split over `stages` local processes. Requests run in mode "specpipe"
     (fixed-width (width, topk) trees, one level per step), "pp" (plain pipeline parallelism, one
     token per full pass) or "specinfer" (PP + SpecInfer: a whole static tree per full pass, `tree`
     = make_shape options) on the same ranks. `generate` runs one request; `submit` /
     `generate_many` put several in flight at once (SpecPipe-DB: up to `max_lanes` share every
     pipeline step; more wait in rank 0's queue and join as others leave). `width` None or "auto":
-    the planner's choice by E(T) from a quick measurement (or the stored one), `width_choice`."""
+    the planner's choice by E(T) from a quick measurement (or the stored one), `width_choice`.
+    As an executor (specwood.engine.executor) a Scheduler's requests take the lanes: each joins
+    at the pipeline's next step and leaves when it is done (continuous batching)."""
+
+    name = "pipeline"
+    steps_in_caller = False  # the ranks compute; the scheduler's step waits for their results
+    tree_room = SERVE_TREE_ROOM
 
     def __init__(self, engine: Any, stages: int = 2, *, width: int | str | None = 8, topk: int = 4,
                  threads: int | None = None, max_lanes: int = 8, start_timeout_s: float = 600.0,
@@ -173,11 +195,17 @@ class PipelineExecutor:
         if width in (None, "auto") and engine.draft_model is None:
             width = 8  # plain PP only: no tree to size
         elif width in (None, "auto"):
-            from specwood.planner.pipeline_sim import choose_width
-
-            self.width_choice = choose_width(engine, stages, topk, threads=self.threads)
+            if _width_planner is None:
+                raise SpecwoodError("--width auto needs specwood's planner (import specwood.planner); or pass --width N")
+            self.width_choice = _width_planner(engine, stages, topk, threads=self.threads)
             width = self.width_choice["width"]
         self.engine, self.stages, self.width, self.topk, self.max_lanes = engine, stages, width, topk, max_lanes
+        self.row_len = int(engine.max_context) + self.tree_room
+        # a Scheduler's requests: their mode and lane, and the lanes' ends as the reader sees them
+        self._modes: dict[Request, tuple[str, dict[str, Any] | None]] = {}
+        self._lanes: dict[Request, PipelineRequest] = {}
+        self._cancel_sent: set[Request] = set()
+        self._ended: queue.SimpleQueue[tuple[Request, PipelineRequest]] = queue.SimpleQueue()
         self.layers = stage_ranges(target.config, stages, draft_load(engine))
         pin = stages * self.threads <= len(cores)  # one core set per rank when they fit
         self._store_dir = tempfile.mkdtemp(prefix="specwood-pipeline-")  # 0700: this user's alone
@@ -231,6 +259,81 @@ class PipelineExecutor:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    # --- the executor interface (specwood.engine.executor) ---------------------------------------
+
+    @property
+    def failure(self) -> str | None:
+        return self.failed
+
+    def free_slots(self, running: int) -> int:
+        return self.max_lanes - running
+
+    def ensure_room(self, needed: int, idle: bool = True) -> None:
+        if needed - self.tree_room > self.engine.max_context:
+            raise ContextLengthError(f"the request needs {needed - self.tree_room} context tokens but the model holds "
+                                     f"{self.engine.max_context}; shorten the prompt or lower max_tokens")
+
+    def make_request(self, engine: Any, prompt: Any, *, scheduler: Any, method: str | None = None,
+                     prepared: Any = None, **kwargs: Any) -> Request:
+        """A request in `method`'s pipeline mode; `prepared`: the server's (mode, specinfer tree)
+        for it (serve.pipeline_methods), else the mode `pipeline_mode` gives the name."""
+        mode, tree = prepared if prepared is not None else pipeline_mode(method or "specpipe")
+        req = engine.new_request(prompt, method=mode, scheduler=scheduler,
+                                 prepared=lambda sources, prompt_len, max_tokens, load=1: Drafter(), **kwargs)
+        self._modes[req] = (mode, tree)
+        return req
+
+    def admit(self, req: Request) -> None:
+        if req not in self._modes:
+            raise SpecwoodError("requests for the pipeline executor come from its make_request")
+        mode, tree = self._modes[req]
+        req.state = State.DECODE  # rank 0 prefills and decodes
+        p = req.params
+        self._lanes[req] = self.submit(
+            req.prompt_ids, max_tokens=req.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+            seed=p.seed, stop=req.out.stop or None, on_text=req.out.on_text, mode=mode, tree=tree,
+            on_finish=lambda lane, req=req: self._ended.put((req, lane)))
+
+    def step(self, running: list[Request]) -> None:
+        """The lanes that ended since the last step (waits up to END_POLL_S for the first)."""
+        try:
+            ended = [self._ended.get(timeout=END_POLL_S)]
+        except queue.Empty:
+            return None
+        while True:
+            try:
+                ended.append(self._ended.get_nowait())
+            except queue.Empty:
+                break
+        for req, lane in ended:
+            if self._lanes.get(req) is not lane:
+                continue  # ended already (failed, cancelled, shut down)
+            if lane.error is not None:
+                if getattr(lane, "ended_here", False):
+                    try:
+                        self._send(("cancel", lane.id))
+                    except PipelineFailure:
+                        pass
+                self.fail(req, lane.error)
+            else:
+                self.finish(req, result=lane.result)
+        return None
+
+    def cancel_running(self, req: Request) -> bool:
+        lane = self._lanes.get(req)
+        if lane is not None and req not in self._cancel_sent:
+            self._cancel_sent.add(req)
+            try:
+                self.cancel(lane)
+            except SpecwoodError:
+                pass
+        return lane is not None  # the lane ends it ("cancelled") at the pipeline's next step
+
+    def release(self, req: Request) -> None:
+        self._modes.pop(req, None)
+        self._lanes.pop(req, None)
+        self._cancel_sent.discard(req)
 
     # --- requests ---
 
@@ -326,8 +429,11 @@ class PipelineExecutor:
                 if req.on_text is not None:
                     try:
                         req.on_text(payload)
-                    except Exception:  # noqa: BLE001
-                        pass
+                    except Exception as e:  # noqa: BLE001 - a consumer's callback failed: its request ends
+                        with self._lock:
+                            self._pending.pop(rid, None)
+                        req.ended_here = True  # rank 0 still runs it: a scheduler's step cancels it there
+                        req._end(None, e)
             elif kind == "result":
                 req._end(payload)
             else:  # "error": this request's bad input, caught on rank 0

@@ -185,10 +185,10 @@ class Request:
 
     # --- the end (the executor has released the request's cache rows) ---
 
-    def complete(self) -> None:
-        """Finished: build the result and tell whoever waits."""
+    def complete(self, result: GenerationResult | None = None) -> None:
+        """Finished: build the result (or take the executor's) and tell whoever waits."""
         self.state = State.FINISHED
-        self.result = self.out.finish(self.method, self.stats_dict())
+        self.result = result if result is not None else self.out.finish(self.method, self.stats_dict())
         self._notify()
 
     def fail(self, error: BaseException) -> None:
@@ -206,29 +206,3 @@ class Request:
                 self.on_finish(self)
             except Exception:  # noqa: BLE001 - a consumer's callback must not stop the executor
                 pass
-
-
-class QueueCounts:
-    """What the server reads off any scheduler: requests queued and running (`waiting`, `running`)."""
-
-    waiting: Any
-    running: Any
-    max_batch: int
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def idle(self) -> bool:
-        return not self.running and not self.waiting
-
-    @property
-    def admission_load(self) -> int:
-        """How many requests a newcomer will share decode steps with, itself included: those
-        running and queued, capped by the batch. `auto` sizes its first decision by it."""
-        return max(1, min(self.max_batch, self.num_running + self.num_waiting + 1))

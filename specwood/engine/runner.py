@@ -5,19 +5,19 @@ every node of a token tree rooted right after the committed tokens), `commit` th
 root-to-node path (the rest of the tree is forgotten), `rollback` to a shorter prefix. The
 llama.cpp backend's LlamaCppModel implements it, and so does TorchRunner over our own runtime.
 
-RunnerScheduler drives a runner for the engine and the server: requests one at a time (a runner
-has one sequence), with the batched scheduler's queue, drafting, verification and commit.
+RunnerExecutor runs a runner for the engine and the server (under the one Scheduler): requests
+one at a time (a runner has one sequence), with the sequential executor's drafting, verification
+and commit.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol, Sequence
 
 import torch
 
 from specwood.drafting.model_source import ModelDraftSource
-from specwood.engine.request import Request, State
-from specwood.engine.scheduler import Scheduler
+from specwood.engine.request import Request
+from specwood.engine.sequential import SequentialExecutor
 from specwood.engine.step import StepRecord, advance, tree_row
 from specwood.errors import ContextLengthError
 from specwood.models.batch import forward_rows
@@ -82,17 +82,21 @@ class TorchRunner:
         self.cache.lengths[0] = 0
 
 
-class RunnerScheduler(Scheduler):
-    """The Scheduler's queue and step on a ModelRunner: one request at a time (the others wait),
+class RunnerExecutor(SequentialExecutor):
+    """The sequential executor's step on a ModelRunner: one request at a time (the others wait),
     each step one tree forward, the same drafting (draft_trees), verification (verify_tree) and
-    bookkeeping (advance) as the batched scheduler."""
+    bookkeeping (advance) as the batched step."""
 
-    def __init__(self, runner: Any, *, max_queue: int = 64) -> None:
-        self._init_queue(1, max_queue)
+    name = "sequential"
+
+    def __init__(self, runner: Any) -> None:
         self.runner = runner
+        self.max_batch = 1
         self.tree_room = 0  # a tree that does not fit next to the context is decoded plainly
         self.row_len = runner.n_ctx
         self.growable = False
+        self.cuda_graphs = False
+        self._draft_pools = {}
 
     def draft_source(self, model: Any) -> Any:
         # one request at a time: a torch draft gets a one-row cache of its own
@@ -101,30 +105,20 @@ class RunnerScheduler(Scheduler):
     def room_for(self, prompt_len: int, max_tokens: int) -> int:
         return prompt_len + max_tokens
 
-    def ensure_room(self, needed: int) -> None:
+    def ensure_room(self, needed: int, idle: bool = True) -> None:
         if needed > self.runner.n_ctx:
             raise ContextLengthError(f"the request needs {needed} context tokens but the model's context holds "
                                      f"{self.runner.n_ctx}; shorten the prompt or lower max_tokens (or raise "
                                      "--max-context)")
 
-    def _admit(self) -> None:
-        with self._lock:
-            while self.waiting and not self.running:
-                req = self.waiting.popleft()
-                if req.cancelled:
-                    self._finish(req, cancelled=True)
-                    continue
-                try:
-                    self.runner.reset()
-                    if req.uses_draft_model:
-                        req.attach_draft()
-                except Exception as e:  # noqa: BLE001
-                    self._fail(req, e)
-                    continue
-                req.row = 0
-                req.state = State.PREFILL
-                req.t_admitted = time.perf_counter()
-                self.running.append(req)
+    def free_slots(self, running: int) -> int:
+        return 0 if running else 1
+
+    def admit(self, req: Request) -> None:
+        self.runner.reset()
+        if req.uses_draft_model:
+            req.attach_draft()
+        req.row = 0
 
     def _prefill(self, requests: list[Request]) -> None:
         """The whole prompt at once (nobody else is decoding), then the draft's."""
@@ -137,7 +131,7 @@ class RunnerScheduler(Scheduler):
                         req.drafter.source.prefill_part(req.prompt_ids, 0, len(req.prompt_ids))
                         req.draft_prefilled = len(req.prompt_ids)
             except Exception as e:  # noqa: BLE001
-                self._fail(req, e)
+                self.fail(req, e)
                 continue
             self._first_token(req)
 
@@ -158,8 +152,6 @@ class RunnerScheduler(Scheduler):
         self.runner.commit([0] + verdict.accepted)
         return advance(req, tree, verdict, cost)
 
-    def _release(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
+    def release(self, req: Request) -> None:
         req.row = None
         req.drafter.close()

@@ -1,12 +1,11 @@
-"""Continuous batching: admit and retire requests between steps; every step advances all
-running requests with one target forward.
+"""The one request lifecycle: a queue, admission, cancellation, each request's end (finished or
+failed, alone), shutdown, per-step metrics, and the thread that steps -- for every executor.
 
-The scheduler owns the KV cache pools (one for the target, one per draft model), allocated once
-with `max_batch` rows. A request joins at the next step: its prompt is prefilled in chunks,
-interleaved with the running requests' decode steps, so a long newcomer stalls them for one
-chunk at a time, not for its whole prompt (`Scheduler.prefill_share`); the chunks ride in the
-decode step's target forward (one pass over the weights for both). `step()` can be driven by
-the caller (Engine.generate, tests) or by a background thread (`start()`, the server).
+A request waits in the queue until its executor has room (`Executor.free_slots`), is admitted
+(`Executor.admit`), advances with every `step()` (`Executor.step`) and ends through the
+scheduler's `_finish`/`_fail`, which release what it held and tell whoever waits. `step()` can be
+driven by the caller (Engine.generate, tests) or by a loop (`start()` in a background thread,
+`run_here()` in the calling one: the server). Executors: specwood.engine.executor.
 """
 from __future__ import annotations
 
@@ -15,52 +14,33 @@ import threading
 import time
 from typing import Any, Callable
 
-import torch
-
-from specwood.drafting.model_source import ModelDraftSource
-from specwood.engine.request import QueueCounts, Request, State
-from specwood.engine.step import (StepRecord, commit, draft_trees, hand_prompt_features, hand_tree_features, plain_tree,
-                                  target_forward, tree_rows, verify_tree, wants_features)
-from specwood.errors import ContextLengthError, SpecwoodError
-from specwood.models.cache import KVCache
-from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
-from specwood.models.batch import RowInput, forward_rows_features
-from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_outputs, prefill_rows_features
+from specwood.engine.executor import Executor, QueueFullError
+from specwood.engine.output import GenerationResult
+from specwood.engine.request import Request, State
+from specwood.engine.sequential import TREE_ROOM, SequentialExecutor
+from specwood.engine.step import StepRecord
+from specwood.errors import SpecwoodError
 from specwood.models.transformer import Transformer
-from specwood.sampling import next_token
-from specwood.tree.token_tree import TokenTree
-from specwood.verify import Verdict
 
-TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
+__all__ = ["QueueFullError", "Scheduler", "TREE_ROOM"]
 
 
-class QueueFullError(SpecwoodError):
-    """The scheduler's queue is full: try again later."""
+class Scheduler:
+    """Requests' lifecycle on one executor. `Scheduler(target, ...)` builds the sequential
+    executor on `target` (its options: row_len, prefill_chunk_tokens, growable, tree_room,
+    cuda_graphs, drafts); `Scheduler(executor)` drives any other. The executor's own parts (a
+    sequential executor's cache and pools) read through the scheduler."""
 
-
-class Scheduler(QueueCounts):
-    def __init__(self, target: Transformer, *, max_batch: int = 8, row_len: int | None = None,
-                 max_queue: int = 64, prefill_chunk_tokens: int = 64, growable: bool = False,
-                 tree_room: int = TREE_ROOM, cuda_graphs: bool | None = None, drafts: tuple[Any, ...] = ()):
-        self._init_queue(max_batch, max_queue)
-        self.target = target
-        self.cuda_graphs = cuda_graphs_wanted() if cuda_graphs is None else cuda_graphs
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.growable = growable  # a private scheduler may re-allocate its pools while idle
-        self.tree_room = tree_room  # slots a row keeps beyond prompt + new tokens for a tree
-        self.row_len = row_len or min(target.max_positions + tree_room, 4096)
-        self.cache = self._pool(target)
-        # The draft models' pools are allocated here, on the thread that builds the scheduler (the
-        # one that steps it, in a server), not on first use by a request: a large torch op on any
-        # other thread (the HTTP one) gives the process a second OpenMP team, and from then on
-        # every decode step is ~30% slower on 2 cores (BENCHMARKS.md §9d).
-        self._draft_pools: dict[int, tuple[Transformer, KVCache]] = {
-            id(m): (m, self._pool(m)) for m in drafts if isinstance(m, Transformer)}
-
-    def _init_queue(self, max_batch: int, max_queue: int) -> None:
-        """The admission and driving state every scheduler has, whatever its pools."""
+    def __init__(self, executor: Executor | Transformer, *, max_batch: int = 8, max_queue: int = 64,
+                 **sequential_options: Any):
         if max_batch < 1:
             raise SpecwoodError(f"max_batch must be >= 1, got {max_batch}")
+        if not isinstance(executor, Executor):
+            executor = SequentialExecutor(executor, max_batch=max_batch, **sequential_options)
+        elif sequential_options:
+            raise TypeError(f"options {sorted(sequential_options)} are the sequential executor's")
+        self.executor = executor
+        executor.bind(self._finish, self._fail)
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.waiting: collections.deque[Request] = collections.deque()
@@ -72,44 +52,61 @@ class Scheduler(QueueCounts):
         self._stopping = False
         self.steps = 0
 
-    # --- pools --------------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        executor = self.__dict__.get("executor")
+        if executor is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(executor, name)
 
-    def _pool(self, model: Transformer) -> KVCache:
-        """A KV pool of max_batch rows for `model`; on CUDA its decode-sized forwards replay CUDA
-        graphs (one launch per step instead of hundreds)."""
-        cache = model.new_cache(self.row_len, self.max_batch)
-        if self.cuda_graphs and cache.k.device.type == "cuda":
-            cache.graphs = GraphedForward(model, cache)
-        return cache
+    # --- what the executor holds ----------------------------------------------------------------
 
-    def draft_source(self, model: Transformer) -> ModelDraftSource:
-        """A draft source for one request, on a row of this scheduler's pool for `model` (a draft on
-        another backend brings its own: llama.cpp contexts; a draft head reads pairs of tokens and
-        target features: its `source_class`)."""
-        if not isinstance(model, Transformer):
-            return model.new_source()
-        if id(model) not in self._draft_pools:
-            self._draft_pools[id(model)] = (model, self._pool(model))
-        source_class = getattr(model, "source_class", ModelDraftSource)
-        return source_class(model, extra_slots=self.tree_room, pool=self._draft_pools[id(model)][1])
+    @property
+    def row_len(self) -> int:
+        return self.executor.row_len
+
+    @property
+    def tree_room(self) -> int:
+        return self.executor.tree_room
 
     def room_for(self, prompt_len: int, max_tokens: int) -> int:
-        """Cache slots a request needs (prompt, new tokens, the largest tree)."""
-        return prompt_len + max_tokens + self.tree_room
+        return self.executor.room_for(prompt_len, max_tokens)
 
     def ensure_room(self, needed: int) -> None:
-        """Grow the pools of an idle private scheduler; a clear error otherwise."""
-        if needed <= self.row_len:
-            return
-        if not self.growable or self.running or self.waiting:
-            raise ContextLengthError(
-                f"the request needs {needed - self.tree_room} context tokens but this server's cache rows hold "
-                f"{self.row_len - self.tree_room}; shorten the prompt or lower max_tokens (or raise --max-context)")
-        self.row_len = -(-needed // 256) * 256
-        self.cache = self._pool(self.target)
-        self._draft_pools = {k: (m, self._pool(m)) for k, (m, _) in self._draft_pools.items()}
+        self.executor.ensure_room(needed, idle=self.idle)
 
-    # --- admission ----------------------------------------------------------------------------
+    def draft_source(self, model: Any) -> Any:
+        return self.executor.draft_source(model)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the executor is down for good, or None while it serves (the server's /health)."""
+        return self.executor.failure
+
+    def make_request(self, engine: Any, prompt: Any, **kwargs: Any) -> Request:
+        """A request for this scheduler's executor (Engine.new_request's arguments)."""
+        return self.executor.make_request(engine, prompt, scheduler=self, **kwargs)
+
+    # --- queue counts ---------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    @property
+    def admission_load(self) -> int:
+        """How many requests a newcomer will share decode steps with, itself included: those
+        running and queued, capped by the batch. `auto` sizes its first decision by it."""
+        return max(1, min(self.max_batch, self.num_running + self.num_waiting + 1))
+
+    # --- admission ------------------------------------------------------------------------------
 
     def submit(self, request: Request) -> Request:
         """Queue a request (thread-safe); it joins the running batch at a coming step."""
@@ -121,8 +118,8 @@ class Scheduler(QueueCounts):
         return request
 
     def _drop_cancelled_waiting(self) -> None:
-        """Queued requests whose client left end now, not when a cache row frees: their queue
-        places go to new requests at once."""
+        """Queued requests whose client left end now, not when a row frees: their queue places go
+        to new requests at once."""
         with self._lock:
             gone = [r for r in self.waiting if r.cancelled]
             for req in gone:
@@ -132,258 +129,61 @@ class Scheduler(QueueCounts):
 
     def _admit(self) -> None:
         with self._lock:
-            while self.waiting and self.cache.free_rows:
+            while (self.waiting and len(self.running) < self.max_batch
+                   and self.executor.free_slots(len(self.running)) > 0):
                 req = self.waiting.popleft()
                 if req.cancelled:
                     self._finish(req, cancelled=True)
                     continue
+                req.state = State.PREFILL
                 try:
-                    req.row = self.cache.allocate()
-                    if req.uses_draft_model:
-                        req.attach_draft()
-                except Exception as e:  # noqa: BLE001
+                    self.executor.admit(req)
+                except Exception as e:  # noqa: BLE001 - this request fails alone
                     self._fail(req, e)
                     continue
-                req.state = State.PREFILL
                 req.t_admitted = time.perf_counter()
                 self.running.append(req)
 
-    # --- the step -----------------------------------------------------------------------------
+    # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Admit, drop cancelled requests, prefill a chunk, decode one step. False when idle."""
+        """Admit, drop cancelled requests, advance the running ones one step. False when idle."""
         self._drop_cancelled_waiting()
         self._admit()
         for req in [r for r in self.running if r.cancelled]:
-            self._finish(req, cancelled=True)
+            if not self.executor.cancel_running(req):
+                self._finish(req, cancelled=True)
         if not self.running:
             return False
-        decoding = [r for r in self.running if r.state is State.DECODE]
-        prefilling = [r for r in self.running if r.state is State.PREFILL]
-        if prefilling and not decoding:
-            self._prefill(prefilling)
-        elif decoding:
-            self._decode(decoding, prefilling)
+        record = self.executor.step(list(self.running))
         self.steps += 1
+        if record is not None:
+            for observe in self.observers:
+                try:
+                    observe(record)
+                except Exception:  # noqa: BLE001 - a metrics observer must not stop decoding
+                    pass
         return True
 
-    def prefill_share(self, newcomers: int, decoding: bool) -> tuple[int, int]:
-        """(tokens each newcomer's prompt advances this step, tokens in all), per model.
+    # --- the end of a request -------------------------------------------------------------------
 
-        While others decode, every newcomer advances `prefill_chunk_tokens`: the running
-        requests' step waits on these chunks, and a long prompt gets in at the same pace whoever
-        else arrives (at most PREFILL_CHUNK in all; the rest wait their turn). With nobody
-        decoding, PREFILL_CHUNK is shared out equally, never less than `prefill_chunk_tokens`
-        each: short prompts get their first token after a step or two instead of waiting for
-        one forward over every long prompt that arrived with them."""
-        each = self.prefill_chunk_tokens
-        if not decoding:
-            each = max(each, PREFILL_CHUNK // max(1, newcomers))
-        return each, max(PREFILL_CHUNK, each)
-
-    def _prefill(self, requests: list[Request]) -> None:
-        """Advance the newcomers' prompts by their share (`prefill_share`) in a step with nobody
-        decoding: one forward per model for all the chunks."""
-        with torch.inference_mode():
-            target_chunks = self._draft_prefill(requests, decoding=False)
-            self._prefill_forward(self.target, self.cache, target_chunks, draft=False)
-            self._first_tokens(requests)
-
-    def _draft_prefill(self, requests: list[Request], decoding: bool) -> list[tuple[Request, int, int]]:
-        """Split the step's prefill into chunks (request, start, end) per model, the target's and
-        the draft's side by side (the draft's prefill is part of the time to first token); run
-        the draft models' chunks (one forward per draft pool) and return the target's."""
-        each, in_all = self.prefill_share(len(requests), decoding)
-        target_chunks, draft_chunks = [], []
-        left = {False: in_all, True: in_all}
-        for req in requests:
-            n = len(req.prompt_ids)
-            sides = ((False, req.prefilled, target_chunks), (True, req.draft_prefilled, draft_chunks))
-            for draft, done, chunks in sides:
-                if draft and not req.uses_draft_model:
-                    continue
-                take = min(n - done, each, left[draft])
-                if take > 0:
-                    chunks.append((req, done, done + take))
-                    left[draft] -= take
-        pools: dict[int, list] = {}
-        for chunk in draft_chunks:
-            if isinstance(chunk[0].drafter.source, ModelDraftSource):
-                pools.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
-            else:
-                self._prefill_own_source(*chunk)
-        for chunks in pools.values():
-            src = chunks[0][0].drafter.source
-            self._prefill_forward(src.model, src.cache, chunks, draft=True)
-        return [c for c in target_chunks if c[0].state is State.PREFILL]  # not failed in its draft chunk
-
-    def _first_tokens(self, requests: list[Request]) -> None:
-        for req in requests:
-            n = len(req.prompt_ids)
-            draft_done = req.draft_prefilled >= n or not req.uses_draft_model
-            if req.state is State.PREFILL and req.prefilled >= n and draft_done:
-                self._first_token(req)
-
-    def _prefill_own_source(self, req: Request, start: int, end: int) -> None:
-        """A draft source that runs its own model (llama.cpp) takes its prompt chunk itself."""
-        try:
-            req.drafter.source.prefill_part(req.prompt_ids, start, end)
-            req.draft_prefilled = end
-        except Exception as e:  # noqa: BLE001
-            self._fail(req, e)
-
-    def _prefill_forward(self, model: Transformer, cache: KVCache, chunks: list, draft: bool) -> None:
-        if not chunks:
-            return
-        try:
-            logits, features = prefill_rows_features(model, cache, self._row_chunks(chunks, draft),
-                                                     [not draft and wants_features(r) for r, _, _ in chunks])
-            hand_prompt_features(chunks, features)
-        except Exception as e:  # noqa: BLE001 - one at a time, to fail only the request at fault
-            if len(chunks) == 1:
-                self._fail(chunks[0][0], e)
-                return
-            for chunk in chunks:
-                self._prefill_forward(model, cache, [chunk], draft)
-            return
-        self._prefilled(chunks, logits, draft)
-
-    @staticmethod
-    def _target_prefill_inputs(chunks: list[tuple[Request, int, int]]) -> list[RowInput]:
-        """The chunks as rows of a target forward; features too for a request whose draft head reads them."""
-        return [prefill_input(r.row, r.prompt_ids, a, b, wants_features(r)) for r, a, b in chunks]
-
-    @staticmethod
-    def _row_chunks(chunks: list[tuple[Request, int, int]], draft: bool) -> list[tuple[int, list[int], int, int]]:
-        """(cache row, prompt, start, end) of each chunk, on the target's rows or the draft's."""
-        return [(r.drafter.source.row if draft else r.row, r.prompt_ids, a, b) for r, a, b in chunks]
-
-    @staticmethod
-    def _prefilled(chunks: list[tuple[Request, int, int]], logits: list[torch.Tensor], draft: bool) -> None:
-        """Note the chunks' progress; a prompt's last chunk keeps its last token's logits."""
-        for (req, _, end), row_logits in zip(chunks, logits):
-            if draft:
-                req.draft_prefilled = end
-            else:
-                req.prefilled = end
-                if end == len(req.prompt_ids):
-                    req.prefill_logits = row_logits
-
-    def _first_token(self, req: Request) -> None:
-        try:
-            req.root = int(next_token(req.prefill_logits, req.params, req.target_generator))
-            del req.prefill_logits
-            req.state = State.DECODE
-            if req.out.push_step([req.root]):
-                self._finish(req)
-        except Exception as e:  # noqa: BLE001
-            self._fail(req, e)
-
-    def _decode(self, batch: list[Request], newcomers: list[Request] = ()) -> None:
-        """One decode step of `batch`; the newcomers' prefill chunks ride in its target forward."""
-        failed: dict[Request, BaseException] = {}
-        with torch.inference_mode():
-            chunks = self._draft_prefill(newcomers, decoding=True) if newcomers else []
-            riding = sum(b - a for _, a, b in chunks)
-            t0 = time.perf_counter()
-            trees = draft_trees(batch, len(batch), failed, riding)
-            for req, tree in trees.items():  # no room to speculate: a plain step
-                if not self._fits(req, tree):
-                    trees[req] = plain_tree(req)
-            live = [r for r in batch if r in trees]
-            t1 = time.perf_counter()
-            outs = self._forward_with_prefill(live, trees, failed, chunks)
-            t2 = time.perf_counter()
-            self._first_tokens(newcomers)
-            record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1,
-                                drafting=sum(len(trees[r]) > 1 for r in live),
-                                prefill_tokens=riding)
-            for req, logits in zip(live, outs):
-                if logits is None:
-                    continue
-                tree = trees[req]
-                try:
-                    verdict = verify_tree(req, tree, logits)
-                    tokens = self._commit(req, tree, verdict, record)
-                    record.drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
-                    if req.out.push_step(tokens):
-                        self._finish(req)
-                except Exception as e:  # noqa: BLE001
-                    failed[req] = e
-        for req, e in failed.items():
-            self._fail(req, e)
-        for observe in self.observers:
-            try:
-                observe(record)
-            except Exception:  # noqa: BLE001 - a metrics observer must not stop decoding
-                pass
-
-    def _fits(self, req: Request, tree: TokenTree) -> bool:
-        L = self.cache.lengths[req.row]
-        return L + tree.max_depth < self.target.max_positions and L + len(tree) <= self.cache.max_len
-
-    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
-        return commit(self.cache, req, tree, verdict, cost)
-
-    def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
-        if not live:
-            return []
-        try:
-            return target_forward(self.target, self.cache, live, trees)
-        except Exception as e:  # noqa: BLE001 - find the request at fault; the others go on
-            if len(live) == 1:
-                failed[live[0]] = e
-                return [None]
-        outs: list[torch.Tensor | None] = []
-        for req in live:
-            try:
-                outs.append(target_forward(self.target, self.cache, [req], trees)[0])
-            except Exception as e:  # noqa: BLE001
-                failed[req] = e
-                outs.append(None)
-        return outs
-
-    def _forward_with_prefill(self, live: list[Request], trees, failed,
-                              chunks: list[tuple[Request, int, int]]) -> list[torch.Tensor | None]:
-        """The step's target forward with the newcomers' prefill chunks packed in: the weights
-        are read once for both. If it raises, each part runs again on its own to find the
-        request at fault (whatever it wrote to the cache is rewritten)."""
-        if not chunks:
-            return self._forward(live, trees, failed)
-        prompt_chunks = self._row_chunks(chunks, draft=False)
-        inputs = tree_rows(self.cache, live, trees) + self._target_prefill_inputs(chunks)
-        try:
-            outs, features = forward_rows_features(self.target, self.cache, inputs)
-        except Exception:  # noqa: BLE001
-            self._prefill_forward(self.target, self.cache, chunks, draft=False)
-            return self._forward(live, trees, failed)
-        hand_tree_features(live, features[:len(live)])
-        hand_prompt_features(chunks, features[len(live):])
-        self._prefilled(chunks, prefill_outputs(self.cache, prompt_chunks, outs[len(live):]), draft=False)
-        return outs[:len(live)]
-
-    # --- retiring -----------------------------------------------------------------------------
-
-    def _release(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        if req.row is not None:
-            self.cache.release(req.row)
-            req.row = None
-        req.drafter.close()
-
-    def _finish(self, req: Request, cancelled: bool = False) -> None:
+    def _finish(self, req: Request, cancelled: bool = False, result: GenerationResult | None = None) -> None:
         self._release(req)
         if cancelled and not req.out.finished:
             req.out.finish_reason = "cancelled"
-        req.complete()
+        req.complete(result)
 
     def _fail(self, req: Request, error: BaseException) -> None:
         try:
             self._release(req)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the request fails with its own error, not this one
             pass
         req.fail(error)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.executor.release(req)
 
     # --- driving ------------------------------------------------------------------------------
 
@@ -398,6 +198,7 @@ class Scheduler(QueueCounts):
         A no-op while the scheduler is already stepping (`start` or `run_here`)."""
         if self._thread is not None:
             return
+        self.executor.start()  # workers up (and measured) before the first request
         self._claim(threading.Thread(target=self._loop, name="specwood-scheduler", daemon=True)).start()
 
     def run_here(self, then: Callable[[], None] | None = None) -> None:
@@ -408,6 +209,7 @@ class Scheduler(QueueCounts):
         measured ~10% slower on a background thread on the 2-core CPU (BENCHMARKS.md §4c)."""
         if self._thread is not None:
             raise SpecwoodError("the scheduler is already stepping in another thread")
+        self.executor.start()
         self._claim(threading.current_thread())
         self._loop(then)
 
@@ -424,7 +226,9 @@ class Scheduler(QueueCounts):
             self._stopping = True
             self._lock.notify()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is None:
+            self.executor.close()  # never looped: nothing else will
+        elif thread is not threading.current_thread():
             self._loop_done.wait(timeout)
 
     def _loop(self, then: Callable[[], None] | None = None) -> None:
@@ -446,5 +250,9 @@ class Scheduler(QueueCounts):
                 self._fail(req, SpecwoodError("the server is shutting down"))
             self.waiting.clear()
         finally:
+            try:
+                self.executor.close()  # workers and ranks end with the loop
+            except Exception:  # noqa: BLE001
+                pass
             self._thread = None  # released before the event: once stop() returns, start() may run again
             self._loop_done.set()

@@ -26,7 +26,7 @@ import torch
 
 from specwood.errors import ModelFileError
 from specwood.models.config import SUPPORTED_ARCHS, ModelConfig
-from specwood.models.loader import check_layers, layer_index, validate_state_dict
+from specwood.models.canonical import check_layers, layer_index, validate_state_dict
 from specwood.models.q6k import Q6Weights
 from specwood.models.q8_0 import Q8Weights, from_offset_codes
 from specwood.models.w4a8 import Q4Weights, Q5Weights

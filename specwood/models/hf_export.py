@@ -11,10 +11,9 @@ import torch
 
 from specwood.models.config import ModelConfig
 from specwood.models.hf_loader import HF_GLOBAL_NAMES, HF_LAYER_NAMES
-from specwood.models.loader import validate_state_dict
-from specwood.models.testing import random_state_dict, random_tiny_config  # re-exported for convenience
+from specwood.models.canonical import validate_state_dict
 
-__all__ = ["hf_config", "hf_state_dict", "to_hf_model", "random_tiny_config", "random_state_dict"]
+__all__ = ["hf_config", "hf_state_dict", "to_hf_model"]
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrides: Any):

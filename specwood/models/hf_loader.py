@@ -11,7 +11,7 @@ import torch
 
 from specwood.errors import ModelFileError
 from specwood.models.config import ModelConfig
-from specwood.models.loader import check_layers, layer_index, validate_state_dict
+from specwood.models.canonical import check_layers, layer_index, validate_state_dict
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attention_norm.weight",

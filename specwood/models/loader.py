@@ -1,23 +1,6 @@
 """Checkpoint loading front door: resolve a name or path, dispatch to the GGUF or HF loader.
 
-Every loader returns ``(ModelConfig, state_dict)`` with the *canonical* names below (float tensors,
-dequantised, q/k in the Hugging Face "rotate-half" RoPE layout):
-
-    tok_embeddings.weight                      [V, dim]
-    layers.{i}.attention_norm.weight           [dim]
-    layers.{i}.attention.wq.weight / .bias     [n_heads*hd, dim]   (bias when qkv_bias)
-    layers.{i}.attention.wk.weight / .bias     [n_kv*hd, dim]
-    layers.{i}.attention.wv.weight / .bias     [n_kv*hd, dim]
-    layers.{i}.attention.wo.weight             [dim, n_heads*hd]
-    layers.{i}.ffn_norm.weight                 [dim]
-    layers.{i}.feed_forward.w1.weight          [inter, dim]   (gate_proj)
-    layers.{i}.feed_forward.w3.weight          [inter, dim]   (up_proj)
-    layers.{i}.feed_forward.w2.weight          [dim, inter]   (down_proj)
-    norm.weight                                [dim]
-    output.weight                              [V, dim]       (absent when tie_embeddings)
-
-With ``layers=range(a, b)`` only those layers' tensors are returned (keeping their global index i);
-the non-layer tensors are always returned.
+Every loader returns ``(ModelConfig, state_dict)`` in the canonical layout of specwood.models.canonical.
 """
 from __future__ import annotations
 
@@ -26,86 +9,20 @@ from pathlib import Path
 
 import torch
 
-from specwood.errors import ModelFileError, SpecwoodError
 from specwood.models.config import ModelConfig
-
-
-def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor name the config implies, with its expected shape."""
-    c = config
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (c.vocab_size, c.dim), "norm.weight": (c.dim,)}
-    if not c.tie_embeddings:
-        shapes["output.weight"] = (c.vocab_size, c.dim)
-    for i in (range(c.n_layers) if layers is None else layers):
-        p = f"layers.{i}."
-        shapes[p + "attention_norm.weight"] = (c.dim,)
-        shapes[p + "attention.wq.weight"] = (q, c.dim)
-        shapes[p + "attention.wk.weight"] = (kv, c.dim)
-        shapes[p + "attention.wv.weight"] = (kv, c.dim)
-        shapes[p + "attention.wo.weight"] = (c.dim, q)
-        if c.qkv_bias:
-            shapes[p + "attention.wq.bias"] = (q,)
-            shapes[p + "attention.wk.bias"] = (kv,)
-            shapes[p + "attention.wv.bias"] = (kv,)
-        shapes[p + "ffn_norm.weight"] = (c.dim,)
-        shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
-        shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
-        shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
-    return shapes
-
-
-def check_layers(config: ModelConfig, layers: range | None) -> None:
-    if layers is None:
-        return
-    if layers.step != 1 or layers.start < 0 or layers.stop > config.n_layers or layers.start >= layers.stop:
-        raise SpecwoodError(
-            f"layer range {layers.start}..{layers.stop} is not a non-empty contiguous part of the model's "
-            f"{config.n_layers} layers"
-        )
-
-
-def layer_index(canonical_name: str) -> int | None:
-    """Layer index of a canonical name ``layers.{i}...``, None for non-layer tensors."""
-    if canonical_name.startswith("layers."):
-        return int(canonical_name.split(".", 2)[1])
-    return None
-
-
-def validate_state_dict(
-    config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str], layers: range | None = None
-) -> None:
-    """Raise ModelFileError if a tensor the config needs is missing or has the wrong shape."""
-    expected = canonical_shapes(config, layers)
-    missing = [k for k in expected if k not in state_dict]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelFileError(
-            f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}; the file is incomplete or not a "
-            "supported Llama/Qwen2/Mistral checkpoint"
-        )
-    for name, shape in expected.items():
-        if tuple(state_dict[name].shape) != shape:
-            raise ModelFileError(
-                f"{source}: tensor {name} has shape {tuple(state_dict[name].shape)}, the model config implies "
-                f"{shape}; the file's metadata does not match its weights (corrupt or unsupported variant)"
-            )
+from specwood.models.gguf_loader import load_gguf, load_gguf_tokenizer
+from specwood.models.hf_loader import load_hf_folder, load_hf_tokenizer
+from specwood.models.registry import REGISTRY, resolve_model
 
 
 def load_checkpoint(
     name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, layers: range | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
     """Load a registry model, a .gguf file or a Hugging Face folder -> (config, canonical weights, path)."""
-    from specwood.models.registry import REGISTRY, resolve_model
-
     path = resolve_model(name_or_path)
     if path.is_dir():
-        from specwood.models.hf_loader import load_hf_folder
-
         config, sd = load_hf_folder(path, dtype, layers)
     else:
-        from specwood.models.gguf_loader import load_gguf
-
         config, sd = load_gguf(path, dtype, layers)
     if str(name_or_path).strip().lower() in REGISTRY:
         config.name = str(name_or_path).strip().lower()  # registry names are what reports should show
@@ -116,13 +33,7 @@ def load_checkpoint(
 
 def load_tokenizer(name_or_path: str | os.PathLike[str]):  # -> transformers.PreTrainedTokenizerBase
     """The tokenizer of a registry model, .gguf file (converted once, then cached) or HF folder."""
-    from specwood.models.registry import resolve_model
-
     path = resolve_model(name_or_path)
     if path.is_dir():
-        from specwood.models.hf_loader import load_hf_tokenizer
-
         return load_hf_tokenizer(path)
-    from specwood.models.gguf_loader import load_gguf_tokenizer
-
     return load_gguf_tokenizer(path)

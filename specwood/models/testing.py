@@ -9,7 +9,9 @@ import numpy as np
 import torch
 
 from specwood.models.config import ModelConfig
-from specwood.models.loader import canonical_shapes
+from specwood.models.canonical import canonical_shapes
+from specwood.models.gguf_loader import permute_qk
+from specwood.models.hf_export import to_hf_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -99,8 +101,6 @@ def write_gguf(
     ``byte_level_tokens(...)``) adds the vocabulary llama.cpp itself needs to load the file."""
     import gguf
 
-    from specwood.models.gguf_loader import permute_qk
-
     arch = arch or config.arch
     if permute is None:
         permute = arch in ("llama", "mistral")
@@ -178,8 +178,6 @@ def _add_vocab(w, tokens: list[str]) -> None:
 def save_hf_folder(path: str | os.PathLike[str], config: ModelConfig, state_dict: dict[str, torch.Tensor],
                    dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> Path:
     """Save canonical weights as a Hugging Face folder via transformers' save_pretrained."""
-    from specwood.models.hf_export import to_hf_model
-
     model = to_hf_model(config, state_dict, dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)

@@ -2,8 +2,10 @@
 and choose autoregressive decoding or the tree size x per context length.
 
 Importing it registers the methods `auto` and `prior` in the method registry (specwood.methods),
-and the measured configuration choice that `--backend auto` loads (specwood.planner.configs).
+the measured configuration choice that `--backend auto` loads (specwood.planner.configs), and the
+search for SpecPipe's tree width that `--width auto` runs (specwood.planner.pipeline_sim).
 """
+from specwood.engine.pipeline_launch import register_width_planner
 from specwood.planner.fits import DEFAULT_AAT, AATFit, RooflineFit, fit_aat, fit_roofline
 from specwood.planner.analytic import build_analytic_plan
 from specwood.planner.auto import PlannedShape, starter_plan
@@ -11,6 +13,7 @@ from specwood.planner.build import build_plan, get_plan
 from specwood.planner.calibration import CALIBRATION_PROMPTS
 from specwood.planner.configs import choose_config, load_config_choice
 from specwood.planner.decision import Decision, decide
+from specwood.planner.pipeline_sim import choose_width
 from specwood.planner.store import (
     SCHEMA_VERSION,
     BucketChoice,
@@ -21,6 +24,8 @@ from specwood.planner.store import (
     plan_key_for,
     save_plan,
 )
+
+register_width_planner(choose_width)
 
 __all__ = [
     "AATFit",

@@ -114,13 +114,13 @@ def format_plan(plan: Any) -> str:
 
 
 def _local_plan(args: argparse.Namespace) -> Any:
-    import specwood
-    from specwood.cli import needs_draft
+    from specwood.engine.api import load
+    from specwood.engine.args import needs_draft
     from specwood.planner.build import build_plan
     from specwood.planner.store import load_plan, plan_key_for, save_plan
 
     draft = None if (args.draft in (None, "none") or not needs_draft(args.method)) else args.draft
-    engine = specwood.load(args.target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
+    engine = load(args.target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
                            device=args.torch_device, max_context=args.max_context)
     key = plan_key_for(engine, args.method)
     plan = None if args.force else load_plan(key)

@@ -116,14 +116,14 @@ def time_config(config: RuntimeConfig, target: str, draft: str | None, method: s
                 contexts: Sequence[int] = CONFIG_CONTEXTS, xs: Sequence[int] = CONFIG_XS, repeats: int = 3,
                 device: str = "cpu", max_context: int | None = None, save: bool = True) -> ConfigScore:
     """Load one configuration, time T_v and T_d, and predict its decode rate per context."""
-    import specwood
+    from specwood.engine.api import load
     from specwood.planner.auto import runner_verify_times, timed_plan
     from specwood.planner.build import measure_draft_prefill, measure_draft_rows
     from specwood.planner.profiler import measure_draft_times, measure_verify_times
 
     t0 = time.perf_counter()
     score = ConfigScore(config)
-    engine = specwood.load(target, draft if draft is not None else "none", dtype=config.dtype,
+    engine = load(target, draft if draft is not None else "none", dtype=config.dtype,
                            draft_dtype=config.draft_dtype, device=device, backend=config.backend,
                            draft_backend=config.draft_backend, max_context=max_context, progress=False)
     try:

@@ -280,7 +280,7 @@ def emulate_specpipe(draft: Any, prompt: list[int], reference: list[int], width:
     it entered, and the verdict there is read off `reference` (the target's greedy continuation of
     `prompt`): HIT if the next token is one of the verified node's drafted children (the tree is
     pruned to its subtree), else MISS (the pipeline refills from that token)."""
-    from specwood.drafting.fixed_width import FixedWidthSource
+    from specwood.engine.pipeline_draft import FixedWidthSource
     from specwood.engine.pipeline_state import EMPTY, HIT, MISS, Level, TreeMirror, Verdict
 
     seq = list(prompt) + list(reference)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specwood.engine.pipeline_launch import PipelineExecutor
 from specwood.engine.request import Request
 from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
 from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
@@ -31,6 +31,7 @@ from specwood.serve import protocol as P
 from specwood.serve.guard import Access, guard_app
 from specwood.serve.metrics import ServerMetrics
 from specwood.serve.openapi import chat_body, completion_body, generation_operation
+from specwood.serve.pipeline_methods import PipelineMethods
 from specwood.serve.protocol import GenerationRequest, ProtocolError
 
 RETRY_AFTER_S = 1
@@ -134,8 +135,9 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     if max_context < 2:
         raise SpecwoodError(f"the scheduler's cache rows ({scheduler.row_len} slots, {tree_room} kept for trees) "
                             "leave no room for a request; build it with row_len = max_context + TREE_ROOM")
-    # an executor's scheduler may bring its own method table (the pipeline's modes)
-    methods = getattr(scheduler, "methods", None) or _Methods(engine, method, options)
+    # the pipeline runs its own modes; every other executor the method registry's methods
+    methods: Any = (PipelineMethods(method, options) if isinstance(scheduler.executor, PipelineExecutor)
+                    else _Methods(engine, method, options))
     name = model_name or str(engine.target_name or "specwood")
     metrics = ServerMetrics(scheduler, name)
     scheduler.observers.append(metrics.observe_step)
@@ -194,10 +196,10 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         thread = getattr(scheduler, "_thread", None)
         if thread is not None and not thread.is_alive():
             return JSONResponse(P.error_body("the scheduler thread has stopped", 503), status_code=503)
-        failure = getattr(scheduler, "failure", None)  # an executor down for good (a dead pipeline rank)
+        failure = scheduler.failure  # an executor down for good (a dead pipeline rank)
         if failure:
             return JSONResponse(P.error_body(f"the executor is down: {failure}", 503), status_code=503)
-        cache = getattr(scheduler, "cache", None)  # the pipeline's ranks hold theirs elsewhere
+        cache = getattr(scheduler.executor, "cache", None)  # the pipeline's ranks hold theirs elsewhere
         return JSONResponse({"status": "ok", "model": name, "running": scheduler.num_running,
                              "waiting": scheduler.num_waiting,
                              "free_rows": cache.free_rows if cache is not None else None})
@@ -256,10 +258,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             metrics.request_finished(req, arrival)
             job.on_finish(req)
 
-        # the parallel executor's scheduler makes its own requests (specwood.engine.parallel)
-        make = getattr(scheduler, "make_request", None) or functools.partial(engine.new_request, scheduler=scheduler)
         try:
-            req = make(prompt_ids, max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
+            req = scheduler.make_request(engine, prompt_ids, max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
                        top_k=g.top_k, seed=g.seed, stop=g.stop or None, method=method_name,
                        raw=g.raw, on_text=job.on_text if g.stream else None,
                        prepared=prepared, on_finish=on_finish, request_id=rid)
@@ -423,7 +423,7 @@ def _code_of(e: SpecwoodError) -> str | None:
 
 def _version() -> str:
     try:
-        from specwood import __version__
+        from specwood.version import __version__
     except ImportError:  # pragma: no cover
         return "0"
     return __version__
@@ -512,15 +512,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
     import uvicorn
 
     sock = sock or bind_socket(host, port)
-    if type(executor).__name__ == "PipelineExecutor":  # SpecPipe-DB (specwood/engine/pipeline_serve.py)
-        from specwood.engine.pipeline_serve import PipelineScheduler
-
-        scheduler: Any = PipelineScheduler(executor, max_batch=max_batch, max_queue=max_queue, method=method,
-                                           options=options)
-    elif executor is not None:
-        from specwood.engine.parallel import ParallelScheduler
-
-        scheduler = ParallelScheduler(executor, max_batch=max_batch, max_queue=max_queue)
+    if executor is not None:  # DuoDecoding's worker or SpecPipe's ranks (specwood.engine.executor)
+        scheduler = Scheduler(executor, max_batch=max_batch, max_queue=max_queue)
     else:
         scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
     app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes,
@@ -546,15 +539,15 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
         # an executor that cannot recover (a dead pipeline rank) ends the server: /health says 503
         # meanwhile, and a supervisor restarts the process on its non-zero exit
         while not task.done():
-            failure = getattr(scheduler, "failure", None)
+            failure = scheduler.failure
             if failure and not down:
                 down.append(failure)
                 server.should_exit = True
             await asyncio.wait([task], timeout=EXECUTOR_POLL_S)
         await task
 
-    if not isinstance(scheduler, Scheduler) or threading.current_thread() is not threading.main_thread():
-        # other executors compute in their own processes (and signals reach only the main thread)
+    if not scheduler.executor.steps_in_caller or threading.current_thread() is not threading.main_thread():
+        # the other executors compute in their own processes (and signals reach only the main thread)
         try:
             asyncio.run(run())
         finally:

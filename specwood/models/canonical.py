@@ -1,0 +1,91 @@
+"""The canonical weight layout every loader returns, and the checks on it.
+
+Every loader returns ``(ModelConfig, state_dict)`` with the *canonical* names below (float tensors,
+dequantised, q/k in the Hugging Face "rotate-half" RoPE layout):
+
+    tok_embeddings.weight                      [V, dim]
+    layers.{i}.attention_norm.weight           [dim]
+    layers.{i}.attention.wq.weight / .bias     [n_heads*hd, dim]   (bias when qkv_bias)
+    layers.{i}.attention.wk.weight / .bias     [n_kv*hd, dim]
+    layers.{i}.attention.wv.weight / .bias     [n_kv*hd, dim]
+    layers.{i}.attention.wo.weight             [dim, n_heads*hd]
+    layers.{i}.ffn_norm.weight                 [dim]
+    layers.{i}.feed_forward.w1.weight          [inter, dim]   (gate_proj)
+    layers.{i}.feed_forward.w3.weight          [inter, dim]   (up_proj)
+    layers.{i}.feed_forward.w2.weight          [dim, inter]   (down_proj)
+    norm.weight                                [dim]
+    output.weight                              [V, dim]       (absent when tie_embeddings)
+
+With ``layers=range(a, b)`` only those layers' tensors are returned (keeping their global index i);
+the non-layer tensors are always returned.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specwood.errors import ModelFileError, SpecwoodError
+from specwood.models.config import ModelConfig
+
+
+def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor name the config implies, with its expected shape."""
+    c = config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (c.vocab_size, c.dim), "norm.weight": (c.dim,)}
+    if not c.tie_embeddings:
+        shapes["output.weight"] = (c.vocab_size, c.dim)
+    for i in (range(c.n_layers) if layers is None else layers):
+        p = f"layers.{i}."
+        shapes[p + "attention_norm.weight"] = (c.dim,)
+        shapes[p + "attention.wq.weight"] = (q, c.dim)
+        shapes[p + "attention.wk.weight"] = (kv, c.dim)
+        shapes[p + "attention.wv.weight"] = (kv, c.dim)
+        shapes[p + "attention.wo.weight"] = (c.dim, q)
+        if c.qkv_bias:
+            shapes[p + "attention.wq.bias"] = (q,)
+            shapes[p + "attention.wk.bias"] = (kv,)
+            shapes[p + "attention.wv.bias"] = (kv,)
+        shapes[p + "ffn_norm.weight"] = (c.dim,)
+        shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
+        shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
+        shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
+    return shapes
+
+
+def check_layers(config: ModelConfig, layers: range | None) -> None:
+    if layers is None:
+        return
+    if layers.step != 1 or layers.start < 0 or layers.stop > config.n_layers or layers.start >= layers.stop:
+        raise SpecwoodError(
+            f"layer range {layers.start}..{layers.stop} is not a non-empty contiguous part of the model's "
+            f"{config.n_layers} layers"
+        )
+
+
+def layer_index(canonical_name: str) -> int | None:
+    """Layer index of a canonical name ``layers.{i}...``, None for non-layer tensors."""
+    if canonical_name.startswith("layers."):
+        return int(canonical_name.split(".", 2)[1])
+    return None
+
+
+def validate_state_dict(
+    config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str], layers: range | None = None
+) -> None:
+    """Raise ModelFileError if a tensor the config needs is missing or has the wrong shape."""
+    expected = canonical_shapes(config, layers)
+    missing = [k for k in expected if k not in state_dict]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelFileError(
+            f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}; the file is incomplete or not a "
+            "supported Llama/Qwen2/Mistral checkpoint"
+        )
+    for name, shape in expected.items():
+        if tuple(state_dict[name].shape) != shape:
+            raise ModelFileError(
+                f"{source}: tensor {name} has shape {tuple(state_dict[name].shape)}, the model config implies "
+                f"{shape}; the file's metadata does not match its weights (corrupt or unsupported variant)"
+            )

@@ -1,0 +1,74 @@
+"""One request lifecycle for every executor: the same workload through the one Scheduler on the
+sequential, parallel (DuoDecoding's worker process) and pipeline (SpecPipe's rank processes)
+executors gives the same greedy output as plain decoding, and a request that raises fails alone on
+each of them while the others finish."""
+from __future__ import annotations
+
+import pytest
+
+from specwood.engine.api import Engine
+from specwood.engine.executor import Executor
+from specwood.engine.parallel import ParallelExecutor
+from specwood.engine.pipeline_launch import PipelineExecutor
+from specwood.engine.scheduler import Scheduler
+from specwood.engine.sequential import SequentialExecutor
+
+from conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
+
+PROMPTS = ["def add(a, b):", "Once upon a time", "1, 2, 3, 4, 5, 1, 2, 3,", "The quick brown fox"]
+MAX_TOKENS = [24, 12, 30, 18]
+FAILING = 1  # the request whose consumer raises after its third piece of text
+# each executor's speculative method (the pipeline's are its modes)
+METHODS = {"sequential": ["dyspec", "ar", "eagle", "pld"], "parallel": ["duo"] * 4,
+           "pipeline": ["specpipe", "pp", "specpipe", "specinfer"]}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    target = make_tiny_model(seed=0, n_layers=3)
+    return Engine(target, make_tiny_tokenizer(), draft=perturbed_copy(target, 0.3, seed=1), target_name="tiny",
+                  draft_name="tiny-draft")
+
+
+def make_executor(name: str, engine: Engine) -> Executor:
+    if name == "sequential":
+        return SequentialExecutor(engine.target, max_batch=4, row_len=256, tree_room=64)
+    if name == "parallel":
+        return ParallelExecutor(engine, draft_threads=1, verbose=False, catch_up=False)
+    return PipelineExecutor(engine, 2, width=4, topk=4, threads=1, max_lanes=4)
+
+
+class RaisingConsumer:
+    def __init__(self, after: int):
+        self.after, self.pieces = after, 0
+
+    def __call__(self, text: str) -> None:
+        self.pieces += 1
+        if self.pieces > self.after:
+            raise RuntimeError("the consumer went away")
+
+
+@pytest.mark.parametrize("name", ["sequential", "parallel", "pipeline"])
+def test_one_workload_through_every_executor(engine, name):
+    expected = [engine.generate(p, max_tokens=n, raw=True, method="ar").token_ids for p, n in zip(PROMPTS, MAX_TOKENS)]
+    executor = make_executor(name, engine)
+    scheduler = Scheduler(executor, max_batch=4, max_queue=8)
+    try:
+        requests = [scheduler.make_request(engine, p, max_tokens=n, raw=True, method=m,
+                                           on_text=RaisingConsumer(3) if i == FAILING else None)
+                    for i, (p, n, m) in enumerate(zip(PROMPTS, MAX_TOKENS, METHODS[name]))]
+        for req in requests:
+            scheduler.submit(req)
+        scheduler.run_until_done(requests)
+    finally:
+        scheduler.stop()
+    for i, (req, ref) in enumerate(zip(requests, expected)):
+        assert req.done.is_set()
+        if i == FAILING:
+            assert req.result is None and req.error and "consumer went away" in req.error, (name, req.error)
+        else:
+            assert req.error is None, (name, i, req.error)
+            assert req.result.token_ids == ref, (name, i)
+    assert scheduler.idle and scheduler.failure is None
