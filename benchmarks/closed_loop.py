@@ -18,7 +18,7 @@ import time
 
 import specwood
 import specwood.engine.scheduler as scheduler_module
-from specwood.bench.loadtest import plan_requests
+from specwood.bench.load_requests import plan_requests
 from specwood.bench.workload import load_workload
 from specwood.engine.scheduler import Scheduler
 

@@ -14,7 +14,7 @@ import statistics
 import time
 
 import specwood
-from specwood.bench.loadtest import plan_requests
+from specwood.bench.load_requests import plan_requests
 from specwood.bench.workload import load_workload
 from specwood.engine.scheduler import Scheduler
 from specwood.models.prefill import PREFILL_CHUNK

@@ -35,7 +35,7 @@ NAMES = {"target": "qwen2.5-coder-1.5b-instruct", "draft": "qwen2.5-coder-0.5b-i
 
 
 def dump_configs(folder: Path) -> None:
-    from specwood.models.gguf_loader import config_from_gguf, read_gguf_header
+    from specwood.models.gguf_file import config_from_gguf, read_gguf_header
     from specwood.models.registry import resolve_model
 
     folder.mkdir(parents=True, exist_ok=True)

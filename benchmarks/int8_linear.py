@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from specwood.models.transformer import Int4Linear, Int8Linear, PackedLinear, qlinear_available, quantize_rows_int8
+from specwood.models.linears import Int4Linear, Int8Linear, PackedLinear, qlinear_available, quantize_rows_int8
 from specwood.models.w4a8 import Q4Linear, q4_available
 
 SHAPES = [(8960, 1536), (1536, 8960), (1536, 1536), (256, 1536)]

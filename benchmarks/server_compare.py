@@ -15,13 +15,13 @@ interrupts; SIGTERM too):
 - `llama.cpp+draft` (with --llama-spec): the same with llama.cpp's own speculative decoding,
   drafting with the default draft GGUF (`-md DRAFT --spec-type draft-simple`: -md alone only loads
   the draft in this llama.cpp; its default draft settings otherwise, --spec-draft-n-max 3);
-- `specwood serve` (`specwood.bench.loadtest.serve_command`: --max-batch max(c), --max-context
+- `specwood serve` (`specwood.bench.server_process.serve_command`: --max-batch max(c), --max-context
   CTX, no background planning), each request picking its method with the body field "method".
 
 Every server gets one untimed warm-up request (per method) first. Then, per concurrency level c,
 the same request list (the prompts interleaved across categories, cycled to max(#prompts, 2c)
 requests, as `specwood loadtest` does) is sent by c closed-loop streaming clients
-(`loadtest.stream_request`: OpenAI chat/completions bodies with stream=true, stream_options
+(`load_requests.stream_request`: OpenAI chat/completions bodies with stream=true, stream_options
 include_usage, temperature 0, max_tokens N; no "model" field, so the bodies are identical except
 specwood's "method"). Every request has a timeout. Reported:
 - c = the smallest level (1 by default): per-request decode tok/s ((completion tokens - 1) / (last
@@ -63,9 +63,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from specwood.bench import llama_server as LS
-from specwood.bench.loadtest import (WARMUP_MESSAGES, ServerProcess, _jsonable, _require_httpx, free_port,
-                                     machine_summary, parse_concurrency, plan_requests, serve_command, stream_request,
-                                     summarize_level)
+from specwood.bench.load_report import _jsonable, machine_summary
+from specwood.bench.load_requests import (WARMUP_MESSAGES, _require_httpx, parse_concurrency, plan_requests,
+                                          stream_request)
+from specwood.bench.load_stats import summarize_level
+from specwood.bench.server_process import ServerProcess, free_port, serve_command
 from specwood.bench.workload import load_workload
 from specwood.errors import SpecwoodError
 

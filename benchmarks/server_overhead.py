@@ -16,8 +16,9 @@ import statistics
 import sys
 
 import specwood
-from specwood.bench.loadtest import (ServerProcess, _require_httpx, free_port, interleave, run_inprocess,
-                                     serve_command, stream_request)
+from specwood.bench.load_inprocess import run_inprocess
+from specwood.bench.load_requests import _require_httpx, interleave, stream_request
+from specwood.bench.server_process import ServerProcess, free_port, serve_command
 from specwood.bench.workload import load_workload
 
 

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specwood.bench.loadtest import ServerProcess, free_port, serve_command
+from specwood.bench.server_process import ServerProcess, free_port, serve_command
 from specwood.bench.soak import Soak, print_progress
 from specwood.models.testing import tiny_pair_folders
 

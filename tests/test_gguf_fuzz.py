@@ -10,7 +10,7 @@ import random
 import pytest
 
 from specwood.errors import ModelFileError, SpecwoodError
-from specwood.models.gguf_loader import config_from_gguf, read_gguf_header
+from specwood.models.gguf_file import config_from_gguf, read_gguf_header
 from specwood.models.loader import load_checkpoint
 from specwood.models.testing import random_state_dict, random_tiny_config, write_gguf
 

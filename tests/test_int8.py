@@ -7,8 +7,9 @@ from conftest import assert_every_method_matches_ar
 from torch import nn
 
 from specwood.engine.api import Engine
-from specwood.models.transformer import (Int8Linear, PackedLinear, build_model, int8_available, qlinear_available,
-                                         quantize_rows_int8, quantize_weight_int8)
+from specwood.models.linears import (Int8Linear, PackedLinear, int8_available, qlinear_available, quantize_rows_int8,
+                                     quantize_weight_int8)
+from specwood.models.transformer import build_model
 
 pytestmark = [pytest.mark.skipif(not int8_available(), reason="torch._int_mm missing"),
               pytest.mark.usefixtures("one_torch_thread")]

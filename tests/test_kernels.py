@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from specwood.engine.api import Engine
-from specwood.models.transformer import Int4Linear, PackedLinear, build_model
+from specwood.models.linears import Int4Linear, PackedLinear
+from specwood.models.transformer import build_model
 
 
 def bf16_copy(model, **kw):

@@ -13,7 +13,7 @@ from test_q6k import stored_copy
 from test_w4a8 import assert_rows_independent, reference
 
 from specwood.engine.api import Engine
-from specwood.models.gguf_loader import _q4_0_parts, _q5_0_parts, _q5k_parts, _q8_0_parts
+from specwood.models.gguf_kquants import _q4_0_parts, _q5_0_parts, _q5k_parts, _q8_0_parts
 from specwood.models.q6k import Q6Linear, quantize_q6
 from specwood.models.q8_0 import Q8Linear, Q8Weights, pack_q8, quantize_q8, unpack_q8
 from specwood.models.w4a8 import (Q4Linear, Q5Linear, Q5Weights, StackedLinear, pack_q5, q4_unavailable_reason,
@@ -99,7 +99,8 @@ def test_readers_give_ggmls_values(qtype, read):
 
 def test_the_shipped_drafts_q5_0_and_q8_0_tensors_are_ggmls_values():
     """The default draft's file is mostly Q5_0 (and Q8_0): read as Q8_0's form, exactly."""
-    from specwood.models.gguf_loader import canonical_name, kquant_weights, read_gguf_header
+    from specwood.models.gguf_file import canonical_name, read_gguf_header
+    from specwood.models.gguf_kquants import kquant_weights
     from specwood.models.registry import DEFAULT_DRAFT, ensure_model
 
     path = ensure_model(DEFAULT_DRAFT, progress=False)

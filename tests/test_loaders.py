@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from specwood.errors import ModelFileError, SpecwoodError
-from specwood.models.gguf_loader import GGUFTensorInfo, dequantize_tensor, load_gguf, read_gguf_header
+from specwood.models.gguf_dequant import dequantize_tensor
+from specwood.models.gguf_file import GGUFTensorInfo, read_gguf_header
+from specwood.models.gguf_loader import load_gguf
 from specwood.models.hf_export import to_hf_model
 from specwood.models.hf_loader import load_hf_folder
 from specwood.models.canonical import canonical_shapes

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from specwood.bench import load_inprocess, load_report, load_requests, load_stats, server_process
 from specwood.bench import loadtest as lt
 from specwood.bench.workload import Prompt, Workload
 from specwood.errors import SpecwoodError
@@ -153,7 +154,7 @@ class ThreadServer:
     """Runs an ASGI app with uvicorn in a thread on 127.0.0.1:<free port>."""
 
     def __init__(self, app: Any, lifespan: str = "off") -> None:
-        self.port = lt.free_port()
+        self.port = server_process.free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan=lifespan))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -201,30 +202,31 @@ def prompts() -> list[Prompt]:
 
 # --------------------------------------------------------------------------------------- pure maths
 def test_percentile_matches_linear_interpolation() -> None:
-    assert lt.percentile([], 50) is None
-    assert lt.percentile([3.0], 99) == 3.0
-    assert lt.percentile([1, 2, 3, 4], 50) == 2.5
-    assert lt.percentile(list(range(101)), 99) == pytest.approx(99.0)
-    assert lt.percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert load_stats.percentile([], 50) is None
+    assert load_stats.percentile([3.0], 99) == 3.0
+    assert load_stats.percentile([1, 2, 3, 4], 50) == 2.5
+    assert load_stats.percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert load_stats.percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
 
 
 def test_chunk_token_counts() -> None:
-    assert lt.chunk_token_counts([4, 4, 4], 3) == ([1, 1, 1], "one-per-chunk")
-    assert lt.chunk_token_counts([4, 4], None) == ([1, 1], "one-per-chunk")
+    assert load_stats.chunk_token_counts([4, 4, 4], 3) == ([1, 1, 1], "one-per-chunk")
+    assert load_stats.chunk_token_counts([4, 4], None) == ([1, 1], "one-per-chunk")
     # several tokens per chunk: the first (prefill) chunk holds one, the rest split by text share
-    assert lt.chunk_token_counts([4, 12, 12, 4], 8) == ([1, 3, 3, 1], "estimated")
-    counts, mode = lt.chunk_token_counts([5, 1, 1, 50], 20)
+    assert load_stats.chunk_token_counts([4, 12, 12, 4], 8) == ([1, 3, 3, 1], "estimated")
+    counts, mode = load_stats.chunk_token_counts([5, 1, 1, 50], 20)
     assert sum(counts) == 20 and counts[0] == 1 and min(counts) >= 1 and counts[3] == max(counts) and mode == "estimated"
     # fewer tokens than chunks: some carry none, the total is kept
-    counts, _ = lt.chunk_token_counts([1, 1, 1, 1], 2)
+    counts, _ = load_stats.chunk_token_counts([1, 1, 1, 1], 2)
     assert sum(counts) == 2
     # exact per-chunk counts win
-    assert lt.chunk_token_counts([4, 8], 3, exact=[1, 2]) == ([1, 2], "exact")
+    assert load_stats.chunk_token_counts([4, 8], 3, exact=[1, 2]) == ([1, 2], "exact")
 
 
 def test_per_token_latencies_and_level_summary() -> None:
-    assert lt.per_token_latencies([0.1, 0.3, 0.4], [1, 2, 1]) == pytest.approx([0.1, 0.1, 0.1])
-    assert lt.per_token_latencies([0.1, 0.2, 0.4], [1, 0, 2]) == pytest.approx([0.15, 0.15])  # 0-token chunk folds in
+    assert load_stats.per_token_latencies([0.1, 0.3, 0.4], [1, 2, 1]) == pytest.approx([0.1, 0.1, 0.1])
+    # 0-token chunk folds in
+    assert load_stats.per_token_latencies([0.1, 0.2, 0.4], [1, 0, 2]) == pytest.approx([0.15, 0.15])
     recs = [
         {"completion_tokens": 3, "ttft_s": 0.1, "latency_s": 0.4, "chunk_s": [0.1, 0.3, 0.4], "chunk_tokens": [1, 1, 1],
          "mean_accepted_tokens": 2.0},
@@ -232,7 +234,7 @@ def test_per_token_latencies_and_level_summary() -> None:
          "mean_accepted_tokens": 4.0},
         {"completion_tokens": 0, "error": "HTTP 500"},
     ]
-    s = lt.summarize_level(recs, wall_s=2.0)
+    s = load_stats.summarize_level(recs, wall_s=2.0)
     assert (s["requests"], s["ok"], s["errors"]) == (3, 2, 1)
     assert s["completion_tokens"] == 8 and s["decode_tokens"] == 6
     assert s["decode_tokens_per_s"] == pytest.approx(3.0) and s["tokens_per_s"] == pytest.approx(4.0)
@@ -246,7 +248,7 @@ def test_per_token_latencies_and_level_summary() -> None:
 def test_speedups() -> None:
     rows = [{"method": m, "concurrency": c, "decode_tokens_per_s": v, "tokens_per_s": v + 1}
             for m, c, v in [("ar", 1, 10.0), ("ar", 4, 30.0), ("spec", 1, 20.0), ("spec", 4, 45.0)]]
-    lt.add_speedups(rows)
+    load_stats.add_speedups(rows)
     idx = {(r["method"], r["concurrency"]): r for r in rows}
     assert idx[("ar", 4)]["scaling"] == pytest.approx(3.0)
     assert idx[("spec", 4)]["scaling"] == pytest.approx(2.25)
@@ -258,20 +260,20 @@ def test_speedups() -> None:
 
 def test_request_plan_is_interleaved_and_bounded() -> None:
     ps = prompts()
-    assert [p.id for p in lt.interleave(ps)] == ["a1", "b1", "a2", "b2"]
-    assert [p.id for p in lt.plan_requests(ps, [1, 2])] == ["a1", "b1", "a2", "b2"]
-    assert [p.id for p in lt.plan_requests(ps, [1, 4])] == ["a1", "b1", "a2", "b2"] * 2
-    assert len(lt.plan_requests(ps, [8], n_requests=3)) == 3
-    assert lt.parse_concurrency("4, 1,2,2") == [1, 2, 4]
+    assert [p.id for p in load_requests.interleave(ps)] == ["a1", "b1", "a2", "b2"]
+    assert [p.id for p in load_requests.plan_requests(ps, [1, 2])] == ["a1", "b1", "a2", "b2"]
+    assert [p.id for p in load_requests.plan_requests(ps, [1, 4])] == ["a1", "b1", "a2", "b2"] * 2
+    assert len(load_requests.plan_requests(ps, [8], n_requests=3)) == 3
+    assert load_requests.parse_concurrency("4, 1,2,2") == [1, 2, 4]
     for bad in ("0", "a", ""):
         with pytest.raises(SpecwoodError):
-            lt.parse_concurrency(bad)
+            load_requests.parse_concurrency(bad)
     with pytest.raises(SpecwoodError, match="over the limit"):
         lt.LoadTest("http://127.0.0.1:1", ps, ["ar", "x"], [1, 2, 4], max_total_requests=10)
-    cmd = lt.serve_command(8123, max_batch=8, draft="none", dtype="fp32")
+    cmd = server_process.serve_command(8123, max_batch=8, draft="none", dtype="fp32")
     assert cmd[1:] == ["-m", "specwood.cli", "serve", "--host", "127.0.0.1", "--port", "8123", "--max-batch", "8",
                        "--no-plan-in-background", "--draft", "none", "--dtype", "fp32"]
-    cmd = lt.serve_command(8123, max_batch=8, dtype="q4", draft_dtype="q4")
+    cmd = server_process.serve_command(8123, max_batch=8, dtype="q4", draft_dtype="q4")
     assert cmd[-4:] == ["--dtype", "q4", "--draft-dtype", "q4"]
 
 
@@ -331,8 +333,8 @@ def test_loadtest_against_fake_server(fake_server, tmp_path: Path) -> None:
     assert rows[("ar", 1)]["scaling"] == pytest.approx(1.0)
     # outputs
     files = {p.name for p in tmp_path.iterdir()}
-    assert {"results.json", "report.md", lt.PLOT_NAME} <= files
-    assert (tmp_path / lt.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"results.json", "report.md", load_report.PLOT_NAME} <= files
+    assert (tmp_path / load_report.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["meta"]["completed"] is True and saved["meta"]["command"] == "specwood loadtest --test"
     assert saved["meta"]["server"]["model"] == "fake-model" and saved["meta"]["requests_per_level"] == 4
@@ -340,7 +342,7 @@ def test_loadtest_against_fake_server(fake_server, tmp_path: Path) -> None:
     md = (tmp_path / "report.md").read_text()
     for m, c in rows:
         assert f"| {m} | {c} | 4 | 0 |" in md
-    assert "specwood loadtest --test" in md and "machine:" in md and "date:" in md and lt.PLOT_NAME in md
+    assert "specwood loadtest --test" in md and "machine:" in md and "date:" in md and load_report.PLOT_NAME in md
     assert "speedup vs ar" in md and "auto chose" in md and "| dyspec x4 |" in md
     assert rows[("spec", 1)]["auto_decisions"] == {"dyspec": 4} and rows[("ar", 1)]["auto_decisions"] is None
     assert any("warm-up [spec]" in s for s in logs) and any("[ar c=2] done" in s for s in logs)
@@ -353,7 +355,7 @@ def test_stream_edge_cases_and_failed_requests(fake_server, tmp_path: Path) -> N
 
     async def one(method: str, timeout: float) -> dict[str, Any]:
         async with httpx.AsyncClient() as client:
-            return await lt.stream_request(client, fake_server.url, prompts()[0], method, 8, timeout)
+            return await load_requests.stream_request(client, fake_server.url, prompts()[0], method, 8, timeout)
 
     assert asyncio.run(one("bad", 5))["error"] == "HTTP 400: unknown method 'bad'"
     assert "engine failure" in asyncio.run(one("broken", 5))["error"]
@@ -437,14 +439,14 @@ def _port_open(port: int) -> bool:
 
 
 def test_server_failures_are_one_line_errors(fake_script: Path) -> None:
-    port = lt.free_port()
-    srv = lt.ServerProcess([sys.executable, str(fake_script), str(port), "exit"], f"http://127.0.0.1:{port}",
-                           startup_timeout=30, log=None)
+    port = server_process.free_port()
+    srv = server_process.ServerProcess([sys.executable, str(fake_script), str(port), "exit"],
+                                       f"http://127.0.0.1:{port}", startup_timeout=30, log=None)
     with pytest.raises(SpecwoodError, match=r"exited with code 3 before it was ready: fatal: no model here"):
         with srv:
             pass
-    srv = lt.ServerProcess([sys.executable, str(fake_script), str(port), "hang"], f"http://127.0.0.1:{port}",
-                           startup_timeout=1.0, log=None)
+    srv = server_process.ServerProcess([sys.executable, str(fake_script), str(port), "hang"],
+                                       f"http://127.0.0.1:{port}", startup_timeout=1.0, log=None)
     with pytest.raises(SpecwoodError, match="not ready within 1 s.*loading forever"):
         with srv:
             pass
@@ -462,7 +464,7 @@ def test_cli_spawns_and_stops_the_server(fake_script: Path, tmp_path: Path, monk
         assert kw["max_batch"] == 2 and kw["draft"] == "none"
         return [sys.executable, str(fake_script), str(port)]
 
-    monkeypatch.setattr(lt, "serve_command", fake_serve)
+    monkeypatch.setattr(server_process, "serve_command", fake_serve)
     wl = tmp_path / "w.jsonl"
     wl.write_text("\n".join(json.dumps(p.to_dict()) for p in prompts()[:2]) + "\n")
     out = tmp_path / "out"
@@ -478,8 +480,8 @@ def test_cli_spawns_and_stops_the_server(fake_script: Path, tmp_path: Path, monk
 
 WRAPPER = """
 import sys
-from specwood.bench import loadtest as lt
-lt.serve_command = lambda port, **kw: [sys.executable, {script!r}, str(port)]
+from specwood.bench import server_process
+server_process.serve_command = lambda port, **kw: [sys.executable, {script!r}, str(port)]
 from specwood.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -547,8 +549,9 @@ def test_cli_inprocess(fake_server, tmp_path: Path, tiny_tokenizer, one_torch_th
 
 def test_inprocess_rows_and_comparison(tiny_engine, one_torch_thread) -> None:
     # raw prompts: the tiny random model ends chat turns at once
-    reqs = lt.plan_requests([Prompt("r1", "a", prompt="hello world"), Prompt("r2", "b", prompt="raw prompt 3")], [1])
-    rows = lt.run_inprocess(tiny_engine, reqs, ["ar", "chain"], 8, log=None)
+    reqs = load_requests.plan_requests([Prompt("r1", "a", prompt="hello world"),
+                                        Prompt("r2", "b", prompt="raw prompt 3")], [1])
+    rows = load_inprocess.run_inprocess(tiny_engine, reqs, ["ar", "chain"], 8, log=None)
     assert [r["method"] for r in rows] == ["ar", "chain"]
     for r in rows:
         assert r["ok"] == 2 and r["completion_tokens"] == 16 and r["decode_tokens_per_s"] > 0
@@ -556,7 +559,7 @@ def test_inprocess_rows_and_comparison(tiny_engine, one_torch_thread) -> None:
     assert rows[1]["mean_accepted_tokens"] is not None
     http = [{"method": "ar", "concurrency": 1, "decode_tokens_per_s": rows[0]["decode_tokens_per_s"] / 2,
              "tokens_per_s": 1.0}]
-    comp = lt.inprocess_comparison(http, rows)
+    comp = load_inprocess.inprocess_comparison(http, rows)
     assert comp[0]["decode_ratio"] == pytest.approx(0.5) and comp[0]["overhead_pct"] == pytest.approx(50.0)
     assert comp[1]["http_decode_tokens_per_s"] is None and comp[1]["decode_ratio"] is None
 
@@ -591,4 +594,4 @@ def test_end_to_end_against_specwood_server(tiny_engine, one_torch_thread, tmp_p
     md = (tmp_path / "report.md").read_text()
     for m, c in rows:
         assert f"| {m} | {c} | 4 | 0 |" in md
-    assert (tmp_path / lt.PLOT_NAME).exists()
+    assert (tmp_path / load_report.PLOT_NAME).exists()

@@ -178,7 +178,7 @@ def test_greedy_identical_to_ar(engine, duo, options):
 
 
 def test_int4_draft_in_the_worker(engine):
-    from specwood.models.transformer import int4_available
+    from specwood.models.linears import int4_available
 
     if not int4_available():
         pytest.skip("no int4 kernel in this torch")

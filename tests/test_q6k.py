@@ -72,7 +72,9 @@ def test_q6_values_are_llamacpp_values_on_the_shipped_file():
     import numpy as np
     from gguf.constants import GGMLQuantizationType as Q
 
-    from specwood.models.gguf_loader import canonical_name, dequantize_tensor, kquant_weights, read_gguf_header
+    from specwood.models.gguf_dequant import dequantize_tensor
+    from specwood.models.gguf_file import canonical_name, read_gguf_header
+    from specwood.models.gguf_kquants import kquant_weights
     from specwood.models.registry import DEFAULT_TARGET, ensure_model
 
     path = ensure_model(DEFAULT_TARGET, progress=False)

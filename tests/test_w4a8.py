@@ -10,7 +10,8 @@ from conftest import assert_every_method_matches_ar
 from torch import nn
 
 from specwood.engine.api import Engine
-from specwood.models.transformer import Int8Linear, build_model
+from specwood.models.linears import Int8Linear
+from specwood.models.transformer import build_model
 from specwood.models.w4a8 import (GROUP, QuantEmbedding, Q4Linear, pack_q4, q4_unavailable_reason, quantize_q4,
                                   unpack_q4)
 
@@ -107,7 +108,9 @@ def test_q4_values_are_llamacpp_values_on_the_shipped_file():
     """Q4_K exactness on real blocks: the values read from the default target's GGUF give llama.cpp's
     dequantised values bit for bit (fp32), and so do the kernel's packed copy and the token table's
     rows."""
-    from specwood.models.gguf_loader import dequantize_tensor, kquant_weights, read_gguf_header
+    from specwood.models.gguf_dequant import dequantize_tensor
+    from specwood.models.gguf_file import read_gguf_header
+    from specwood.models.gguf_kquants import kquant_weights
     from specwood.models.registry import DEFAULT_TARGET, ensure_model
 
     path = ensure_model(DEFAULT_TARGET, progress=False)
@@ -213,7 +216,7 @@ def test_auto_weight_mode_is_q4_for_q4k_gguf_targets_and_for_drafts(tiny_checkpo
     import specwood.models.loader as loader
     from specwood.engine.api import gguf_is_q4k
     from specwood.models import kernels
-    from specwood.models.transformer import int4_available
+    from specwood.models.linears import int4_available
 
     assert gguf_is_q4k("qwen2.5-coder-1.5b-instruct")  # Q4_K_M: most layer weights are Q4_K
     files = tiny_checkpoint_files

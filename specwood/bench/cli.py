@@ -239,7 +239,7 @@ def _given(args: argparse.Namespace, names: tuple[str, ...], defaults: dict[str,
 
 def _check_loadtest_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     from specwood.bench.harness import parse_methods
-    from specwood.bench.loadtest import parse_concurrency
+    from specwood.bench.load_requests import parse_concurrency
 
     concurrency = parse_concurrency(args.concurrency)
     methods = parse_methods(args.methods)
@@ -315,6 +315,7 @@ def run_loadtest_cli(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
+    from specwood.bench import load_inprocess, load_report, server_process
     from specwood.bench import loadtest as lt
     from specwood.bench.workload import load_workload
 
@@ -325,7 +326,7 @@ def run_loadtest_cli(args: argparse.Namespace) -> int:
         workload = load_workload(args.workload, limit=args.limit, categories=args.categories)
         for note in workload.notes:
             print(f"specwood loadtest: {note}", file=sys.stderr)
-        port = None if args.url else lt.free_port()
+        port = None if args.url else server_process.free_port()
         base_url = args.url or f"http://127.0.0.1:{port}"
         test = lt.LoadTest(base_url, workload, methods, concurrency, max_tokens=args.max_tokens,
                            n_requests=args.requests, request_timeout=args.request_timeout,
@@ -338,21 +339,23 @@ def run_loadtest_cli(args: argparse.Namespace) -> int:
             result = lt.execute(test, out, run_info)
         else:
             assert port is not None
-            cmd = lt.serve_command(port, max_batch=args.max_batch or max(concurrency), target=args.target,
-                                   draft=args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
-                                   max_context=args.max_context,
-                                   max_queue=args.max_queue)
+            cmd = server_process.serve_command(port, max_batch=args.max_batch or max(concurrency),
+                                               target=args.target, draft=args.draft, dtype=args.dtype,
+                                               draft_dtype=args.draft_dtype, max_context=args.max_context,
+                                               max_queue=args.max_queue)
             shown = ["specwood", *cmd[3:]] if cmd[1:3] == ["-m", "specwood.cli"] else cmd
             run_info["server"] = {"spawned": True, "command": shlex.join(shown), "argv": cmd,
                                   "log": "server.log"}
-            with lt.ServerProcess(cmd, base_url, log_path=out / "server.log", startup_timeout=args.server_timeout):
+            with server_process.ServerProcess(cmd, base_url, log_path=out / "server.log",
+                                              startup_timeout=args.server_timeout):
                 result = lt.execute(test, out, run_info)
         if args.inprocess:
             print("specwood loadtest: loading the engine in this process (--inprocess) ...", file=sys.stderr)
             engine = _load_inprocess_engine(args, methods)
-            rows = lt.run_inprocess(engine, test.requests, methods, args.max_tokens, warmup=not args.no_warmup)
-            result = lt.assemble(test, result["meta"], rows)
-            lt.write_outputs(out, result)
+            rows = load_inprocess.run_inprocess(engine, test.requests, methods, args.max_tokens,
+                                                warmup=not args.no_warmup)
+            result = load_report.assemble(test, result["meta"], rows)
+            load_report.write_outputs(out, result)
     except SpecwoodError as e:
         print(f"specwood: error: {e}", file=sys.stderr)
         return 2

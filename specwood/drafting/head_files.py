@@ -13,7 +13,8 @@ from specwood.drafting.eagle_files import load_eagle_head
 from specwood.drafting.head import DraftHead, HeadSpec, new_head
 from specwood.errors import ModelFileError
 from specwood.models.layer_ops import KernelLayerOps
-from specwood.models.transformer import Transformer, quantize_weight_int8
+from specwood.models.linears import quantize_weight_int8
+from specwood.models.transformer import Transformer
 from specwood.models.w4a8 import Q4Linear
 
 HEAD_FORMAT = "specwood-draft-head"

@@ -18,7 +18,8 @@ from specwood.engine.runner import RunnerExecutor
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.config import ModelConfig
-from specwood.models.transformer import Transformer, build_model, int4_available
+from specwood.models.linears import int4_available
+from specwood.models.transformer import Transformer, build_model
 from specwood.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -299,7 +300,7 @@ def gguf_is_q4k(name_or_path: str | os.PathLike[str]) -> bool:
     """True for a GGUF model (a registry name or a file) whose layers' matmul weights are mostly Q4_K."""
     from gguf.constants import GGMLQuantizationType as Q
 
-    from specwood.models.gguf_loader import canonical_name, read_gguf_header
+    from specwood.models.gguf_file import canonical_name, read_gguf_header
     from specwood.models.canonical import layer_index
     from specwood.models.registry import resolve_model
 
@@ -327,11 +328,11 @@ def q4_runs_here(device: str) -> bool:
 
 
 def exact_q4_weights(path: Path, q4: bool) -> dict[str, Any] | None:
-    """For the q4 weight modes: the GGUF's own quantised values (gguf_loader.kquant_weights; None for other
+    """For the q4 weight modes: the GGUF's own quantised values (gguf_kquants.kquant_weights; None for other
     sources and modes)."""
     if not q4 or path.is_dir():
         return None
-    from specwood.models.gguf_loader import kquant_weights
+    from specwood.models.gguf_kquants import kquant_weights
 
     return kquant_weights(path)
 
@@ -343,7 +344,7 @@ def weights_in_floats_note(path: Path, model: Any) -> str:
     if not path.is_dir():
         from gguf.constants import GGMLQuantizationType
 
-        from specwood.models.gguf_loader import canonical_name, read_gguf_header
+        from specwood.models.gguf_file import canonical_name, read_gguf_header
 
         types = {canonical_name(g): GGMLQuantizationType(i.ggml_type).name
                  for g, i in read_gguf_header(path).tensors.items()}

@@ -138,7 +138,7 @@ def check_backends(backend: str, draft_backend: str, *, dtype: Any = "auto", dra
 
 def gguf_config(name_or_path: str | os.PathLike[str]) -> tuple[ModelConfig, Path]:
     """The model config from a GGUF file's header (no tensor is read), named as load_checkpoint names it."""
-    from specwood.models.gguf_loader import config_from_gguf, read_gguf_header
+    from specwood.models.gguf_file import config_from_gguf, read_gguf_header
     from specwood.models.llamacpp import gguf_path
     from specwood.models.registry import REGISTRY
 

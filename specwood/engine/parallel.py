@@ -402,7 +402,7 @@ def _draft_spec(model: Any, device: str, threads: int, draft_dtype: str | None =
     draft_dtype None keeps the loaded draft's form; "auto" is int4 weights on a CPU draft device
     (as `specwood.load` does for CPU drafts) and the loaded dtype elsewhere; "int4", "bf16" and
     "fp32" force one (int4 only on a CPU)."""
-    from specwood.models.transformer import int4_available
+    from specwood.models.linears import int4_available
 
     dtype = model.dtype
     int4 = any(type(m).__name__ == "Int4Linear" for m in model.modules())
@@ -820,7 +820,9 @@ class ParallelExecutor(Executor):
     # --- the executor interface (specwood.engine.executor) ---------------------------------------
 
     def free_slots(self, running: int) -> int:
-        return 0 if running else 1 << 30  # lock step: a batch is admitted while none runs
+        # lock step: a batch runs to its end within one step, so whatever one admission round takes
+        # (up to the scheduler's max_batch) is the next batch
+        return 1 << 30
 
     def admit(self, req: Request) -> None:
         if req not in self._duo:

@@ -22,8 +22,9 @@ from specwood.engine.pipeline import (DRAFTED_MODES, MODES, Job, check_pipeline_
                                       tree_nodes)
 from specwood.errors import SpecwoodError
 from specwood.models.loader import load_checkpoint, load_tokenizer
+from specwood.models.linears import int4_available
 from specwood.models.registry import DEFAULT_TARGET, default_draft_for
-from specwood.models.transformer import build_model, int4_available
+from specwood.models.transformer import build_model
 from specwood.sampling import SamplingParams
 
 

@@ -10,7 +10,7 @@ import torch
 
 from specwood.models.config import ModelConfig
 from specwood.models.canonical import canonical_shapes
-from specwood.models.gguf_loader import permute_qk
+from specwood.models.gguf_dequant import permute_qk
 from specwood.models.hf_export import to_hf_model
 
 if TYPE_CHECKING:

@@ -248,7 +248,7 @@ def resolve_config(name_or_path: str, target: ModelConfig | None = None) -> Mode
     if path.is_dir() and (path / "config.json").is_file():
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from specwood.models.gguf_loader import config_from_gguf, read_gguf_header
+        from specwood.models.gguf_file import config_from_gguf, read_gguf_header
 
         return config_from_gguf(read_gguf_header(path))
     raise SpecwoodError(f"unknown model shape '{name_or_path}': give a preset ({', '.join(sorted(PRESETS))}), "

@@ -1,0 +1,112 @@
+"""A GGUF file's k-quant weights as llama.cpp stores them (codes, scale codes, fp16 factors), not
+dequantised: for the q4 weight mode, which runs them on our kernels (specwood.models.w4a8,
+specwood.models.q6k, specwood.models.q8_0).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specwood.errors import ModelFileError
+from specwood.models.canonical import layer_index
+from specwood.models.gguf_dequant import _k_scale_min, _q6k_codes, _unpack_32, _unpack_k_nibbles, unpermute_qk
+from specwood.models.gguf_file import (_PERMUTED_QK_ARCHS, _TRUNCATED_FIX, canonical_name, config_from_gguf,
+                                       read_gguf_header)
+from specwood.models.q6k import Q6Weights
+from specwood.models.q8_0 import Q8Weights, from_offset_codes
+from specwood.models.w4a8 import Q4Weights, Q5Weights
+
+KQuantWeights = Q4Weights | Q5Weights | Q6Weights | Q8Weights  # what our kernels run as stored
+
+
+def _f16_rows(b: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each block's fp16 factor (2 bytes of b), as stored, laid out [rows, blocks a row]."""
+    return b.contiguous().view(torch.float16).reshape(rows, -1)
+
+
+def _q4k_parts(blocks: torch.Tensor, rows: int) -> Q4Weights:
+    blocks = blocks.reshape(-1, 144)
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    return Q4Weights(_unpack_k_nibbles(blocks[:, 16:], torch.uint8).reshape(rows, -1), sc.reshape(rows, -1),
+                     mn.reshape(rows, -1), _f16_rows(blocks[:, 0:2], rows), _f16_rows(blocks[:, 2:4], rows))
+
+
+def _q5k_parts(blocks: torch.Tensor, rows: int) -> Q5Weights:
+    blocks = blocks.reshape(-1, 176)
+    n = blocks.shape[0]
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    fifth = (blocks[:, 16:48].reshape(n, 1, 32) >> shifts) & 1  # bit j of byte i: sub-block j, element i
+    codes = _unpack_k_nibbles(blocks[:, 48:], torch.uint8) | (fifth << 4)
+    return Q5Weights(codes.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1),
+                     _f16_rows(blocks[:, 0:2], rows), _f16_rows(blocks[:, 2:4], rows))
+
+
+def _q8_0_parts(blocks: torch.Tensor, rows: int) -> Q8Weights:
+    blocks = blocks.reshape(-1, 34)
+    return Q8Weights(blocks[:, 2:].contiguous().view(torch.int8).reshape(rows, -1),
+                     _f16_rows(blocks[:, :2], rows))
+
+
+def _q4_0_parts(blocks: torch.Tensor, rows: int) -> Q8Weights:
+    blocks = blocks.reshape(-1, 18)
+    codes = _unpack_32(blocks, 2, torch.uint8)
+    return from_offset_codes(codes.reshape(rows, -1), 8, _f16_rows(blocks[:, :2], rows))
+
+
+def _q5_0_parts(blocks: torch.Tensor, rows: int) -> Q8Weights:
+    blocks = blocks.reshape(-1, 22)
+    n = blocks.shape[0]
+    fifth = ((blocks[:, 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(n, 32)  # bit i of a uint32
+    codes = _unpack_32(blocks, 6, torch.uint8) | (fifth << 4)
+    return from_offset_codes(codes.reshape(rows, -1), 16, _f16_rows(blocks[:, :2], rows))
+
+
+def _q6k_parts(blocks: torch.Tensor, rows: int) -> Q6Weights:
+    blocks = blocks.reshape(-1, 210)
+    return Q6Weights(_q6k_codes(blocks).reshape(rows, -1),
+                     blocks[:, 192:208].contiguous().view(torch.int8).reshape(rows, -1),
+                     _f16_rows(blocks[:, 208:210], rows))
+
+
+def kquant_weights(path: str | os.PathLike[str], layers: range | None = None) -> dict[str, KQuantWeights]:
+    """The layers' quantised weight tensors (and such a token table or output head) of a GGUF file
+    as llama.cpp holds them: canonical name -> Q4Weights, Q5Weights, Q6Weights or Q8Weights (the
+    codes, their scale codes and fp16 factors; Q4_0 and Q5_0 as the same values in Q8_0's form).
+    For the q4 weight mode, which runs these values on our kernels instead of requantising floats
+    (specwood.models.w4a8, specwood.models.q6k, specwood.models.q8_0)."""
+    from gguf.constants import GGMLQuantizationType as Q
+
+    readers = {Q.Q4_K: _q4k_parts, Q.Q5_K: _q5k_parts, Q.Q6_K: _q6k_parts, Q.Q8_0: _q8_0_parts,
+               Q.Q4_0: _q4_0_parts, Q.Q5_0: _q5_0_parts}
+    path = Path(path)
+    header = read_gguf_header(path)
+    config = config_from_gguf(header)
+    permute = config.arch in _PERMUTED_QK_ARCHS
+    mm = np.memmap(path, dtype=np.uint8, mode="c")
+    out: dict[str, KQuantWeights] = {}
+    try:
+        for gname, info in header.tensors.items():
+            cname = canonical_name(gname)
+            li = layer_index(cname) if cname else None
+            read = readers.get(info.ggml_type)
+            if cname is None or not cname.endswith(".weight") or read is None:
+                continue
+            if li is None and cname not in ("tok_embeddings.weight", "output.weight"):
+                continue
+            if li is not None and layers is not None and li not in layers:
+                continue
+            parts = read(torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8), info.shape[0])
+            if permute and cname.endswith("attention.wq.weight"):
+                parts = type(parts)(*(unpermute_qk(t, config.n_heads).contiguous() for t in parts))
+            elif permute and cname.endswith("attention.wk.weight"):
+                parts = type(parts)(*(unpermute_qk(t, config.n_kv_heads).contiguous() for t in parts))
+            out[cname] = parts
+    except (ValueError, RuntimeError) as e:
+        raise ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}") from None
+    finally:
+        del mm
+    return out
