@@ -15,12 +15,12 @@ from specwood.errors import SpecwoodError
 def cmd_generate(args: argparse.Namespace) -> int:
     check_backend_args(args)
     if getattr(args, "executor", None) == "pipeline":
-        from specwood.engine.pipeline_launch import cmd_generate_pipeline
+        from specwood.engine.pipeline_args import cmd_generate_pipeline
 
         return cmd_generate_pipeline(args, load_engine)
     parallel = getattr(args, "executor", None) == "parallel"
     if parallel:  # DuoDecoding (specwood/engine/parallel.py): checks that need no model first
-        from specwood.engine.parallel import check_cli_args, parallel_method
+        from specwood.engine.parallel_args import check_cli_args, parallel_method
 
         args.method = parallel_method(args.method)
         worker = check_cli_args(args)
@@ -91,13 +91,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_backend_args(args)
     parallel = args.executor == "parallel"
     if parallel:  # DuoDecoding serves method duo in lock-step batches
-        from specwood.engine.parallel import check_cli_args, parallel_method
+        from specwood.engine.parallel_args import check_cli_args, parallel_method
 
         args.method = parallel_method(args.method)
         worker = check_cli_args(args)
     pipeline = None
     if args.executor == "pipeline":  # SpecPipe-DB: requests join and leave between pipeline steps
-        from specwood.engine.pipeline_launch import check_serve_args
+        from specwood.engine.pipeline_args import check_serve_args
 
         args.method, pipeline = check_serve_args(args)
     need_draft = needs_draft(f"{args.method}@pipeline" if pipeline else args.method)

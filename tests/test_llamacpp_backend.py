@@ -249,7 +249,7 @@ def test_auto_on_a_llama_cpp_target_times_the_runner(lc_models: SimpleNamespace,
                                                      tiny_tokenizer: Any) -> None:
     """auto's starter plan on llama.cpp comes from T_v(x) timed on the runner and T_d(x) of the
     real drafting, not from the analytic model of the torch runtime."""
-    from specwood.planner.auto import RUNNER_XS, runner_starter_plan
+    from specwood.planner.starter import RUNNER_XS, runner_starter_plan
 
     engine = _engine(lc_models.target, lc_models.draft, tiny_tokenizer)
     runner = lc_models.target.runner

@@ -298,7 +298,7 @@ def test_draft_rollback_keeps_an_exact_kv_cache(engine, params):
     the worker's KV row is exactly the committed sequence. (A wrong row would only cost
     acceptance, never correctness, so greedy parity alone would not see it.)"""
     from specwood.drafting.base import draft_probs
-    from specwood.engine.parallel import DraftWorker
+    from specwood.engine.parallel_worker import DraftWorker
 
     ex = ParallelExecutor(engine, draft_threads=1, inline=True)
     checked = {"trees": 0, "rollbacks": 0, "catchups": 0}

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from specwood.engine.api import Engine
-from specwood.engine.pipeline import Job, stage_ranges, tree_nodes
+from specwood.engine.pipeline_jobs import Job, stage_ranges, tree_nodes
 from specwood.engine.pipeline_launch import PipelineExecutor, PipelineFailure
 from specwood.errors import SpecwoodError
 from specwood.models.prefill import prefill

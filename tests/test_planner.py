@@ -15,7 +15,8 @@ from specwood.errors import SpecwoodError
 from specwood.planner import devices as dev
 from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat, fit_roofline
 from specwood.planner.analytic import build_analytic_plan
-from specwood.planner.auto import AcceptanceTracker, DraftCostTracker, LateDraft, PlannedShape, scaled_aat
+from specwood.planner.auto import PlannedShape
+from specwood.planner.trackers import AcceptanceTracker, DraftCostTracker, LateDraft, scaled_aat
 from specwood.planner.build import build_plan, get_plan
 from specwood.planner.decision import ParallelProfile, decide
 from specwood.planner.store import (
@@ -356,7 +357,7 @@ def test_copy_steps_are_priced_by_what_they_measured():
 def test_copied_chains_are_cut_to_what_the_request_accepts():
     """Where copied tokens are rarely accepted, a long chain costs a wide verify for nothing:
     the chain is cut short (or not copied); where they are, the whole chain is copied."""
-    from specwood.planner.auto import LookupTracker
+    from specwood.planner.trackers import LookupTracker
 
     # T_v grows with the chain: 1 + 10% a token
     plan = Plan(key=KEY, contexts=[128], verify_times={128: {x: 0.1 * (1 + 0.1 * (x - 1)) for x in (1, 2, 4, 8, 16)}},

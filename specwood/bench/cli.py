@@ -112,7 +112,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             methods = [f"{m}@parallel" if m == "duo" else m for m in methods]
         executor_options: dict[str, dict[str, Any]] = {}
         if any(split_executor(m)[1] == "parallel" for m in methods):
-            from specwood.engine.parallel import check_cli_args, parallel_method
+            from specwood.engine.parallel_args import check_cli_args, parallel_method
 
             for m in methods:
                 name, executor = split_executor(m)
@@ -122,7 +122,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         if args.executor == "pipeline":  # --executor pipeline: SpecPipe, PP, PP + SpecInfer on the same stages
             methods = [m if "@" in m else f"{m}@pipeline" for m in methods]
         if any(split_executor(m)[1] == "pipeline" for m in methods):
-            from specwood.engine.pipeline import check_pipeline_args
+            from specwood.engine.pipeline_jobs import check_pipeline_args
             from specwood.engine.pipeline_launch import pipeline_mode
 
             for m in methods:

@@ -42,7 +42,6 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -52,161 +51,18 @@ from specwood.drafting.model_source import ModelDraftSource
 from specwood.drafting.shapes import make_shape, prune
 from specwood.engine.output import GenerationResult, OutputStream
 from specwood.engine.pipeline_comm import CMD_EXIT, CMD_NOOP, CMD_STEP, Comm, Monitor, die, init_group, is_comm_error
-from specwood.engine.pipeline_state import (EMPTY, HIT, MISS, NONE, TREE, KVPool, Level, StageKV, TreeMirror, Verdict,
-                                            run_levels)
+from specwood.engine.pipeline_jobs import DEFAULT_TREE, DRAFTED_MODES, MODES, Job, check_pipeline_args
+from specwood.engine.pipeline_lanes import Lane
+from specwood.engine.pipeline_state import EMPTY, HIT, MISS, NONE, TREE, KVPool, Level, Verdict, run_levels
 from specwood.errors import SpecwoodError
-from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import verify
 
-PROMPT_CHUNK = 256  # prompt tokens per level: prefill is pipelined chunk by chunk
 KEEPALIVE_S = 5.0  # an idle rank 0 broadcasts a no-op this often (no collective waits for ever)
-MODES = ("specpipe", "pp", "specinfer")
-DRAFTED_MODES = ("specpipe", "specinfer")  # the modes that need a draft model on rank 0
-DEFAULT_TREE: dict[str, Any] = {"name": "static"}  # specinfer: SpecInfer's branching <1,1,3,1,1,1,1,1>
-
-
-# ---------------------------------------------------------------------------------------------
-# checks and stage boundaries (cheap: run before any process starts)
-
-
-def tree_nodes(tree: dict[str, Any] | None) -> int:
-    """The most nodes (root excluded) a specinfer tree of these `make_shape` options can have;
-    bad options raise SpecwoodError (checked before any process starts)."""
-    opts = dict(tree or DEFAULT_TREE)
-    shape = make_shape(opts.pop("name", "static"), **opts)
-    layout = getattr(shape, "layout", None)
-    if layout is not None:
-        return len(layout)
-    return int(getattr(shape, "budget", None) or getattr(shape, "k", None) or 1024)
-
-
-def check_pipeline_args(stages: Any, width: Any, topk: Any, n_layers: int | None = None) -> None:
-    """Bad --stages / --width / --topk as one clear SpecwoodError (width "auto": the planner picks it)."""
-    for name, value in (("--stages", stages), ("--width", width), ("--topk", topk)):
-        if name == "--width" and value == "auto":
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise SpecwoodError(f"{name} must be a positive integer, got {value!r}")
-    if stages < 2:
-        raise SpecwoodError(f"a pipeline needs at least 2 stages, got --stages {stages}")
-    if n_layers is not None and stages > n_layers:
-        raise SpecwoodError(f"--stages {stages} is more than the target's {n_layers} layers (use 2..{n_layers})")
-
-
-def weight_elements(config: Any) -> tuple[int, int]:
-    """(one layer's matmul weights, the head's), in elements: what a decode step reads."""
-    c = config
-    layer = (c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim
-             + 3 * c.dim * c.intermediate_size)
-    return layer, c.vocab_size * c.dim
-
-
-def stage_ranges(config: Any, stages: int, first_stage_extra: float = 0.0) -> list[range]:
-    """Contiguous layer ranges minimising the largest stage's weight bytes (a CPU decode step reads
-    every weight once), the head counted on the last stage; every stage gets a layer or more.
-    first_stage_extra: more work on rank 0 in the same unit (target weight elements), e.g. the
-    draft model it runs beside its layers."""
-    layer, head = weight_elements(config)
-    n = config.n_layers
-    check_pipeline_args(stages, 1, 1, n)
-    cost = lambda a, b: (b - a) * layer + (head if b == n else 0) + (first_stage_extra if a == 0 else 0)  # noqa: E731
-    # best[s][b]: the smallest max-stage cost of layers [0, b) in s stages, and the last cut
-    best = [[(float("inf"), 0)] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = (0, 0)
-    for s in range(1, stages + 1):
-        for b in range(s, n + 1):
-            best[s][b] = min((max(best[s - 1][a][0], cost(a, b)), a) for a in range(s - 1, b))
-    cuts, b = [], n
-    for s in range(stages, 0, -1):
-        a = best[s][b][1]
-        cuts.append(range(a, b))
-        b = a
-    return cuts[::-1]
 
 
 # ---------------------------------------------------------------------------------------------
 # one rank
-
-
-@dataclass
-class Job:
-    """One request as every rank sees it (rank 0 broadcasts it when the request joins)."""
-
-    prompt: list[int]
-    max_tokens: int
-    params: SamplingParams
-    mode: str = "specpipe"
-    width: int = 8
-    topk: int = 4
-    tree: dict[str, Any] | None = None  # specinfer: make_shape options ({"name": ..., "budget": ...})
-    tree_nodes: int = 0  # specinfer: the most drafted nodes a tree can have (`tree_nodes(tree)`)
-    trace: bool = False  # every rank records per-step timestamps (stats per_stage[r]["trace"])
-
-    def cache_len(self, stages: int) -> int:
-        # committed tokens, plus at most `stages` levels of `width` speculative nodes in flight
-        # (or one whole tree)
-        spec = max((self.width + 1) * (stages + 1), self.tree_nodes + 1)
-        return len(self.prompt) + self.max_tokens + spec + PROMPT_CHUNK
-
-
-@dataclass
-class RankStats:
-    steps: int = 0
-    busy_steps: int = 0
-    compute_s: float = 0.0
-    draft_s: float = 0.0
-    prune_s: float = 0.0
-    transfer_s: float = 0.0
-    sync_s: float = 0.0  # waiting in the level / verdict broadcasts (idle time, mostly)
-    nodes: int = 0
-    # Job.trace: per step [start, level in, computed, drafted, verdict in, pruned, transferred]
-    # (time.perf_counter: CLOCK_MONOTONIC on Linux, one clock for every process of a machine)
-    trace: list[list[float]] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
-
-
-@dataclass
-class Counts:
-    hits: int = 0
-    misses: int = 0
-    empty: int = 0  # verdicts on a root without candidates (the first token, plain PP, partial refills)
-    stall_steps: int = 0  # steps after the first token in which nothing was verified
-    level_nodes: list[int] = field(default_factory=list)
-    trees: int = 0  # specinfer: trees verified
-    accepted: int = 0  # specinfer: drafted tokens accepted
-
-
-class Lane:
-    """One request in flight, as one rank sees it: its row of the stage's KV cache, its mirror
-    of the speculative tree, the level each stage holds; on rank 0 also its output stream, its
-    token source and its counts; on the last rank its sampler."""
-
-    def __init__(self, lane_id: int, job: Job, world: int):
-        self.id, self.job = lane_id, job
-        self.kv: StageKV | None = None  # its cache row, taken when it joins
-        self.mirror = TreeMirror()
-        self.held: list[Level | None] = [None] * world
-        self.inbox: torch.Tensor | None = None  # hidden states of held[rank], from the previous stage
-        self.stats = RankStats()
-        self.gen: torch.Generator | None = None  # last rank, sampling
-        self.tree_meta: Any = None  # last rank, specinfer sampling: the drafted tree's child distributions
-        # rank 0
-        self.stream: OutputStream | None = None
-        self.counts = Counts()
-        self.draft: FixedWidthSource | None = None
-        self.trees: list[Any] | None = None  # specinfer: [draft source, shape, generator, started]
-        self.tree: TokenTree | None = None  # specinfer: the drafted tree in flight
-        self.chunks = [job.prompt[i:i + PROMPT_CHUNK] for i in range(0, len(job.prompt), PROMPT_CHUNK)]
-        self.next_id = self.pos = 0
-        self.v = Verdict(NONE)  # the latest verdict
-        self.emitted: list[int] = []  # the tokens the latest verdict settled
-        self.limit = len(job.prompt) + job.max_tokens - 2  # the last input position any token needs
-        self.result: GenerationResult | None = None  # finished: it leaves at the next step
-        self.cancelled = False
-        self.on_done: Callable[[GenerationResult], None] | None = None
 
 
 class PipelineRank:

@@ -26,15 +26,10 @@ import torch
 
 from specwood.engine.executor import Executor
 from specwood.engine.output import GenerationResult
-from specwood.engine.pipeline import (
-    DRAFTED_MODES,
-    MODES,
-    Job,
-    check_pipeline_args,
-    stage_ranges,
-    tree_nodes,
-    weight_elements,
-)
+from specwood.engine.pipeline import run_rank
+from specwood.engine.pipeline_jobs import (DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes,
+                                           weight_elements)
+from specwood.engine.parallel_worker import build_draft, draft_spec, time_forward
 from specwood.engine.processes import describe_exit
 from specwood.engine.request import Drafter, Request, State
 from specwood.errors import ContextLengthError, SpecwoodError
@@ -89,7 +84,6 @@ def _rank_entry(conn: Any) -> None:
     """A spawned rank: receive its spec, build its parts, run (pipeline.run_rank)."""
     import torch.distributed as dist
 
-    from specwood.engine.pipeline import run_rank
     from specwood.engine.pipeline_comm import die
     from specwood.engine.processes import exit_with_parent
 
@@ -115,7 +109,6 @@ def _rank_entry(conn: Any) -> None:
         die(f"pipeline rank {rank}: cannot open the launcher's store: {e}")
 
     def build(r: int, layers: range) -> dict[str, Any]:
-        from specwood.engine.parallel import _build_draft
         from specwood.models.transformer import build_model
 
         parts = {"stage": build_model(spec["config"], spec["weights"], spec["dtype"], spec["device"], layers=layers,
@@ -124,7 +117,7 @@ def _rank_entry(conn: Any) -> None:
         if r == 0:
             parts.update(tokenizer=spec["tokenizer"], eos_ids=spec["eos_ids"], max_lanes=spec["max_lanes"])
             if spec["draft"] is not None:
-                parts["draft"] = _build_draft(spec["draft"])
+                parts["draft"] = build_draft(spec["draft"])
         return parts
 
     run_rank(rank, world, build, spec["layers"], store, conn if rank == 0 else None, spec["collective_timeout_s"],
@@ -183,8 +176,6 @@ class PipelineExecutor(Executor):
         import torch.distributed as dist
         import torch.multiprocessing as tmp  # registers the shared-memory tensor reducers
 
-        from specwood.engine.parallel import _draft_spec
-
         target = engine.target
         if not isinstance(max_lanes, int) or isinstance(max_lanes, bool) or max_lanes < 1:
             raise SpecwoodError(f"max_lanes (--max-batch) must be a positive integer, got {max_lanes!r}")
@@ -232,7 +223,7 @@ class PipelineExecutor(Executor):
                 self.procs.append(proc)
                 draft = None
                 if r == 0 and engine.draft_model is not None:
-                    draft = _draft_spec(engine.draft_model, str(target.device), self.threads)
+                    draft = draft_spec(engine.draft_model, str(target.device), self.threads)
                 device = f"cuda:{r % torch.cuda.device_count()}" if on_cuda else "cpu"
                 parent.send({
                     "rank": r, "world": stages, "store": os.path.join(self._store_dir, "store"), "layers": self.layers,
@@ -536,79 +527,10 @@ def generate_pipeline(engine: Any, prompt: Any, *, stages: int = 2, width: int |
         return ex.generate(prompt, **kwargs)
 
 
-def cli_mode(args: Any) -> tuple[str, dict[str, Any] | None, int]:
-    """The pipeline mode of `generate|serve --executor pipeline` (--pipeline-mode; specinfer: --method
-    names the tree shape, static = SpecInfer's by default; --budget/--depth), its tree and top-k.
-    Checks that need no model, so bad input fails before anything loads."""
-    mode, topk = args.pipeline_mode, args.topk if args.topk is not None else 4
-    check_pipeline_args(args.stages, args.width, topk)
-    tree = None
-    if mode == "specinfer":
-        from specwood.drafting.shapes import SHAPES
-
-        name = "static" if args.method in ("auto", "specinfer") else args.method
-        if name not in SHAPES or name == "pld":
-            shapes = ", ".join(s for s in SHAPES if s != "pld")
-            raise SpecwoodError(f"--pipeline-mode specinfer drafts a tree shape ({shapes}), not method '{args.method}'")
-        tree = {"name": name, **{k: getattr(args, k) for k in ("budget", "depth", "threshold")
-                                 if getattr(args, k, None) is not None}}
-        tree_nodes(tree)  # bad options fail here, before any process starts
-    elif args.method not in ("auto", "ar", "specpipe"):
-        raise SpecwoodError(f"executor 'pipeline' runs SpecPipe (or plain PP with --pipeline-mode pp), not method "
-                            f"'{args.method}'; drop --method")
-    if mode in DRAFTED_MODES and args.draft in (None, "none"):
-        raise SpecwoodError(f"--pipeline-mode {mode} needs a draft model; pass --draft NAME|PATH or use "
-                            "--pipeline-mode pp")
-    return mode, tree, topk
-
-
-def check_serve_args(args: Any) -> tuple[str, dict[str, Any]]:
-    """`specwood serve --executor pipeline`: the server's default method (a name `pipeline_mode`
-    knows) and the PipelineExecutor's options."""
-    mode, tree, topk = cli_mode(args)
-    method = tree["name"] if tree is not None else mode
-    return method, {"stages": args.stages, "width": cli_width(args, mode), "topk": topk}
-
-
-def cli_width(args: Any, mode: str) -> int | str:
-    """--width, where "auto" is only measured for SpecPipe (the other modes do not use it)."""
-    return args.width if mode == "specpipe" or args.width != "auto" else 8
-
-
-def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
-    """`specwood generate --executor pipeline --stages M [--width W|auto --topk K] [--pipeline-mode pp|specinfer]`."""
-    import json
-    import sys
-
-    mode, tree, topk = cli_mode(args)
-    engine = load_engine(args, need_draft=mode in DRAFTED_MODES)
-    prompt: Any = args.prompt
-    if args.system and not args.raw:
-        prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
-    stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = generate_pipeline(engine, prompt, stages=args.stages, width=cli_width(args, mode), topk=topk, mode=mode,
-                               max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                               top_k=args.top_k, seed=args.seed, stop=args.stop, raw=args.raw, on_text=stream,
-                               tree=tree)
-    s = result.stats
-    if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                          "stats": s}))
-    else:
-        w = f" w={s['width']}" + (" (auto)" if "width_choice" in s else "") if mode == "specpipe" else ""
-        print(f"\n[{mode}{w} x{s['stages']} stages] {s['new_tokens']} tokens, {s['tokens_per_s']} tok/s, TTFT "
-              f"{s['ttft_s']:.3f}s, TBT p50 {s['tbt_ms_p50']} ms, steps {s['pipeline_steps']}, hits {s['hits']}, "
-              f"misses {s['misses']}, stall steps {s['stall_steps']}, finish={result.finish_reason}", file=sys.stderr)
-    return 0
-
-
-
 def draft_load(engine: Any) -> float:
     """The draft model rank 0 runs beside its layers, in stage_ranges' unit (target weight
     elements): the target's total times a draft forward's time over a target forward's, both
     timed here (one token at a short context; the ratio is what matters)."""
-    from specwood.engine.parallel import time_forward
-
     draft, target = engine.draft_model, engine.target
     if draft is None:
         return 0.0

@@ -18,8 +18,8 @@ import torch
 
 from specwood.engine.api import Engine, check_device, resolve_dtype
 from specwood.engine.args import add_model_args, add_sampling_args
-from specwood.engine.pipeline import (DRAFTED_MODES, MODES, Job, check_pipeline_args, run_rank, stage_ranges,
-                                      tree_nodes)
+from specwood.engine.pipeline import run_rank
+from specwood.engine.pipeline_jobs import DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes
 from specwood.errors import SpecwoodError
 from specwood.models.loader import load_checkpoint, load_tokenizer
 from specwood.models.linears import int4_available

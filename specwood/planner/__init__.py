@@ -8,12 +8,13 @@ search for SpecPipe's tree width that `--width auto` runs (specwood.planner.pipe
 from specwood.engine.pipeline_launch import register_width_planner
 from specwood.planner.fits import DEFAULT_AAT, AATFit, RooflineFit, fit_aat, fit_roofline
 from specwood.planner.analytic import build_analytic_plan
-from specwood.planner.auto import PlannedShape, starter_plan
+from specwood.planner.auto import PlannedShape
 from specwood.planner.build import build_plan, get_plan
 from specwood.planner.calibration import CALIBRATION_PROMPTS
 from specwood.planner.configs import choose_config, load_config_choice
 from specwood.planner.decision import Decision, decide
 from specwood.planner.pipeline_sim import choose_width
+from specwood.planner.starter import starter_plan
 from specwood.planner.store import (
     SCHEMA_VERSION,
     BucketChoice,

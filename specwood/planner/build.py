@@ -104,7 +104,8 @@ def measure_parallel(engine: Any, plan: Plan, prompts_ids: Sequence[Sequence[int
     """DuoDecoding (specwood.engine.parallel) decoding the calibration prompts greedily, with its
     own hardware-aware budget: the per-iteration yield and the split-core step times the plan's
     executor choice rests on (None without a draft model)."""
-    from specwood.engine.parallel import CALIBRATION_CONTEXT, CALIBRATION_REPS, ParallelExecutor, time_forward
+    from specwood.engine.parallel import CALIBRATION_CONTEXT, CALIBRATION_REPS, ParallelExecutor
+    from specwood.engine.parallel_worker import time_forward
 
     if engine.draft_model is None or not prompts_ids:
         return None

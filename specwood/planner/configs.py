@@ -117,7 +117,7 @@ def time_config(config: RuntimeConfig, target: str, draft: str | None, method: s
                 device: str = "cpu", max_context: int | None = None, save: bool = True) -> ConfigScore:
     """Load one configuration, time T_v and T_d, and predict its decode rate per context."""
     from specwood.engine.api import load
-    from specwood.planner.auto import runner_verify_times, timed_plan
+    from specwood.planner.starter import runner_verify_times, timed_plan
     from specwood.planner.build import measure_draft_prefill, measure_draft_rows
     from specwood.planner.profiler import measure_draft_times, measure_verify_times
 

@@ -218,7 +218,7 @@ def measure_step_times(engine: Any, stages: int, widths: Iterable[int], *, ctx: 
     the last of `ctx` cached tokens, tree mask), the stage split as the pipeline makes it; and of
     the draft's forward over a w-node level with logits for every node (SpecPipe's token source).
     `layers`: the stage split (default: the launcher's, which weighs the draft's time on rank 0)."""
-    from specwood.engine.pipeline import stage_ranges
+    from specwood.engine.pipeline_jobs import stage_ranges
     from specwood.engine.pipeline_launch import draft_load
     from specwood.models.transformer import build_model
 

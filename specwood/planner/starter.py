@@ -1,0 +1,95 @@
+"""Plans made without `specwood plan`'s full measurement: the starter plan `auto` follows until a
+measured one is stored (analytic, or timed at start on a llama.cpp target) and the timed plan
+(T_v and T_d timed here, a stored or default AAT curve) that specwood.planner.configs also uses.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Sequence
+
+from specwood.models.llamacpp import LlamaCppModel
+from specwood.planner.analytic import build_analytic_plan, stored_aat
+from specwood.planner.fits import DEFAULT_AAT
+from specwood.planner.profiler import measure_draft_times, median_time, random_tree
+from specwood.planner.store import _DTYPE_NAMES, Plan, PlanKey, plan_key_for
+
+
+def starter_plan(engine: Any, method: str) -> Plan:
+    """A plan that needs no profiling, for a device without a measured one: the analytic model of
+    this CPU (seconds to measure) with the stored or default AAT curve, trees capped at 8 tokens
+    (where the analytic T_v is least wrong). Each request still adapts AAT to what it sees."""
+    if getattr(engine.target, "runner", None) is not None:
+        key = plan_key_for(engine, method)
+        if key not in _RUNNER_PLANS:  # timed once per process and models
+            _RUNNER_PLANS[key] = runner_starter_plan(engine, method)
+        return _RUNNER_PLANS[key]
+    device = "local-cpu" if engine.device.type == "cpu" else "h100"
+    plan = build_analytic_plan(device, str(engine.target_name), str(engine.draft_name or "none"), method=method,
+                               dtype=_DTYPE_NAMES.get(str(engine.dtype), "bf16"), contexts=(128, 512, 2048),
+                               x_max=8, target_config=engine.target_config, draft_config=engine.draft_config)
+    plan.x_cap = 8
+    plan.source = "starter"
+    plan.notes.append("starter plan: used until `specwood plan` stores a measured one")
+    return plan.refresh()
+
+
+RUNNER_XS = (1, 2, 4, 8, 16)
+_RUNNER_PLANS: dict[PlanKey, Plan] = {}
+
+
+def runner_starter_plan(engine: Any, method: str, ctx: int = 128, repeats: int = 3) -> Plan:
+    """A starter plan for a target on llama.cpp, where no analytic model of our
+    own runtime applies: T_v(x) timed on the target's runner (one tree forward of x tokens after
+    `ctx` tokens), T_d(x) timed with the method's real drafting, AAT(x) from a stored plan of the
+    pair or the default curve. A few seconds at start; if even this says speculation cannot pay
+    (llama.cpp's batch evaluation on a CPU can cost nearly one step per token), auto decodes
+    plainly and says so."""
+    tv = runner_verify_times(engine, RUNNER_XS, (ctx,), repeats)
+    td = ({ctx: {x: 0.0 for x in RUNNER_XS}} if engine.draft_model is None else
+          measure_draft_times(engine, [method], xs=RUNNER_XS, contexts=(ctx,), repeats=repeats, progress=False)[method])
+    plan = timed_plan(engine, method, tv, td, draft_prefill_s=0.0,
+                      note="starter plan for a runner-backed target: T_v and T_d timed at start")
+    plan.x_cap = max(RUNNER_XS)
+    plan.source = "starter"
+    return plan.refresh()
+
+
+def timed_plan(engine: Any, method: str, verify_times: dict[int, dict[int, float]],
+               draft_times: dict[int, dict[int, float]], *, draft_prefill_s: float | None,
+               draft_row_times: dict[int, float] | None = None, note: str) -> Plan:
+    """A plan from T_v and T_d timed here, with the AAT(x) of the pair's measured plan (any
+    device, any weight mode) or the default curve: what a short timing can say without the
+    minutes of calibration decoding `specwood plan` spends on AAT. `note` says who timed it."""
+    found = stored_aat(str(engine.target_name), str(engine.draft_name or "none"), method)
+    plan = Plan(key=plan_key_for(engine, method), contexts=sorted(verify_times), verify_times=verify_times,
+                draft_times=draft_times, aat=found[0] if found else DEFAULT_AAT, draft_prefill_s=draft_prefill_s,
+                draft_row_times=dict(draft_row_times or {}), mode="timed",
+                created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                notes=[f"{note}; " + (found[1] if found else "default AAT curve")])
+    return plan.refresh()
+
+
+def runner_verify_times(engine: Any, xs: Sequence[int], contexts: Sequence[int], repeats: int = 3) -> dict[int, dict[int, float]]:
+    """T_v(x, ctx) of a llama.cpp target: one tree forward of x tokens after ctx random tokens, on
+    a context of its own over the loaded weights (a request may be decoding on the serving one)."""
+    import torch
+
+    serving = engine.target.runner
+    vocab = engine.target_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    out: dict[int, dict[int, float]] = {}
+    for ctx in contexts:
+        runner = LlamaCppModel(serving.weights.path, n_ctx=ctx + max(xs) + 8, n_seq_max=max(xs),
+                               vocab_size=vocab, weights=serving.weights)
+        runner.prefill(torch.randint(0, vocab, (ctx,), generator=g).tolist())
+        out[ctx] = {}
+        for x in xs:
+            tree = random_tree(x, g, vocab)
+
+            def forward() -> None:
+                runner.forward_tree(tree)
+                runner.rollback(ctx)
+
+            out[ctx][x] = median_time(forward, repeats, warmup=1)
+        runner.close()
+    return out
