@@ -185,7 +185,7 @@ def test_bench_rows_per_backend(ggufs: SimpleNamespace, tiny_pair: Any, tiny_tok
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """'NAME@llama.cpp' rows run on a llama.cpp engine beside the torch rows and the llama.cpp
     baseline; each is checked against its own backend's ar."""
-    import specwood
+    import specwood.engine.api as engine_api
     from specwood.bench.harness import run_bench
     from specwood.bench.workload import Prompt
     from specwood.engine.backends import LlamaCppDraft, LlamaCppTarget
@@ -195,7 +195,7 @@ def test_bench_rows_per_backend(ggufs: SimpleNamespace, tiny_pair: Any, tiny_tok
         return Engine(LlamaCppTarget(target, 256), tiny_tokenizer, draft=LlamaCppDraft(draft, 256),
                       target_name=str(target), draft_name=str(draft))
 
-    monkeypatch.setattr(specwood, "load", fake_load)
+    monkeypatch.setattr(engine_api, "load", fake_load)  # what the harness loads a backend's engine with
     engine = Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name=str(ggufs.target),
                     draft_name=str(ggufs.draft))
     prompts = [Prompt("code-1", "code", prompt="def add(a, b):\n    return"),

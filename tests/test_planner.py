@@ -899,10 +899,10 @@ def test_cli_analytic_device(tmp_path, capsys):
 def test_cli_local_plans_once_then_reuses(tiny_engine, monkeypatch, tmp_path, capsys):
     import argparse
 
-    import specwood
+    import specwood.engine.api as engine_api
     from specwood.planner.cli import add_plan_parser
 
-    monkeypatch.setattr(specwood, "load", lambda *a, **k: tiny_engine)
+    monkeypatch.setattr(engine_api, "load", lambda *a, **k: tiny_engine)  # what the plan command loads with
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers(dest="command"))
     argv = ["plan", "--quick", "--contexts", "32", "--method", "prior", "--no-plots", "--compare-trees"]
