@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from specwood.engine.parallel_worker import DraftWorker, _worker_main, build_draft
-from specwood.engine.processes import describe_exit
+from specwood.engine.processes import ChildLost, NoAnswer, describe_exit, receive
 from specwood.errors import SpecwoodError
 
 
@@ -53,25 +53,15 @@ class _Remote:
             raise WorkerFailure(f"the draft worker (pid {self.pid}) {self.death()}") from None
 
     def recv(self, timeout: float) -> tuple:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self.conn.poll(0.05):
-                    return self.conn.recv()
-            except (EOFError, OSError):
-                self.proc.join(0.5)
-                raise WorkerFailure(f"the draft worker (pid {self.pid}) {self.death()}") from None
-            if not self.proc.is_alive():
-                try:  # a reply sent just before it exited
-                    if self.conn.poll(0):
-                        return self.conn.recv()
-                except (EOFError, OSError):
-                    pass
-                raise WorkerFailure(f"the draft worker (pid {self.pid}) {self.death()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise WorkerFailure(f"the draft worker (pid {self.pid}) did not answer within {timeout:.0f}s "
-                                    "and was stopped")
+        try:
+            return receive(self.conn, timeout, self.proc.is_alive)
+        except ChildLost:
+            self.proc.join(0.5)
+            raise WorkerFailure(f"the draft worker (pid {self.pid}) {self.death()}") from None
+        except NoAnswer:
+            self.kill()
+            raise WorkerFailure(f"the draft worker (pid {self.pid}) did not answer within {timeout:.0f}s "
+                                "and was stopped") from None
 
     def ready(self) -> bool:
         """Whether a reply is waiting (a dead worker counts as ready: recv then raises)."""

@@ -30,7 +30,7 @@ from specwood.engine.pipeline import run_rank
 from specwood.engine.pipeline_jobs import (DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes,
                                            weight_elements)
 from specwood.engine.parallel_worker import build_draft, draft_spec, time_forward
-from specwood.engine.processes import describe_exit
+from specwood.engine.processes import ChildLost, NoAnswer, describe_exit, receive
 from specwood.engine.request import Drafter, Request, State
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.sampling import SamplingParams
@@ -447,20 +447,16 @@ class PipelineExecutor(Executor):
             self._fail()
 
     def _recv(self, timeout: float, what: str) -> tuple:
-        """Before the reader thread runs (starting): rank 0's next message."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self.conn.poll(0.05):
-                    return self.conn.recv()
-            except (EOFError, OSError):
-                self._fail()
-            if any(not p.is_alive() for p in self.procs):
-                self._fail()
-            if time.monotonic() > deadline:
-                self.failed = f"no answer within {timeout:.0f}s while {what}"
-                _kill_all(self.procs)
-                raise PipelineFailure(f"the pipeline gave {self.failed} and was stopped")
+        """Before the reader thread runs (starting): rank 0's next message (a message from a rank
+        that has exited still counts; a dead rank is named by `_fail`)."""
+        try:
+            return receive(self.conn, timeout, lambda: all(p.is_alive() for p in self.procs))
+        except ChildLost:
+            self._fail()
+        except NoAnswer:
+            self.failed = f"no answer within {timeout:.0f}s while {what}"
+            _kill_all(self.procs)
+            raise PipelineFailure(f"the pipeline gave {self.failed} and was stopped") from None
 
     def _fail(self) -> None:
         """A rank is gone: name it, let the others exit (kill them after GRACE_S), raise."""

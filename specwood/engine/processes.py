@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from typing import Any, Callable
 
 
 def exit_with_parent(parent: int | None = None) -> None:
@@ -30,3 +32,33 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+class ChildLost(Exception):
+    """The pipe to a child broke or the child is gone (`receive`)."""
+
+
+class NoAnswer(Exception):
+    """A child did not answer within the time it was given (`receive`)."""
+
+
+def receive(conn: Any, timeout: float, alive: Callable[[], bool]) -> Any:
+    """The child's next message on `conn`, polling so that a dead child (`alive()` false) or a
+    broken pipe raises ChildLost at once instead of blocking for ever; NoAnswer after `timeout`
+    seconds. A message sent just before the child exited is still delivered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if conn.poll(0.05):
+                return conn.recv()
+        except (EOFError, OSError):
+            raise ChildLost() from None
+        if not alive():
+            try:
+                if conn.poll(0):
+                    return conn.recv()
+            except (EOFError, OSError):
+                pass
+            raise ChildLost()
+        if time.monotonic() > deadline:
+            raise NoAnswer()
