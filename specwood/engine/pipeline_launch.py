@@ -134,6 +134,7 @@ class PipelineRequest:
         self.id, self.on_text, self.on_finish = rid, on_text, on_finish
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
+        self.ended_here = False  # ended by this process (its consumer raised) while rank 0 still runs it
         self.done = threading.Event()
 
     def _end(self, result: GenerationResult | None, error: BaseException | None = None) -> None:
@@ -187,13 +188,15 @@ class PipelineExecutor(Executor):
             width = 8  # plain PP only: no tree to size
         elif width in (None, "auto"):
             if _width_planner is None:
-                raise SpecwoodError("--width auto needs specwood's planner (import specwood.planner); or pass --width N")
+                raise SpecwoodError("--width auto needs specwood's planner (import specwood.planner); "
+                                    "or pass --width N")
             self.width_choice = _width_planner(engine, stages, topk, threads=self.threads)
             width = self.width_choice["width"]
         self.engine, self.stages, self.width, self.topk, self.max_lanes = engine, stages, width, topk, max_lanes
         self.row_len = int(engine.max_context) + self.tree_room
         # a Scheduler's requests: their mode and lane, and the lanes' ends as the reader sees them
-        self._modes: dict[Request, tuple[str, dict[str, Any] | None]] = {}
+        # (weak: a request made but never admitted, e.g. refused by a full queue, leaves no entry)
+        self._modes: weakref.WeakKeyDictionary[Request, tuple[str, dict[str, Any] | None]] = weakref.WeakKeyDictionary()
         self._lanes: dict[Request, PipelineRequest] = {}
         self._cancel_sent: set[Request] = set()
         self._ended: queue.SimpleQueue[tuple[Request, PipelineRequest]] = queue.SimpleQueue()
@@ -301,7 +304,7 @@ class PipelineExecutor(Executor):
             if self._lanes.get(req) is not lane:
                 continue  # ended already (failed, cancelled, shut down)
             if lane.error is not None:
-                if getattr(lane, "ended_here", False):
+                if lane.ended_here:
                     try:
                         self._send(("cancel", lane.id))
                     except PipelineFailure:
@@ -423,7 +426,7 @@ class PipelineExecutor(Executor):
                     except Exception as e:  # noqa: BLE001 - a consumer's callback failed: its request ends
                         with self._lock:
                             self._pending.pop(rid, None)
-                        req.ended_here = True  # rank 0 still runs it: a scheduler's step cancels it there
+                        req.ended_here = True  # a scheduler's step cancels it on rank 0
                         req._end(None, e)
             elif kind == "result":
                 req._end(payload)

@@ -87,23 +87,16 @@ class RunnerExecutor(SequentialExecutor):
     each step one tree forward, the same drafting (draft_trees), verification (verify_tree) and
     bookkeeping (advance) as the batched step."""
 
-    name = "sequential"
-
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.max_batch = 1
         self.tree_room = 0  # a tree that does not fit next to the context is decoded plainly
         self.row_len = runner.n_ctx
         self.growable = False
-        self.cuda_graphs = False
-        self._draft_pools = {}
 
     def draft_source(self, model: Any) -> Any:
         # one request at a time: a torch draft gets a one-row cache of its own
         return ModelDraftSource(model) if isinstance(model, Transformer) else model.new_source()
-
-    def room_for(self, prompt_len: int, max_tokens: int) -> int:
-        return prompt_len + max_tokens
 
     def ensure_room(self, needed: int, idle: bool = True) -> None:
         if needed > self.runner.n_ctx:

@@ -130,7 +130,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     may call it (API key, origins, Host names: specwood.serve.guard). Raises SpecwoodError for a
     bad default method."""
     # the context a request may use: the engine's, or less where the scheduler's rows are shorter
-    tree_room = int(getattr(scheduler, "tree_room", TREE_ROOM))
+    tree_room = scheduler.tree_room
     max_context = min(int(engine.max_context), int(scheduler.row_len) - tree_room)
     if max_context < 2:
         raise SpecwoodError(f"the scheduler's cache rows ({scheduler.row_len} slots, {tree_room} kept for trees) "
@@ -259,10 +259,10 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             job.on_finish(req)
 
         try:
-            req = scheduler.make_request(engine, prompt_ids, max_tokens=max_tokens, temperature=g.temperature, top_p=g.top_p,
-                       top_k=g.top_k, seed=g.seed, stop=g.stop or None, method=method_name,
-                       raw=g.raw, on_text=job.on_text if g.stream else None,
-                       prepared=prepared, on_finish=on_finish, request_id=rid)
+            req = scheduler.make_request(engine, prompt_ids, max_tokens=max_tokens, temperature=g.temperature,
+                                         top_p=g.top_p, top_k=g.top_k, seed=g.seed, stop=g.stop or None,
+                                         method=method_name, raw=g.raw, on_text=job.on_text if g.stream else None,
+                                         prepared=prepared, on_finish=on_finish, request_id=rid)
         except SpecwoodError as e:
             raise ProtocolError(str(e), param=_param_of(e), code=_code_of(e)) from None
         job.req = req
