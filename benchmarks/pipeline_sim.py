@@ -11,7 +11,7 @@ this machine, and draw its plots.
    plot TBT vs w (model + measured points) and a per-stage timeline of a traced run (Fig. 12);
 4. the paper's 8-stage setting (a device model) as TBT vs w for m = 2, 4, 8, 16 (Fig. 10).
 
-    python benchmarks/pipeline_sim.py [--out benchmarks/results/pipeline_sim] [--quick]
+    python benchmarks/pipeline_sim.py [--out benchmarks/results/specpipe/pipeline_sim] [--quick]
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ PROMPTS = ["def add(a, b):", "Once upon a time", "1, 2, 3, 4, 5, 1, 2, 3,", "imp
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/pipeline_sim")
+    ap.add_argument("--out", default="benchmarks/results/specpipe/pipeline_sim")
     ap.add_argument("--stages", default="2,4")
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--topk", type=int, default=4)

@@ -2,7 +2,7 @@
 same prompts (issue 29's goal: default pair, this CPU, `ar` >= 0.95x llama.cpp's plain decoding
 tok/s and `auto` >= 1.2x, on held-out-style prompts of every category, over the server).
 
-    python benchmarks/server_compare.py --out benchmarks/results/server_compare_DATE \\
+    python benchmarks/server_compare.py --out benchmarks/results/server/server_compare_DATE \\
         [--prompts benchmarks/heldout_prompts.jsonl] [--max-tokens 128] [--concurrency 1,4,8] \\
         [--methods ar,auto] [--llama-spec] [--rounds 1] [--require-plan] [--limit N]
 

@@ -8,28 +8,21 @@ import sys
 from typing import Any
 
 from specwood.engine.args import (add_executor_args, add_method_args, add_model_args, add_sampling_args,
-                                  check_backend_args, load_engine, method_options, needs_draft)
+                                  check_backend_args, load_engine, method_options)
+from specwood.engine.executors import needs_draft_on, plugin_for
 from specwood.errors import SpecwoodError
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     check_backend_args(args)
-    if getattr(args, "executor", None) == "pipeline":
-        from specwood.engine.pipeline_args import cmd_generate_pipeline
-
-        return cmd_generate_pipeline(args, load_engine)
-    parallel = getattr(args, "executor", None) == "parallel"
-    if parallel:  # DuoDecoding (specwood/engine/parallel.py): checks that need no model first
-        from specwood.engine.parallel_args import check_cli_args, parallel_method
-
-        args.method = parallel_method(args.method)
-        worker = check_cli_args(args)
-    engine = load_engine(args, need_draft=needs_draft(args.method))
-    executor: Any = getattr(args, "executor", None)  # None: the method decides (auto follows the plan)
-    if parallel:
-        from specwood.engine.parallel import ParallelExecutor
-
-        executor = ParallelExecutor(engine, **worker)
+    args.executor = getattr(args, "executor", None)
+    plugin = plugin_for(args.executor)
+    if plugin.generate_cli is not None:  # the pipeline's ranks start for the one request
+        return plugin.generate_cli(args, load_engine)
+    options = plugin.cli_options(args)  # checks that need no model first
+    engine = load_engine(args, need_draft=needs_draft_on(args.executor, args.method))
+    # None: the method decides (auto follows the plan)
+    executor: Any = plugin.build(engine, options) if args.executor is not None else None
     prompt: Any = args.prompt
     if args.system and not args.raw:
         prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
@@ -41,7 +34,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             **method_options(args),
         )
     finally:
-        if parallel:
+        if executor is not None:
             executor.close()
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
@@ -89,18 +82,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # cheap checks first, so a typo or a busy port fails before the model load
     check_backend_args(args)
-    parallel = args.executor == "parallel"
-    if parallel:  # DuoDecoding serves method duo in lock-step batches
-        from specwood.engine.parallel_args import check_cli_args, parallel_method
-
-        args.method = parallel_method(args.method)
-        worker = check_cli_args(args)
-    pipeline = None
-    if args.executor == "pipeline":  # SpecPipe-DB: requests join and leave between pipeline steps
-        from specwood.engine.pipeline_args import check_serve_args
-
-        args.method, pipeline = check_serve_args(args)
-    need_draft = needs_draft(f"{args.method}@pipeline" if pipeline else args.method)
+    plugin = plugin_for(args.executor)
+    executor_options = plugin.cli_options(args)  # may name the method as the executor runs it
+    need_draft = needs_draft_on(args.executor, args.method)
     access = access_of(args)
     if not 0 <= args.drain_timeout <= 3600:
         raise SpecwoodError(f"--drain-timeout must be between 0 and 3600 seconds, got {args.drain_timeout}")
@@ -116,16 +100,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     planner = None
     try:
         engine = load_engine(args, need_draft=need_draft)
-        executor = None
-        if parallel:
-            from specwood.engine.parallel import ParallelExecutor
-
-            executor = ParallelExecutor(engine, **worker)
-        elif pipeline is not None:
-            from specwood.engine.pipeline_launch import PipelineExecutor
-
-            executor = PipelineExecutor(engine, max_lanes=args.max_batch, **pipeline)
-        elif args.method == "auto" and args.plan_in_background:
+        executor = plugin.build(engine, executor_options)
+        if executor is None and args.method == "auto" and args.plan_in_background:
             planner = start_background_plan(args, engine)
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
               max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor,

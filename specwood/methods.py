@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from specwood.engine.executor import EXECUTORS
 from specwood.engine.request import Drafter
 from specwood.errors import SpecwoodError
 
@@ -32,6 +33,9 @@ class Method:
     # choose_executor(engine, options, prompt_len) -> "sequential" | "parallel", when the method
     # picks its executor itself (auto follows the plan); None: sequential unless asked otherwise
     choose_executor: Callable[[Any, dict[str, Any], int], str] | None = None
+    # the executors it runs on (specwood.engine.executors) and the backends its target may use
+    executors: tuple[str, ...] = ("sequential",)
+    backends: tuple[str, ...] = ("torch", "llama.cpp")
 
     @property
     def loads_draft(self) -> bool:
@@ -46,8 +50,36 @@ def register(method: Method) -> Method:
     return method
 
 
-def method_names() -> list[str]:
-    return list(_REGISTRY)
+def method_names(executor: str | None = "sequential") -> list[str]:
+    """The methods that run on `executor` (None: every method)."""
+    return [name for name, m in _REGISTRY.items() if executor is None or executor in m.executors]
+
+
+# what a sequential method's name means on another executor: DuoDecoding is the parallel
+# executor's drafting, SpecPipe and plain PP the pipeline's
+EXECUTOR_ALIASES: dict[str, dict[str, str]] = {"parallel": {"ar": "duo", "auto": "duo"},
+                                               "pipeline": {"auto": "specpipe", "ar": "pp"}}
+
+
+def method_on(executor: str, name: str | None) -> str:
+    """The method `name` runs as on `executor` (an alias resolved; None: the executor's default),
+    or one line saying where it runs instead."""
+    key = EXECUTOR_ALIASES.get(executor, {}).get(str(name or "auto").strip().lower(), name or "auto")
+    method = get_method(key)
+    if executor not in method.executors:
+        here = method_names(executor)
+        runs = f"method{'s' if len(here) > 1 else ''} {', '.join(repr(m) for m in here)}"
+        raise SpecwoodError(f"executor '{executor}' runs {runs}, not '{method.name}' (which runs on "
+                            f"{' and '.join(method.executors)}); drop --method or use another --executor")
+    return method.name
+
+
+def check_backend(name: str, backend: str) -> None:
+    """Refuse a method whose draft reads what the `backend` target does not expose."""
+    method = get_method(name)
+    if backend not in method.backends:
+        raise SpecwoodError(f"method '{method.name}' needs a {' or '.join(method.backends)} target, not {backend} "
+                            f"(use --backend {method.backends[0]})")
 
 
 def get_method(name: str) -> Method:
@@ -74,7 +106,7 @@ def split_executor(method: str) -> tuple[str, str | None]:
     suffix (split_backend) is dropped."""
     name, _, executor = split_backend(method)[0].partition("@")
     executor = executor.strip().lower() or None
-    if executor not in (None, "sequential", "parallel", "pipeline"):
+    if executor is not None and executor not in EXECUTORS:
         raise SpecwoodError(f"unknown executor '{executor}' in '{method}' (use NAME@parallel, NAME@pipeline or "
                             "NAME@sequential; NAME@llama.cpp or NAME@torch picks the backend)")
     return name.strip(), executor
@@ -97,6 +129,7 @@ def prepare_method(engine: Any, name: str, options: dict[str, Any] | None = None
     if unknown:
         takes = f"it takes {', '.join(method.options)}" if method.options else "it takes none"
         raise SpecwoodError(f"method '{method.name}' does not use option(s) {', '.join(unknown)} ({takes})")
+    check_backend(method.name, getattr(engine, "backend", "torch"))
     if method.needs_draft and engine.draft_model is None:
         raise SpecwoodError(f"method '{method.name}' needs a draft model; pass --draft NAME|PATH (draft=... in the API)")
     return method.prepare(engine, options)
@@ -119,7 +152,8 @@ def _shape_method(name: str, needs_draft: bool, options: tuple[str, ...]) -> Met
             return lambda sources, prompt_len, max_tokens, load=1: Drafter(None, shape)
         return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(engine.draft_model), shape)
 
-    return Method(name, SHAPE_SUMMARIES[name], needs_draft, options, prepare)
+    executors = ("sequential",) if name == "pld" else ("sequential", "pipeline")  # pipeline: PP + SpecInfer
+    return Method(name, SHAPE_SUMMARIES[name], needs_draft, options, prepare, executors=executors)
 
 
 SHAPE_SUMMARIES = {
@@ -182,12 +216,13 @@ for _name, _opts in SHAPE_OPTIONS.items():
 register(Method("early-exit", "experimental: the target's first layers + its head draft a chain (no trained exit "
                 "adapter: AAT ~1.0, slower than ar)", False,
                 ("exit_layer", "shape", "budget", "depth", "topk", "threshold", "branching", "acceptance"),
-                _prepare_early_exit))
+                _prepare_early_exit, backends=("torch",)))
 
 
 register(Method("head", "a feature-level draft head (EAGLE) drafts the tree from the target's own features "
                 "(--head PATH; shape=eagle by default)", False,
-                ("shape", "budget", "depth", "topk", "threshold", "branching", "acceptance"), _prepare_head))
+                ("shape", "budget", "depth", "topk", "threshold", "branching", "acceptance"), _prepare_head,
+                backends=("torch",)))
 
 
 def _prepare_duo(engine: Any, options: dict[str, Any]) -> DrafterFactory:
@@ -200,4 +235,18 @@ def _prepare_duo(engine: Any, options: dict[str, Any]) -> DrafterFactory:
 # DuoDecoding's drafting policy; in-process (draft then verify) here, draft and target at the same
 # time with executor="parallel" (specwood.engine.parallel, `--executor parallel`)
 register(Method("duo", "DuoDecoding dynamic multi-sequence drafting (parallel with --executor parallel)", True,
-                ("budget", "depth", "max_sequences"), _prepare_duo))
+                ("budget", "depth", "max_sequences"), _prepare_duo, executors=("sequential", "parallel")))
+
+
+def _pipeline_only(name: str) -> Callable[[Any, dict[str, Any]], DrafterFactory]:
+    def prepare(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+        raise SpecwoodError(f"method '{name}' runs on the pipeline executor: --executor pipeline "
+                            "(executor='pipeline' in the API)")
+    return prepare
+
+
+# SpecPipe's modes (specwood.engine.pipeline_launch): the target's layers over rank processes
+for _name, _summary, _draft in (("specpipe", "SpecPipe: the pipeline fed one tree level per step", True),
+                                ("pp", "plain pipeline parallelism (no speculation)", False),
+                                ("specinfer", "PP + SpecInfer: a whole static tree per pipeline pass", True)):
+    register(Method(_name, _summary, _draft, (), _pipeline_only(_name), executors=("pipeline",), backends=("torch",)))

@@ -15,6 +15,15 @@ from specwood.models.testing import make_tiny_tokenizer  # noqa: F401 - the test
 # point SPECWOOD_CACHE at a private folder must not compile them again there
 os.environ.setdefault("SPECWOOD_KERNEL_DIR", str(build_directory()))
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (README's `-n 2`) each worker gets its share of the cores: two workers
+    with two OpenMP threads each on a 2-core machine spin against each other."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 # --- runtime fixtures ---
 
 

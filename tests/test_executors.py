@@ -72,3 +72,46 @@ def test_one_workload_through_every_executor(engine, name):
             assert req.error is None, (name, i, req.error)
             assert req.result.token_ids == ref, (name, i)
     assert scheduler.idle and scheduler.failure is None
+
+
+# --- the registry says what runs where ------------------------------------------------------------
+
+
+def test_the_registry_says_which_executors_and_backends_each_method_runs_on(engine):
+    from specwood.engine.executor import EXECUTORS
+    from specwood.engine.executors import PLUGINS, needs_draft_on
+    from specwood.errors import SpecwoodError
+    from specwood.methods import check_backend, get_method, method_names, method_on, prepare_method
+
+    assert set(PLUGINS) == set(EXECUTORS)
+    for name in method_names(None):
+        assert set(get_method(name).executors) <= set(EXECUTORS), name
+    # every method the test above sends to an executor is one the registry lists for it
+    for executor, methods in METHODS.items():
+        assert set(methods) <= set(method_names(executor)), executor
+    assert method_names("parallel") == ["duo"]
+    assert "specpipe" not in method_names() and "pld" not in method_names("pipeline")
+    # a sequential name means the executor's own method there
+    assert method_on("parallel", "ar") == method_on("parallel", "auto") == "duo"
+    assert (method_on("pipeline", "auto"), method_on("pipeline", "ar"), method_on("pipeline", "eagle")) == \
+        ("specpipe", "pp", "eagle")
+    with pytest.raises(SpecwoodError, match="executor 'parallel' runs method 'duo', not 'eagle'"):
+        method_on("parallel", "eagle")
+    with pytest.raises(SpecwoodError, match="not 'pld'"):
+        method_on("pipeline", "pld")
+    # a pipeline method asked of the sequential executor says where it runs
+    with pytest.raises(SpecwoodError, match="runs on the pipeline executor"):
+        engine.generate("hi", max_tokens=2, method="specpipe")
+    assert (needs_draft_on(None, "ar"), needs_draft_on("parallel", "ar"), needs_draft_on("pipeline", "ar"),
+            needs_draft_on("pipeline", "auto")) == (False, True, False, True)
+    # methods that read the target's own layers or features need a torch target
+    with pytest.raises(SpecwoodError, match="method 'head' needs a torch target, not llama.cpp"):
+        check_backend("head", "llama.cpp")
+    check_backend("dyspec", "llama.cpp")
+
+    class OnLlamaCpp:
+        backend = "llama.cpp"
+        draft_model = None
+
+    with pytest.raises(SpecwoodError, match="needs a torch target"):
+        prepare_method(OnLlamaCpp(), "early-exit")

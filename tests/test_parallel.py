@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -488,6 +489,16 @@ def test_bench_runs_both_executors_in_one_run(tiny_folder, tmp_path):
                     prefix="specwood bench: error:")
 
 
+def poll_health(http: Any, until: Callable[[Any], bool], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = http.get("/health")
+        if until(r):
+            return r
+        assert time.monotonic() < deadline, f"/health did not change: {r.status_code} {r.text}"
+        time.sleep(0.02)
+
+
 def test_server_on_the_parallel_executor(engine):
     import httpx
     from concurrent.futures import ThreadPoolExecutor
@@ -516,6 +527,13 @@ def test_server_on_the_parallel_executor(engine):
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4,
                                                    "method": "dyspec"})
             assert r.status_code == 400 and "runs method 'duo'" in r.json()["error"]["message"]
+            assert complete("hello")["choices"][0]["text"] == engine.generate("hello", max_tokens=16, raw=True).text
+            # a dead worker: /health says so (503) until the idle scheduler has restarted it
+            os.kill(sched.executor.worker_pid, signal.SIGKILL)
+            seen = poll_health(http, lambda r: r.status_code == 503)
+            assert "draft worker" in seen.json()["error"]["message"], seen.text
+            poll_health(http, lambda r: r.status_code == 200, timeout=120)
+            assert sched.executor.restarts == 1
             assert complete("hello")["choices"][0]["text"] == engine.generate("hello", max_tokens=16, raw=True).text
     finally:
         srv.stop()

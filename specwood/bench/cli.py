@@ -19,7 +19,8 @@ from specwood.engine.args import (
     needs_draft,
 )
 from specwood.errors import SpecwoodError
-from specwood.methods import split_backend, split_executor
+from specwood.engine.executors import plugin_for
+from specwood.methods import method_names, split_backend, split_executor
 
 DEFAULT_OUT = "bench-out"
 
@@ -108,29 +109,19 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         methods = parse_methods(args.methods)
         check_backend_args(args)
         _check_method_backends(methods, args)
-        if args.executor == "parallel":  # --executor parallel: the methods it runs go parallel
-            methods = [f"{m}@parallel" if m == "duo" else m for m in methods]
+        # a bare method runs on --executor where the registry says it runs there (ar, the
+        # baseline, stays sequential); NAME@executor picks one per row
+        if args.executor not in (None, "sequential"):
+            methods = [f"{m}@{args.executor}" if "@" not in m and m in method_names(args.executor) else m
+                       for m in methods]
         executor_options: dict[str, dict[str, Any]] = {}
-        if any(split_executor(m)[1] == "parallel" for m in methods):
-            from specwood.engine.parallel_args import check_cli_args, parallel_method
-
-            for m in methods:
-                name, executor = split_executor(m)
-                if executor == "parallel":
-                    parallel_method(name)
-            executor_options["parallel"] = check_cli_args(args)
-        if args.executor == "pipeline":  # --executor pipeline: SpecPipe, PP, PP + SpecInfer on the same stages
-            methods = [m if "@" in m else f"{m}@pipeline" for m in methods]
-        if any(split_executor(m)[1] == "pipeline" for m in methods):
-            from specwood.engine.pipeline_jobs import check_pipeline_args
-            from specwood.engine.pipeline_launch import pipeline_mode
-
-            for m in methods:
-                if split_executor(m)[1] == "pipeline":
-                    pipeline_mode(split_executor(m)[0], args.budget, args.depth, args.threshold)
-            check_pipeline_args(args.stages, args.width, args.topk if args.topk is not None else 4)
-            executor_options["pipeline"] = {"stages": args.stages, "width": args.width,
-                                            "topk": args.topk if args.topk is not None else 4}
+        for m in methods:
+            name, executor = split_executor(m)
+            if executor not in (None, "sequential"):
+                plugin = plugin_for(executor)
+                plugin.method(name, args)
+                if executor not in executor_options:
+                    executor_options[executor] = plugin.cli_options(args)
         sampling = normalise_sampling({"temperature": args.temperature, "top_p": args.top_p,
                                        "top_k": args.top_k, "seed": args.seed})
         if any(m in HF_METHODS for m in methods):

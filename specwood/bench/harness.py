@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from specwood.engine.executors import build_executor
 from specwood.methods import options_for, split_backend, split_executor
 from specwood.bench import report as _report
 from specwood.bench.hf_baseline import HF_METHODS, HFBaseline
@@ -225,8 +226,8 @@ class _Runner:
         self.method_options = method_options
         self.max_tokens = max_tokens
         self.executor_options = executor_options or {}
-        self.parallel: Any = None  # one DuoDecoding executor (draft worker) for every 'm@parallel'
-        self.pipeline: Any = None  # one pipeline (SpecPipe) executor for every 'm@pipeline'
+        # one executor per name, started by its first row ('m@parallel': one draft worker for all)
+        self.executors: dict[str, Any] = {}
         hf_methods = [m for m in methods if m in HF_METHODS]
         self.hf = HFBaseline(engine, hf_methods) if hf_methods else None
         self.llamacpp = LlamaCppBaseline(engine) if any(m in LLAMACPP_METHODS for m in methods) else None
@@ -258,20 +259,13 @@ class _Runner:
         engine = self.engine_for(backend)
         name, executor = split_executor(method)
         opts = options_for(name, self.method_options)
-        if executor == "parallel" and self.parallel is None:
-            from specwood.engine.parallel import ParallelExecutor
-
-            self.parallel = ParallelExecutor(self.engine, **self.executor_options.get("parallel", {}))
-        if executor == "pipeline" and self.pipeline is None:
-            from specwood.engine.pipeline_launch import PipelineExecutor
-
-            self.pipeline = PipelineExecutor(self.engine, **self.executor_options.get("pipeline", {}))
+        if executor is not None and executor not in self.executors:
+            self.executors[executor] = build_executor(executor, self.engine, self.executor_options.get(executor, {}))
         t0 = time.perf_counter()
         res = engine.generate(content, max_tokens=max_tokens, method=name, raw=raw,
                                    temperature=self.sampling["temperature"], top_p=self.sampling["top_p"],
                                    top_k=self.sampling["top_k"], seed=self.sampling["seed"],
-                                   executor={"parallel": self.parallel, "pipeline": self.pipeline}.get(
-                                       executor, executor), **opts)
+                                   executor=self.executors.get(executor) or executor, **opts)
         wall = time.perf_counter() - t0
         stats = getattr(res, "stats", None) or {}
         return {
@@ -319,10 +313,9 @@ class _Runner:
         return rec
 
     def close(self) -> None:
-        if self.parallel is not None:
-            self.parallel.close()
-        if self.pipeline is not None:
-            self.pipeline.close()
+        for executor in self.executors.values():
+            if executor is not None:
+                executor.close()
 
     def warmup(self, method: str) -> None:
         """One short untimed generation: first-call allocations, kernel selection, lazy init.

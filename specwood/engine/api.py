@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from specwood.engine.executor import executor_name
+from specwood.engine.executors import plugin_for
 from specwood.engine.output import GenerationResult, OutputStream
-from specwood.engine.parallel import generate_parallel
-from specwood.engine.pipeline_launch import generate_on_pipeline
 from specwood.engine.request import Request
 from specwood.engine.runner import RunnerExecutor
 from specwood.engine.scheduler import Scheduler
@@ -245,8 +244,7 @@ class Engine:
         from specwood.engine.backends import check_backends
 
         check_backends(self.backend, self.draft_backend or "torch", executor=name)
-        run = generate_on_pipeline if name == "pipeline" else generate_parallel
-        return run(self, executor, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        return plugin_for(name).generate(self, executor, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                    seed=seed, stop=stop, method=method, raw=raw, on_text=on_text, **method_options)
 
     def _executor_for(self, method: str, prompt: Any, raw: bool, options: dict[str, Any]) -> tuple[str, Any]:

@@ -10,7 +10,8 @@ from typing import Any
 from specwood.engine.api import Engine, load
 from specwood.engine.backends import (BACKEND_CHOICES, DRAFT_DTYPE_CHOICES, DTYPE_CHOICES, RuntimeConfig,
                                       check_backends, resolve_runtime)
-from specwood.methods import get_method, split_executor
+from specwood.engine.executors import needs_draft_on
+from specwood.methods import split_executor
 from specwood.models.registry import DEFAULT_TARGET, default_draft_for
 
 METHOD_OPTIONS = ("budget", "depth", "topk", "threshold", "shape")
@@ -25,9 +26,7 @@ def needs_draft(method: str) -> bool:
     if method in HF_DRAFTS:
         return HF_DRAFTS[method]
     name, executor = split_executor(method)
-    if executor == "pipeline":  # every pipeline method but plain PP drafts (engine/pipeline_launch.py)
-        return name not in ("pp", "ar")
-    return executor == "parallel" or get_method(name).loads_draft
+    return needs_draft_on(executor, name)
 
 
 def add_executor_args(p: argparse.ArgumentParser, pipeline: bool = False) -> None:

@@ -119,6 +119,16 @@ class Executor(ABC):
         """Why the executor is down for good (a dead pipeline rank), or None while it serves."""
         return None
 
+    @property
+    def recovering(self) -> str | None:
+        """Why it cannot serve right now while it brings itself back (a dead draft worker that it
+        restarts), or None. `/health` answers 503 with it meanwhile."""
+        return None
+
+    def recover(self) -> None:
+        """Bring back what `recovering` names; the scheduler calls it while no request runs (a
+        step recovers by itself)."""
+
     def start(self) -> None:
         """Get ready before the first request (start workers, measure)."""
 

@@ -68,6 +68,7 @@ CALIBRATION_CONTEXT = 128  # context length of the start-up timing
 CALIBRATION_REPS = 5
 REMEASURE_TOKENS = 64  # re-derive gamma from the measured step times every this many context tokens
 EMA = 0.3
+RECOVERY_BACKOFF_S = 5.0  # between tries to restart a dead worker while idle
 EXECUTOR_OPTIONS = ("draft_device", "draft_threads")
 
 
@@ -152,6 +153,8 @@ class ParallelExecutor(Executor):
         self._lock = threading.RLock()
         self.restarts = 0
         self._failed = False  # the last run lost its worker: the next start is a restart
+        self._restarting = False
+        self._next_recovery = 0.0
         self.c_startup: float | None = None
         self.c: float | None = None
         self._t_target: float | None = None
@@ -187,6 +190,45 @@ class ParallelExecutor(Executor):
             except BaseException:
                 self._discard()
                 raise
+
+    def _ensure_worker(self) -> None:
+        """Start the worker, counting a restart where the last one died or failed."""
+        restart = self._failed or (self._remote is not None and not self._remote.proc.is_alive())
+        self._restarting = restart
+        try:
+            self.start()
+        finally:
+            self._restarting = False
+        if restart:
+            self.restarts += 1
+        self._failed = False
+
+    @property
+    def recovering(self) -> str | None:
+        remote = self._remote
+        if self._restarting:
+            return "the draft worker is restarting"
+        if self._failed:
+            return "the draft worker failed; it restarts while no request runs"
+        if remote is not None and not remote.proc.is_alive():
+            return f"the draft worker (pid {remote.pid}) {remote.death()}; it restarts while no request runs"
+        return None
+
+    def recover(self) -> None:
+        """Restart a dead worker while idle, so that the next request does not wait for it."""
+        if self.recovering is None or time.monotonic() < self._next_recovery:
+            return
+        self._next_recovery = time.monotonic() + RECOVERY_BACKOFF_S  # a worker that cannot start: no spin
+        with self._lock:
+            if self.recovering is not None:
+                if self.verbose:
+                    print(f"specwood: {self.recovering}; restarting it", file=sys.stderr)
+                try:
+                    self._ensure_worker()
+                except BaseException:
+                    self._discard()
+                    self._failed = True
+                    raise
 
     def _calibrate(self) -> None:
         """c = T_target_step / T_draft_token at start-up, both timed at the same time (as they run)."""
@@ -331,11 +373,7 @@ class ParallelExecutor(Executor):
         with self._lock:
             threads = torch.get_num_threads()
             try:
-                restart = self._failed or (self._remote is not None and not self._remote.proc.is_alive())
-                self.start()
-                if restart:
-                    self.restarts += 1
-                self._failed = False
+                self._ensure_worker()
                 torch.set_num_threads(self.target_threads)
                 self._run(requests)
             except WorkerFailure as e:

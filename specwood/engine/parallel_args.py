@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from specwood.errors import SpecwoodError
+from specwood.methods import method_on
 
 
 def available_cores() -> int:
@@ -57,17 +58,16 @@ def check_draft_threads(threads: int | None, target_device: str | torch.device) 
 
 def parallel_method(method: str | None) -> str:
     """The method the parallel executor runs: duo (the sequential defaults 'ar'/'auto' mean duo)."""
-    key = str(method or "duo").strip().lower()
-    if key in ("ar", "auto", "duo"):
-        return "duo"
-    raise SpecwoodError(f"executor 'parallel' runs method 'duo' (DuoDecoding multi-sequence drafting), not "
-                        f"'{method}'; drop --method or use --executor sequential")
+    return method_on("parallel", method or "duo")
 
 
 def check_cli_args(args: Any) -> dict[str, Any]:
     """`--executor parallel` on generate, bench and serve: the checks that need no model; the
-    worker options for ParallelExecutor(engine, **options)."""
+    worker options for ParallelExecutor(engine, **options). A command that names one method
+    (generate, serve) gets it as the parallel executor runs it in `args.method`."""
     if args.draft in (None, "none"):
         raise SpecwoodError("executor 'parallel' needs a draft model; pass --draft NAME|PATH (not 'none')")
+    if hasattr(args, "method"):
+        args.method = parallel_method(args.method)
     return {"draft_device": check_draft_device(args.draft_device),
             "draft_threads": check_draft_threads(args.draft_threads, args.device), "draft_dtype": args.draft_dtype}

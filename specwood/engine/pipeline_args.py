@@ -37,12 +37,21 @@ def cli_mode(args: Any) -> tuple[str, dict[str, Any] | None, int]:
     return mode, tree, topk
 
 
-def check_serve_args(args: Any) -> tuple[str, dict[str, Any]]:
-    """`specwood serve --executor pipeline`: the server's default method (a name `pipeline_mode`
-    knows) and the PipelineExecutor's options."""
+def pipeline_cli_options(args: Any) -> dict[str, Any]:
+    """`--executor pipeline`'s flags checked before any model loads; PipelineExecutor's options.
+    A command that names one method (serve: --method with --pipeline-mode) gets it as the pipeline
+    names it (specpipe, pp, or the specinfer tree's shape) in `args.method`, its default; a bench
+    checks each of its methods itself (pipeline_mode)."""
+    topk = args.topk if args.topk is not None else 4
+    if getattr(args, "method", None) is None:  # bench: --methods, each checked as it runs
+        check_pipeline_args(args.stages, args.width, topk)
+        return {"stages": args.stages, "width": args.width, "topk": topk}
     mode, tree, topk = cli_mode(args)
-    method = tree["name"] if tree is not None else mode
-    return method, {"stages": args.stages, "width": cli_width(args, mode), "topk": topk}
+    args.method = tree["name"] if tree is not None else mode
+    options = {"stages": args.stages, "width": cli_width(args, mode), "topk": topk}
+    if getattr(args, "max_batch", None) is not None:  # serve: requests in flight
+        options["max_lanes"] = args.max_batch
+    return options
 
 
 def cli_width(args: Any, mode: str) -> int | str:

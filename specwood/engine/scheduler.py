@@ -10,6 +10,7 @@ driven by the caller (Engine.generate, tests) or by a loop (`start()` in a backg
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -21,6 +22,8 @@ from specwood.engine.sequential import TREE_ROOM, SequentialExecutor
 from specwood.engine.step import StepRecord
 from specwood.errors import SpecwoodError
 from specwood.models.transformer import Transformer
+
+RECOVERY_POLL_S = 1.0  # how often an idle loop looks at its executor's workers
 
 __all__ = ["QueueFullError", "Scheduler", "TREE_ROOM"]
 
@@ -219,6 +222,15 @@ class Scheduler:
         self._thread = thread
         return thread
 
+    def _recover(self) -> None:
+        try:
+            self.executor.recover()
+        except Exception as e:  # noqa: BLE001 - the loop goes on; /health keeps saying why
+            print(f"specwood: could not bring the executor back: {e}", file=sys.stderr)
+        if self.executor.recovering is not None:
+            with self._lock:
+                self._lock.wait(RECOVERY_POLL_S)
+
     def stop(self, timeout: float = 10.0) -> None:
         """End the loop (after the step under way) and fail what is left; waits for it, unless
         called from the loop's own thread."""
@@ -237,10 +249,15 @@ class Scheduler:
                 then()
             while True:
                 with self._lock:
-                    while not self._stopping and self.idle:
-                        self._lock.wait()
+                    # idle: wake now and then to see whether the executor lost a worker
+                    while not self._stopping and self.idle and self.executor.recovering is None:
+                        self._lock.wait(RECOVERY_POLL_S)
                     if self._stopping:
                         break
+                    recover = self.idle
+                if recover:  # outside the lock: a restart takes seconds, and submit must not wait
+                    self._recover()
+                    continue
                 try:
                     self.step()
                 except Exception as e:  # noqa: BLE001 - never leave requests waiting on a dead loop

@@ -199,6 +199,10 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         failure = scheduler.failure  # an executor down for good (a dead pipeline rank)
         if failure:
             return JSONResponse(P.error_body(f"the executor is down: {failure}", 503), status_code=503)
+        recovering = scheduler.executor.recovering  # a dead draft worker, restarting
+        if recovering:
+            return JSONResponse(P.error_body(f"the executor is recovering: {recovering}", 503), status_code=503,
+                                headers={"Retry-After": "5"})
         cache = getattr(scheduler.executor, "cache", None)  # the pipeline's ranks hold theirs elsewhere
         return JSONResponse({"status": "ok", "model": name, "running": scheduler.num_running,
                              "waiting": scheduler.num_waiting,
