@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from specwood.drafting.multi_sequence import MultiSequenceShape, sequence_end
-from specwood.errors import ContextLengthError, SpecwoodError
+from specwood.drafting.together import draft_together
+from specwood.errors import SpecwoodError
 from specwood.tree.token_tree import TokenTree
 
 
@@ -140,45 +141,19 @@ class DraftWorker:
             raise RuntimeError("protocol: draft cache row out of step with its tokens")
 
     def _draft(self, budgets: dict[str, tuple[int, int | None, int]]) -> tuple[dict[str, TokenTree], int]:
-        """Every request's next tree, the calls of all of them answered by one forward per round."""
-        from specwood.drafting.model_source import forward_draft_calls
-
-        trees: dict[str, TokenTree] = {}
-        active: dict[str, tuple[Any, tuple]] = {}
+        """Every request's next tree, drafted together (one forward per round for all of them)."""
+        drafts = {}
         for rid, (gamma, depth, max_seqs) in budgets.items():
             w = self.reqs[rid]
-            drafting = MultiSequenceShape(budget=gamma, max_sequences=max_seqs, max_depth=depth).draft(
-                w.seq, w.root, w.params, w.generator)
-            try:
-                active[rid] = (drafting, drafting.send(None))
-            except StopIteration as done:
-                trees[rid] = done.value
-        rounds = 0
+            shape = MultiSequenceShape(budget=gamma, max_sequences=max_seqs, max_depth=depth)
+            drafts[rid] = (shape.draft(w.seq, w.root, w.params, w.generator), w.source)
+
+        def root_alone(rid: str) -> TokenTree:  # a request without room to draft
+            w = self.reqs[rid]
+            return TokenTree.with_root(w.root, "selected" if w.params.greedy else "sampled")
+
         with torch.inference_mode():
-            while active:
-                rounds += 1
-                rids = list(active)
-                try:
-                    outs = forward_draft_calls([(self.reqs[r].source, *active[r][1]) for r in rids])
-                except ContextLengthError:  # find the request(s) without room; they draft nothing
-                    outs = []
-                    for r in rids:
-                        try:
-                            outs.append(self.reqs[r].source.logits(*active[r][1]))
-                        except ContextLengthError:
-                            outs.append(None)
-                for r, out in zip(rids, outs):
-                    drafting, call = active[r]
-                    if out is None:
-                        drafting.close()
-                        trees[r] = TokenTree.with_root(self.reqs[r].root, call[0].child_rule)
-                        del active[r]
-                        continue
-                    try:
-                        active[r] = (drafting, drafting.send(out))
-                    except StopIteration as done:
-                        trees[r] = done.value
-                        del active[r]
+            trees, rounds = draft_together(drafts, root_alone)
         for rid, tree in trees.items():
             self.reqs[rid].tree = tree
         return trees, rounds

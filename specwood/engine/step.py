@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specwood.drafting.base import Drafting
-from specwood.drafting.model_source import ModelDraftSource, forward_draft_calls
+from specwood.drafting.together import draft_together
 from specwood.engine.request import Request
-from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
 from specwood.models.transformer import Transformer
@@ -44,50 +43,22 @@ def plain_tree(request: Request) -> TokenTree:
 
 def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, BaseException],
                 riding: int = 0) -> dict[Request, TokenTree]:
-    """Each request's tree for this step (`riding` prefill tokens share its target forward).
-    Drafting coroutines advance together; every round, the calls of all requests whose sources
-    are draft-model rows go through one forward per model. A request whose drafting raises is put
-    in `failed` and gets no tree."""
+    """Each request's tree for this step (`riding` prefill tokens share its target forward),
+    drafted together (specwood.drafting.together: one draft forward per model a round). A request
+    whose drafting raises is put in `failed` and gets no tree."""
     trees: dict[Request, TokenTree] = {}
-    active: dict[Request, tuple[Drafting, object]] = {}
+    drafts: dict[Request, tuple[Drafting, object]] = {}
     for req in requests:
         try:
             shape = req.drafter.shape_for_step(batch_size, len(req.context) + 1, riding)
             if shape is None:
                 trees[req] = plain_tree(req)
                 continue
-            drafting = shape.draft(req.context, req.root, req.params, req.draft_generator)
-            active[req] = (drafting, drafting.send(None))
-        except StopIteration as done:
-            trees[req] = done.value
+            drafts[req] = (shape.draft(req.context, req.root, req.params, req.draft_generator), req.drafter.source)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
             failed[req] = e
-    while active:
-        batched = [r for r, (_, call) in active.items() if isinstance(r.drafter.source, ModelDraftSource)]
-        answers: dict[Request, torch.Tensor] = {}
-        try:
-            if batched:
-                outs = forward_draft_calls([(r.drafter.source, *active[r][1]) for r in batched])
-                answers.update(zip(batched, outs))
-        except Exception:  # noqa: BLE001 - retry one by one to find the request at fault
-            pass
-        for req in list(active):
-            drafting, call = active[req]
-            try:
-                if req not in answers:
-                    if req.drafter.source is None:
-                        raise SpecwoodError(f"method '{req.method}' drafts with a model but has no draft source")
-                    answers[req] = req.drafter.source.logits(*call)
-                active[req] = (drafting, drafting.send(answers[req]))
-            except StopIteration as done:
-                trees[req] = done.value
-                del active[req]
-            except ContextLengthError:  # no room left to draft: a plain step
-                trees[req] = plain_tree(req)
-                del active[req]
-            except Exception as e:  # noqa: BLE001
-                failed[req] = e
-                del active[req]
+    drafted, _ = draft_together(drafts, plain_tree, failed)
+    trees.update(drafted)
     return trees
 
 
