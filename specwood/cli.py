@@ -86,6 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     executor_options = plugin.cli_options(args)  # may name the method as the executor runs it
     need_draft = needs_draft_on(args.executor, args.method)
     access = access_of(args)
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise SpecwoodError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if not 0 <= args.drain_timeout <= 3600:
         raise SpecwoodError(f"--drain-timeout must be between 0 and 3600 seconds, got {args.drain_timeout}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
@@ -105,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             planner = start_background_plan(args, engine)
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
               max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor,
-              background=planner, max_body_bytes=args.max_body_bytes, access=access, drain_timeout=args.drain_timeout)
+              background=planner, max_body_bytes=args.max_body_bytes, access=access, drain_timeout=args.drain_timeout,
+              request_timeout=args.request_timeout)
     finally:
         sock.close()
         if planner is not None and planner.poll() is None:
@@ -195,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host names the server answers to (default: loopback names when bound to "
                         "loopback, any otherwise)")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take, queue included, before it fails with 504 request_timeout "
+                        "(default: no limit)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they end (streams with "
                         "an error event and [DONE]); a second signal ends at once (default 30)")

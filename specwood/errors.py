@@ -15,3 +15,7 @@ class ContextLengthError(SpecwoodError):
 
 class SamplingParamsError(SpecwoodError):
     """Invalid temperature / top-k / top-p / seed / max-tokens."""
+
+
+class DeadlineExceeded(SpecwoodError):
+    """A request ran past its deadline (Scheduler.submit's timeout_s, `serve --request-timeout`)."""

@@ -4,6 +4,8 @@ executors gives the same greedy output as plain decoding, and a request that rai
 each of them while the others finish."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from specwood.engine.api import Engine
@@ -12,6 +14,7 @@ from specwood.engine.parallel import ParallelExecutor
 from specwood.engine.pipeline_launch import PipelineExecutor
 from specwood.engine.scheduler import Scheduler
 from specwood.engine.sequential import SequentialExecutor
+from specwood.errors import DeadlineExceeded, SpecwoodError
 
 from conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
@@ -74,13 +77,52 @@ def test_one_workload_through_every_executor(engine, name):
     assert scheduler.idle and scheduler.failure is None
 
 
+class SlowConsumer:
+    """Takes `seconds` over its first piece of text (a slow client)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.pieces = seconds, 0
+
+    def __call__(self, text: str) -> None:
+        self.pieces += 1
+        if self.pieces == 1:
+            time.sleep(self.seconds)
+
+
+LATE = 2  # the request that runs past its deadline (30 tokens: it is still running when it expires)
+
+
+@pytest.mark.parametrize("name", ["sequential", "parallel", "pipeline"])
+def test_a_request_past_its_deadline_fails_alone_on_every_executor(engine, name):
+    expected = [engine.generate(p, max_tokens=n, raw=True, method="ar").token_ids for p, n in zip(PROMPTS, MAX_TOKENS)]
+    scheduler = Scheduler(make_executor(name, engine), max_batch=4, max_queue=8)
+    try:
+        requests = [scheduler.make_request(engine, p, max_tokens=n, raw=True, method=m,
+                                           on_text=SlowConsumer(0.6) if i == LATE else None)
+                    for i, (p, n, m) in enumerate(zip(PROMPTS, MAX_TOKENS, METHODS[name]))]
+        for i, req in enumerate(requests):
+            scheduler.submit(req, timeout_s=0.3 if i == LATE else 600)
+        scheduler.run_until_done(requests)
+    finally:
+        scheduler.stop()
+    for i, (req, ref) in enumerate(zip(requests, expected)):
+        if i == LATE:
+            assert isinstance(req.exception, DeadlineExceeded), (name, req.error, req.result)
+            assert "ran past its 0.3 s deadline" in req.error
+        else:
+            assert req.error is None and req.result.token_ids == ref, (name, i, req.error)
+    assert scheduler.idle and scheduler.failure is None
+    with pytest.raises(SpecwoodError, match="timeout_s must be > 0"):
+        scheduler.submit(scheduler.make_request(engine, "hi", max_tokens=2, raw=True, method=METHODS[name][1]),
+                         timeout_s=0)
+
+
 # --- the registry says what runs where ------------------------------------------------------------
 
 
 def test_the_registry_says_which_executors_and_backends_each_method_runs_on(engine):
     from specwood.engine.executor import EXECUTORS
     from specwood.engine.executors import PLUGINS, needs_draft_on
-    from specwood.errors import SpecwoodError
     from specwood.methods import check_backend, get_method, method_names, method_on, prepare_method
 
     assert set(PLUGINS) == set(EXECUTORS)

@@ -27,7 +27,8 @@ import torch
 import specwood.engine.step as step_mod
 from specwood.drafting.multi_sequence import MultiSequenceShape, make_multi_sequence, split_budget
 from specwood.engine.api import Engine
-from specwood.engine.parallel import ParallelExecutor, WorkerFailure, generate_parallel
+from specwood.engine.executors import generate_parallel
+from specwood.engine.parallel import ParallelExecutor, WorkerFailure
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree

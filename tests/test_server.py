@@ -571,6 +571,26 @@ def test_full_queue_gives_503_with_retry_after(env, tiny_model_factory, tiny_tok
     assert sched._thread is None
 
 
+def test_a_request_past_the_request_timeout_gets_504_and_the_server_goes_on(env, tiny_model_factory, tiny_tokenizer):
+    eng = Engine(tiny_model_factory(seed=0), tiny_tokenizer, target_name="tiny")
+    sched = make_scheduler(eng, max_batch=2, max_queue=4)
+    sched.request_timeout_s = 0.3  # what `serve --request-timeout 0.3` sets
+    sched.observers.append(lambda rec: time.sleep(0.05))  # slow steps: 30 tokens take ~1.5 s
+    srv = ServerThread(create_app(eng, sched, method="ar")).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60, trust_env=False) as c:
+            long = {"prompt": RAW[0], "max_tokens": 30, "temperature": 0}
+            err = assert_openai_error(c.post("/v1/completions", json=long), 504, None)
+            assert err["code"] == "request_timeout" and "ran past its 0.3 s deadline" in err["message"]
+            events = sse_events(c.post("/v1/completions", json={**long, "stream": True}).text)
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+            assert c.get("/health").status_code == 200
+    finally:
+        srv.stop()
+    assert sched.idle
+
+
 def test_queued_clients_that_leave_free_their_places_at_once(env, tiny_model_factory, tiny_tokenizer):
     """64 clients queue behind a full batch and disconnect: their requests leave the queue within
     a step or two, not when a cache row frees, so a new request is queued instead of getting 503."""

@@ -13,11 +13,42 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from specwood.engine.executor import Executor, executor_name
-from specwood.engine.parallel import ParallelExecutor, generate_parallel
+from specwood.engine.parallel import EXECUTOR_OPTIONS, ParallelExecutor
 from specwood.engine.parallel_args import check_cli_args as parallel_cli_options
 from specwood.engine.pipeline_args import cmd_generate_pipeline, pipeline_cli_options
 from specwood.engine.pipeline_launch import PipelineExecutor, generate_on_pipeline, pipeline_mode
+from specwood.errors import SpecwoodError
 from specwood.methods import get_method, method_on
+
+
+# --- Engine.generate(..., executor="parallel" | a ParallelExecutor) ------------------------------
+
+
+def engine_executor(engine: Any, **options: Any) -> ParallelExecutor:
+    """The engine's own parallel executor (kept for the next call; a new one if the options differ)."""
+    key = (options.get("draft_device", "cpu"), options.get("draft_threads"))
+    cached = engine.__dict__.get("_parallel_executor")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if cached is not None:
+        cached[1].close()
+    ex = ParallelExecutor(engine, **options)
+    engine.__dict__["_parallel_executor"] = (key, ex)
+    return ex
+
+
+def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) -> Any:
+    """Engine.generate with executor="parallel" (or a ParallelExecutor): DuoDecoding."""
+    options = {k: kwargs.pop(k) for k in EXECUTOR_OPTIONS if k in kwargs}
+    if isinstance(executor, ParallelExecutor):
+        if options:
+            raise SpecwoodError(f"pass {', '.join(options)} to ParallelExecutor(...), not to generate")
+        ex = executor
+    elif executor_name(executor) == "parallel":
+        ex = engine_executor(engine, **options)
+    else:
+        raise SpecwoodError(f"unknown executor {executor!r} (use 'sequential', 'parallel' or 'pipeline')")
+    return ex.generate(prompt, **kwargs)
 
 
 @dataclass(frozen=True)

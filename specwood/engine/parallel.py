@@ -481,7 +481,7 @@ class ParallelExecutor(Executor):
                 st.all_accepted = False
             self._take_tree(r, payloads[r.id])
         while live:
-            for r in [r for r in live if r.cancelled]:
+            for r in [r for r in live if r.check_deadline() or r.cancelled]:
                 r.out.finish_reason = "cancelled"
                 self.finish(r)
             live = [r for r in live if r.state is State.DECODE]
@@ -615,35 +615,3 @@ class ParallelExecutor(Executor):
         if abs(ctx - self._ctx_at_update) >= self.remeasure_tokens:
             self._ctx_at_update = ctx
             self._gamma = self._gamma_from(self.c)
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Engine.generate(..., executor=...)
-
-
-def engine_executor(engine: Any, **options: Any) -> ParallelExecutor:
-    """The engine's own parallel executor (kept for the next call; a new one if the options differ)."""
-    key = (options.get("draft_device", "cpu"), options.get("draft_threads"))
-    cached = engine.__dict__.get("_parallel_executor")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    if cached is not None:
-        cached[1].close()
-    ex = ParallelExecutor(engine, **options)
-    engine.__dict__["_parallel_executor"] = (key, ex)
-    return ex
-
-
-def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) -> Any:
-    """Engine.generate with executor="parallel" (or a ParallelExecutor): DuoDecoding."""
-    options = {k: kwargs.pop(k) for k in EXECUTOR_OPTIONS if k in kwargs}
-    if isinstance(executor, ParallelExecutor):
-        if options:
-            raise SpecwoodError(f"pass {', '.join(options)} to ParallelExecutor(...), not to generate")
-        ex = executor
-    elif executor == "parallel":
-        ex = engine_executor(engine, **options)
-    else:
-        raise SpecwoodError(f"unknown executor {executor!r} (use 'sequential', 'parallel' or 'pipeline')")
-    return ex.generate(prompt, **kwargs)

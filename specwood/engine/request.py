@@ -127,6 +127,10 @@ def draft_generator(params: SamplingParams, device: torch.device | str) -> torch
 class Request:
     """One generation: prompt, sampling params and random streams, output stream, stats, drafter."""
 
+    timeout_s: float | None = None  # the deadline the scheduler gave it at submit, in seconds from then
+    deadline: float | None = None  # time.monotonic() by which it must end
+    expired = False  # ran past its deadline: ended through the cancellation path, then failed
+
     def __init__(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, drafter: Drafter,
                  out: OutputStream, *, method: str, device: torch.device | str = "cpu",
                  extra_stats: Callable[[], dict[str, Any]] | None = None,
@@ -176,6 +180,14 @@ class Request:
     def cancel(self) -> None:
         """Ask the scheduler to drop this request at its next step (thread-safe)."""
         self._cancel.set()
+
+    def check_deadline(self) -> bool:
+        """Past its deadline: cancelled and marked, so that the scheduler fails it with
+        DeadlineExceeded (an executor that runs many steps inside one scheduler step asks too)."""
+        if self.deadline is not None and not self.expired and time.monotonic() > self.deadline:
+            self.expired = True
+            self.cancel()
+        return self.expired
 
     def stats_dict(self) -> dict[str, Any]:
         extra = self.stats.as_dict() if self.stats.steps else {}

@@ -20,7 +20,7 @@ from specwood.engine.output import GenerationResult
 from specwood.engine.request import Request, State
 from specwood.engine.sequential import TREE_ROOM, SequentialExecutor
 from specwood.engine.step import StepRecord
-from specwood.errors import SpecwoodError
+from specwood.errors import DeadlineExceeded, SpecwoodError
 from specwood.models.transformer import Transformer
 
 RECOVERY_POLL_S = 1.0  # how often an idle loop looks at its executor's workers
@@ -35,7 +35,7 @@ class Scheduler:
     sequential executor's cache and pools) read through the scheduler."""
 
     def __init__(self, executor: Executor | Transformer, *, max_batch: int = 8, max_queue: int = 64,
-                 **sequential_options: Any):
+                 request_timeout_s: float | None = None, **sequential_options: Any):
         if max_batch < 1:
             raise SpecwoodError(f"max_batch must be >= 1, got {max_batch}")
         if not isinstance(executor, Executor):
@@ -46,6 +46,9 @@ class Scheduler:
         executor.bind(self._finish, self._fail)
         self.max_batch = max_batch
         self.max_queue = max_queue
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise SpecwoodError(f"the request timeout must be > 0 seconds, got {request_timeout_s}")
+        self.request_timeout_s = request_timeout_s  # every request's deadline unless submit names one
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.observers: list[Callable[[StepRecord], None]] = []
@@ -111,14 +114,29 @@ class Scheduler:
 
     # --- admission ------------------------------------------------------------------------------
 
-    def submit(self, request: Request) -> Request:
-        """Queue a request (thread-safe); it joins the running batch at a coming step."""
+    def submit(self, request: Request, timeout_s: float | None = None) -> Request:
+        """Queue a request (thread-safe); it joins the running batch at a coming step. It must end
+        within `timeout_s` seconds (default: the scheduler's request_timeout_s; None: no limit),
+        queue included, or it fails with DeadlineExceeded."""
+        timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
+        if timeout_s is not None:
+            if not timeout_s > 0:
+                raise SpecwoodError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+            request.timeout_s, request.deadline = timeout_s, time.monotonic() + timeout_s
         with self._lock:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFullError(f"the queue is full ({self.max_queue} waiting requests); retry later")
             self.waiting.append(request)
             self._lock.notify()
         return request
+
+    def _expire(self) -> None:
+        """Requests past their deadline take the cancellation path (an executor that ends its
+        requests itself ends them at its next step); `_finish` then fails them."""
+        with self._lock:
+            requests = [*self.waiting, *self.running]
+        for req in requests:
+            req.check_deadline()
 
     def _drop_cancelled_waiting(self) -> None:
         """Queued requests whose client left end now, not when a row frees: their queue places go
@@ -151,6 +169,7 @@ class Scheduler:
 
     def step(self) -> bool:
         """Admit, drop cancelled requests, advance the running ones one step. False when idle."""
+        self._expire()
         self._drop_cancelled_waiting()
         self._admit()
         for req in [r for r in self.running if r.cancelled]:
@@ -171,6 +190,12 @@ class Scheduler:
     # --- the end of a request -------------------------------------------------------------------
 
     def _finish(self, req: Request, cancelled: bool = False, result: GenerationResult | None = None) -> None:
+        if req.expired and req.out.finish_reason in (None, "cancelled"):  # ended for its deadline alone
+            made = len(req.out.token_ids)
+            self._fail(req, DeadlineExceeded(
+                f"the request ran past its {req.timeout_s:g} s deadline ({made} token{'s' if made != 1 else ''} "
+                "generated); allow more time or ask for fewer tokens"))
+            return
         self._release(req)
         if cancelled and not req.out.finished:
             req.out.finish_reason = "cancelled"

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specwood.engine.pipeline_launch import PipelineExecutor
 from specwood.engine.request import Request
 from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
-from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
+from specwood.errors import ContextLengthError, DeadlineExceeded, SamplingParamsError, SpecwoodError
 from specwood.serve import protocol as P
 from specwood.serve.guard import Access, guard_app
 from specwood.serve.metrics import ServerMetrics
@@ -118,6 +118,13 @@ class _Job:
 
     def on_finish(self, req: Request) -> None:  # scheduler thread
         self._put(("done", None))
+
+
+def _failure_status(req: Request) -> tuple[int, str]:
+    """The HTTP status and error code of a failed request: 504 for one past its deadline."""
+    if isinstance(req.exception, DeadlineExceeded):
+        return 504, "request_timeout"
+    return 500, "generation_failed"
 
 
 def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", options: dict[str, Any] | None = None,
@@ -324,7 +331,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         if not req.done.is_set():
             return Response(status_code=499)  # nobody is listening
         if req.error is not None:
-            return JSONResponse(P.error_body(req.error, 500, code="generation_failed"), status_code=500)
+            status, code = _failure_status(req)
+            return JSONResponse(P.error_body(req.error, status, code=code), status_code=status)
         res = req.result
         assert res is not None
         return JSONResponse(P.completion_response(kind, rid, P.now(), name, res.text, res.finish_reason,
@@ -360,7 +368,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                 delta, n = value
                 yield chunk(text=delta, tokens=n)
             if req.error is not None:
-                yield P.sse(P.error_body(req.error, 500, code="generation_failed"))
+                status, code = _failure_status(req)
+                yield P.sse(P.error_body(req.error, status, code=code))
                 yield P.sse("[DONE]")
                 return
             res = req.result
@@ -505,7 +514,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
           options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
           sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None,
           background: Any = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
-          drain_timeout: float = DEFAULT_DRAIN_S) -> None:
+          drain_timeout: float = DEFAULT_DRAIN_S, request_timeout: float | None = None) -> None:
     """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line. On the
     signal it stops accepting requests and drains: running requests get `drain_timeout` seconds
     to finish, then end (streams with an error event and [DONE]); a second signal ends at once.
@@ -520,6 +529,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
         scheduler = Scheduler(executor, max_batch=max_batch, max_queue=max_queue)
     else:
         scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+    scheduler.request_timeout_s = request_timeout
     app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes,
                      access=access.for_bind(str(sock.getsockname()[0])))
     if background is not None:
