@@ -21,8 +21,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return plugin.generate_cli(args, load_engine)
     options = plugin.cli_options(args)  # checks that need no model first
     engine = load_engine(args, need_draft=needs_draft_on(args.executor, args.method))
-    # None: the method decides (auto follows the plan)
-    executor: Any = plugin.build(engine, options) if args.executor is not None else None
+    # a name the engine runs itself ("sequential"; None: the method decides, auto follows the plan)
+    built = plugin.build(engine, options)
+    executor: Any = built or args.executor
     prompt: Any = args.prompt
     if args.system and not args.raw:
         prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
@@ -34,8 +35,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             **method_options(args),
         )
     finally:
-        if executor is not None:
-            executor.close()
+        if built is not None:
+            built.close()
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "stats": result.stats}))
