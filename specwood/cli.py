@@ -113,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         if planner is not None and planner.poll() is None:
-            from specwood.serve.app import end_process_group
+            from specwood.serve.background import end_process_group
 
             end_process_group(planner)
     return 0

@@ -878,7 +878,7 @@ def test_a_key_over_every_endpoint(engine):
 def test_background_measurement_runs_only_while_the_server_is_idle():
     """The plan measured beside a server (`serve --method auto` without a plan) is stopped, with
     the processes it started, while requests run, continued when idle, and ended even when stopped."""
-    from specwood.serve.app import end_process_group, pause_while_busy
+    from specwood.serve.background import end_process_group, pause_while_busy
 
     def state(pid: int) -> str:
         with open(f"/proc/{pid}/stat") as f:
