@@ -75,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from specwood.engine.pipeline_launch import PipelineExecutor
+    from specwood.engine.specpipe.launch import PipelineExecutor
 
     engine = small_pair()
     stages_list = [int(s) for s in args.stages.split(",")]

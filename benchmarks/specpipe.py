@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specwood.engine.pipeline_launch import PipelineExecutor
+from specwood.engine.specpipe.launch import PipelineExecutor
 
 
 def tiny_engine():

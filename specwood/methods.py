@@ -245,7 +245,7 @@ def _pipeline_only(name: str) -> Callable[[Any, dict[str, Any]], DrafterFactory]
     return prepare
 
 
-# SpecPipe's modes (specwood.engine.pipeline_launch): the target's layers over rank processes
+# SpecPipe's modes (specwood.engine.specpipe.launch): the target's layers over rank processes
 for _name, _summary, _draft in (("specpipe", "SpecPipe: the pipeline fed one tree level per step", True),
                                 ("pp", "plain pipeline parallelism (no speculation)", False),
                                 ("specinfer", "PP + SpecInfer: a whole static tree per pipeline pass", True)):

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from specwood.engine.pipeline import PipelineRank
-from specwood.engine.pipeline_jobs import stage_ranges
+from specwood.engine.specpipe.ranks import PipelineRank
+from specwood.engine.specpipe.jobs import stage_ranges
 from specwood.models.transformer import build_model
 
 

@@ -117,7 +117,7 @@ def test_cuda_graphs_replay_and_match_eager(cuda_engine):
 def test_pipeline_stages_on_cuda_match_ar(cuda_engine):
     """SpecPipe with its stage ranks on the GPU (two ranks on one GPU talk over gloo through host
     memory; one GPU per rank would use NCCL), several requests in flight."""
-    from specwood.engine.pipeline_launch import PipelineExecutor
+    from specwood.engine.specpipe.launch import PipelineExecutor
 
     prompts = [[40 + i, 50, 60 + i, 70] * (2 + i) for i in range(3)]
     want = [cuda_engine.generate(p, max_tokens=20).token_ids for p in prompts]

@@ -11,7 +11,7 @@ import pytest
 from specwood.engine.api import Engine
 from specwood.engine.executor import Executor
 from specwood.engine.parallel import ParallelExecutor
-from specwood.engine.pipeline_launch import PipelineExecutor
+from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.scheduler import Scheduler
 from specwood.engine.sequential import SequentialExecutor
 from specwood.errors import DeadlineExceeded, SpecwoodError

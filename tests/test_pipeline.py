@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from specwood.engine.api import Engine
-from specwood.engine.pipeline_jobs import Job, stage_ranges, tree_nodes
-from specwood.engine.pipeline_launch import PipelineExecutor, PipelineFailure
+from specwood.engine.specpipe.jobs import Job, stage_ranges, tree_nodes
+from specwood.engine.specpipe.launch import PipelineExecutor, PipelineFailure
 from specwood.errors import SpecwoodError
 from specwood.models.prefill import prefill
 from specwood.sampling import SamplingParams, target_probs
@@ -308,7 +308,7 @@ def test_local_sampling_follows_ar_distribution(mode):
 @pytest.mark.parametrize("mode", ["specpipe", "specinfer"])
 def test_local_sampling_biased_verifier_is_caught(mode, monkeypatch):
     """The same test with a verifier that accepts drafted tokens 0.05 too often must fail hard."""
-    import specwood.engine.pipeline as pipeline_mod
+    import specwood.engine.specpipe.ranks as pipeline_mod
     from conftest import BiasedVerify
 
     biased = BiasedVerify(0.05)
@@ -564,7 +564,7 @@ def test_cli_serve_bad_input_one_line(flags, line):
 
 def test_torchrun_stage_count_must_match_world_size():
     """Ranks as torchrun starts them (env://): --stages 3 with 2 launched ranks."""
-    procs = [subprocess.Popen([sys.executable, "-m", "specwood.engine.pipeline_torchrun", "hi", "--stages", "3"],
+    procs = [subprocess.Popen([sys.executable, "-m", "specwood.engine.specpipe.torchrun", "hi", "--stages", "3"],
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
@@ -576,7 +576,7 @@ def test_torchrun_stage_count_must_match_world_size():
 
 
 def _torchrun_like(argv_per_rank: list[list[str]], timeout: float = 50) -> list[tuple[int, str]]:
-    """Start one `python -m specwood.engine.pipeline_torchrun` per rank as torchrun would (env://); every
+    """Start one `python -m specwood.engine.specpipe.torchrun` per rank as torchrun would (env://); every
     rank's (exit code, stderr). A rank still running at `timeout` is killed (the test then fails)."""
     import socket
 
@@ -584,7 +584,7 @@ def _torchrun_like(argv_per_rank: list[list[str]], timeout: float = 50) -> list[
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = len(argv_per_rank)
-    procs = [subprocess.Popen([sys.executable, "-m", "specwood.engine.pipeline_torchrun", *argv],
+    procs = [subprocess.Popen([sys.executable, "-m", "specwood.engine.specpipe.torchrun", *argv],
                               env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

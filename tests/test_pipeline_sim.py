@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specwood.engine.api import Engine
-from specwood.engine.pipeline_jobs import Job
+from specwood.engine.specpipe.jobs import Job
 from specwood.planner import pipeline_sim as sim
 from specwood.sampling import SamplingParams
 

@@ -229,7 +229,7 @@ class Engine:
         specwood.engine.parallel). executor=None lets the method choose: "auto" runs on the
         parallel executor where the stored plan measured it fastest, everything else sequentially.
         executor="pipeline" (or a PipelineExecutor) splits the target over pipeline stages (options
-        stages, width, topk, threads; specwood.engine.pipeline_launch): method "specpipe" (or auto),
+        stages, width, topk, threads; specwood.engine.specpipe.launch): method "specpipe" (or auto),
         "pp" (or ar), "specinfer" (or a tree shape name, with budget/depth)."""
         if executor is None:
             executor, prompt = self._executor_for(method, prompt, raw, method_options)

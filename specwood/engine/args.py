@@ -38,7 +38,7 @@ def add_executor_args(p: argparse.ArgumentParser, pipeline: bool = False) -> Non
     p.add_argument("--draft-threads", type=int, default=None,
                    help="parallel executor: CPU threads (and pinned cores) of the draft worker (default: all cores "
                         "but one beside a GPU target, half of them beside a CPU target); the target gets the rest")
-    if pipeline:  # SpecPipe (specwood/engine/pipeline.py); --topk is shared with the method options
+    if pipeline:  # SpecPipe (specwood/engine/specpipe/ranks.py); --topk is shared with the method options
         p.add_argument("--stages", type=int, default=2, help="pipeline executor: target stages, one process each")
         p.add_argument("--width", type=width_arg, default="auto",
                        help="pipeline executor: tree width w (nodes per level); auto (default) = the planner's "

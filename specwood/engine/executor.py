@@ -10,7 +10,7 @@ the way vLLM's v1 executors differ only in where their workers run:
   `RunnerExecutor` (specwood.engine.runner) the same step on a one-sequence runner (llama.cpp).
 - `parallel` (specwood.engine.parallel, DuoDecoding): the draft model in a worker process, drafting
   while the target verifies; requests run in lock-step batches.
-- `pipeline` (specwood.engine.pipeline_launch, SpecPipe): the target's layers over rank processes.
+- `pipeline` (specwood.engine.specpipe.launch, SpecPipe): the target's layers over rank processes.
 
 An executor ends a request through the callbacks the scheduler binds (`finish`, `fail`); the
 scheduler releases it and tells whoever waits. Executor-specific state stays in the executor.

@@ -15,8 +15,8 @@ from typing import Any, Callable
 from specwood.engine.executor import Executor, executor_name
 from specwood.engine.parallel import EXECUTOR_OPTIONS, ParallelExecutor
 from specwood.engine.parallel_args import check_cli_args as parallel_cli_options
-from specwood.engine.pipeline_args import cmd_generate_pipeline, pipeline_cli_options
-from specwood.engine.pipeline_launch import PipelineExecutor, generate_on_pipeline, pipeline_mode
+from specwood.engine.specpipe.args import cmd_generate_pipeline, pipeline_cli_options
+from specwood.engine.specpipe.launch import PipelineExecutor, generate_on_pipeline, pipeline_mode
 from specwood.errors import SpecwoodError
 from specwood.methods import get_method, method_on
 

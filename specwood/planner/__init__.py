@@ -5,7 +5,7 @@ Importing it registers the methods `auto` and `prior` in the method registry (sp
 the measured configuration choice that `--backend auto` loads (specwood.planner.configs), and the
 search for SpecPipe's tree width that `--width auto` runs (specwood.planner.pipeline_sim).
 """
-from specwood.engine.pipeline_launch import register_width_planner
+from specwood.engine.specpipe.launch import register_width_planner
 from specwood.planner.fits import DEFAULT_AAT, AATFit, RooflineFit, fit_aat, fit_roofline
 from specwood.planner.analytic import build_analytic_plan
 from specwood.planner.auto import PlannedShape

@@ -218,8 +218,8 @@ def measure_step_times(engine: Any, stages: int, widths: Iterable[int], *, ctx: 
     the last of `ctx` cached tokens, tree mask), the stage split as the pipeline makes it; and of
     the draft's forward over a w-node level with logits for every node (SpecPipe's token source).
     `layers`: the stage split (default: the launcher's, which weighs the draft's time on rank 0)."""
-    from specwood.engine.pipeline_jobs import stage_ranges
-    from specwood.engine.pipeline_launch import draft_load
+    from specwood.engine.specpipe.jobs import stage_ranges
+    from specwood.engine.specpipe.launch import draft_load
     from specwood.models.transformer import build_model
 
     target = engine.target
@@ -280,8 +280,8 @@ def emulate_specpipe(draft: Any, prompt: list[int], reference: list[int], width:
     it entered, and the verdict there is read off `reference` (the target's greedy continuation of
     `prompt`): HIT if the next token is one of the verified node's drafted children (the tree is
     pruned to its subtree), else MISS (the pipeline refills from that token)."""
-    from specwood.engine.pipeline_draft import FixedWidthSource
-    from specwood.engine.pipeline_state import EMPTY, HIT, MISS, Level, TreeMirror, Verdict
+    from specwood.engine.specpipe.draft import FixedWidthSource
+    from specwood.engine.specpipe.state import EMPTY, HIT, MISS, Level, TreeMirror, Verdict
 
     seq = list(prompt) + list(reference)
     src = FixedWidthSource(draft, width, topk, len(seq) + (width + 1) * (m + 2) + 8)

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specwood.engine.pipeline_launch import PipelineExecutor
+from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.request import Request
 from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
 from specwood.errors import ContextLengthError, DeadlineExceeded, SamplingParamsError, SpecwoodError

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from specwood.drafting.shapes import SHAPES
-from specwood.engine.pipeline_launch import PIPELINE_METHODS, pipeline_mode
+from specwood.engine.specpipe.launch import PIPELINE_METHODS, pipeline_mode
 from specwood.errors import SpecwoodError
 from specwood.serve.protocol import ProtocolError
 

@@ -14,7 +14,7 @@ A pipeline step (paper, Algorithm 1):
    its KV cache (keeping the verified token's KV) and its in-flight hidden states to the verified
    node's subtree;
 5. inter-node transmission: survivors move one stage on (isend/recv); the next level is chosen
-   from the surviving bottom nodes (fixed width w of top-k children, `engine/pipeline_draft.py`).
+   from the surviving bottom nodes (fixed width w of top-k children, `engine/specpipe/draft.py`).
 A miss (the token is not a candidate) empties the pipeline and the verified token refills it from
 stage 1: a stall of m - 1 steps. The prompt enters as verified chunks, so prefill is pipelined too.
 
@@ -31,8 +31,8 @@ verified token, the tree takes one full pass (m steps), the last stage verifies 
 verifiers (greedy, or lossless sampling with the draft's distributions shipped along), and every
 stage keeps the KV of the accepted path; then the next tree enters from the target's next token.
 
-Launch: `torchrun --nproc-per-node M -m specwood.engine.pipeline_torchrun PROMPT --target ... --draft ...`
-(--nnodes/--node-rank/--master-addr as usual), or `PipelineExecutor` (pipeline_launch.py), which
+Launch: `torchrun --nproc-per-node M -m specwood.engine.specpipe.torchrun PROMPT --target ... --draft ...`
+(--nnodes/--node-rank/--master-addr as usual), or `PipelineExecutor` (specpipe/launch.py), which
 spawns the M ranks itself on 127.0.0.1 (`specwood generate --executor pipeline --stages M`).
 """
 from __future__ import annotations
@@ -46,14 +46,14 @@ from typing import Any, Callable
 
 import torch
 
-from specwood.engine.pipeline_draft import FixedWidthSource, draft_levels
+from specwood.engine.specpipe.draft import FixedWidthSource, draft_levels
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.drafting.shapes import make_shape, prune
 from specwood.engine.output import GenerationResult, OutputStream
-from specwood.engine.pipeline_comm import CMD_EXIT, CMD_NOOP, CMD_STEP, Comm, Monitor, die, init_group, is_comm_error
-from specwood.engine.pipeline_jobs import DEFAULT_TREE, DRAFTED_MODES, MODES, Job, check_pipeline_args
-from specwood.engine.pipeline_lanes import Lane
-from specwood.engine.pipeline_state import EMPTY, HIT, MISS, NONE, TREE, KVPool, Level, Verdict, run_levels
+from specwood.engine.specpipe.comm import CMD_EXIT, CMD_NOOP, CMD_STEP, Comm, Monitor, die, init_group, is_comm_error
+from specwood.engine.specpipe.jobs import DEFAULT_TREE, DRAFTED_MODES, MODES, Job, check_pipeline_args
+from specwood.engine.specpipe.lanes import Lane
+from specwood.engine.specpipe.state import EMPTY, HIT, MISS, NONE, TREE, KVPool, Level, Verdict, run_levels
 from specwood.errors import SpecwoodError
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import verify

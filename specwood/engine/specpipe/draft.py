@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specwood.engine.pipeline_state import Level, StageKV, TreeMirror, Verdict, run_levels
+from specwood.engine.specpipe.state import Level, StageKV, TreeMirror, Verdict, run_levels
 
 
 class FixedWidthSource:

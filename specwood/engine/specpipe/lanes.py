@@ -10,9 +10,9 @@ from typing import Any, Callable
 import torch
 
 from specwood.engine.output import GenerationResult, OutputStream
-from specwood.engine.pipeline_draft import FixedWidthSource
-from specwood.engine.pipeline_jobs import PROMPT_CHUNK, Job
-from specwood.engine.pipeline_state import NONE, Level, StageKV, TreeMirror, Verdict
+from specwood.engine.specpipe.draft import FixedWidthSource
+from specwood.engine.specpipe.jobs import PROMPT_CHUNK, Job
+from specwood.engine.specpipe.state import NONE, Level, StageKV, TreeMirror, Verdict
 from specwood.tree.token_tree import TokenTree
 
 

@@ -26,8 +26,8 @@ import torch
 
 from specwood.engine.executor import Executor
 from specwood.engine.output import GenerationResult
-from specwood.engine.pipeline import run_rank
-from specwood.engine.pipeline_jobs import (DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes,
+from specwood.engine.specpipe.ranks import run_rank
+from specwood.engine.specpipe.jobs import (DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes,
                                            weight_elements)
 from specwood.engine.parallel_worker import build_draft, draft_spec, time_forward
 from specwood.engine.processes import ChildLost, NoAnswer, describe_exit, receive
@@ -84,7 +84,7 @@ def _rank_entry(conn: Any) -> None:
     """A spawned rank: receive its spec, build its parts, run (pipeline.run_rank)."""
     import torch.distributed as dist
 
-    from specwood.engine.pipeline_comm import die
+    from specwood.engine.specpipe.comm import die
     from specwood.engine.processes import exit_with_parent
 
     exit_with_parent()

@@ -1,8 +1,8 @@
 """SpecPipe's torchrun entry point: one rank of the pipeline per process.
 
-    torchrun --nproc-per-node M -m specwood.engine.pipeline_torchrun PROMPT [--mode specpipe|pp|specinfer] ...
+    torchrun --nproc-per-node M -m specwood.engine.specpipe.torchrun PROMPT [--mode specpipe|pp|specinfer] ...
 
-Every rank loads its own layers (specwood.engine.pipeline.stage_ranges); rank 0 also loads the draft
+Every rank loads its own layers (specwood.engine.specpipe.ranks.stage_ranges); rank 0 also loads the draft
 and the tokenizer, runs the one job and prints its text.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 from specwood.engine.api import Engine, check_device, resolve_dtype
 from specwood.engine.args import add_model_args, add_sampling_args
-from specwood.engine.pipeline import run_rank
-from specwood.engine.pipeline_jobs import DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes
+from specwood.engine.specpipe.ranks import run_rank
+from specwood.engine.specpipe.jobs import DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes
 from specwood.errors import SpecwoodError
 from specwood.models.loader import load_checkpoint, load_tokenizer
 from specwood.models.linears import int4_available
@@ -31,7 +31,7 @@ from specwood.sampling import SamplingParams
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m specwood.engine.pipeline_torchrun",
+    p = argparse.ArgumentParser(prog="python -m specwood.engine.specpipe.torchrun",
                                 description="SpecPipe over torch.distributed; run under torchrun --nproc-per-node M")
     p.add_argument("prompt")
     add_model_args(p)

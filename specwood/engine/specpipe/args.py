@@ -8,8 +8,8 @@ import sys
 from typing import Any, Callable
 
 from specwood.drafting.shapes import SHAPES
-from specwood.engine.pipeline_jobs import DRAFTED_MODES, check_pipeline_args, tree_nodes
-from specwood.engine.pipeline_launch import generate_pipeline
+from specwood.engine.specpipe.jobs import DRAFTED_MODES, check_pipeline_args, tree_nodes
+from specwood.engine.specpipe.launch import generate_pipeline
 from specwood.errors import SpecwoodError
 
 
