@@ -244,8 +244,9 @@ class Engine:
         from specwood.engine.backends import check_backends
 
         check_backends(self.backend, self.draft_backend or "torch", executor=name)
-        return plugin_for(name).generate(self, executor, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                   seed=seed, stop=stop, method=method, raw=raw, on_text=on_text, **method_options)
+        return plugin_for(name).generate(self, executor, prompt, max_tokens=max_tokens, temperature=temperature,
+                                         top_p=top_p, top_k=top_k, seed=seed, stop=stop, method=method, raw=raw,
+                                         on_text=on_text, **method_options)
 
     def _executor_for(self, method: str, prompt: Any, raw: bool, options: dict[str, Any]) -> tuple[str, Any]:
         """The executor a method picks for this prompt (sequential unless it chooses: auto follows

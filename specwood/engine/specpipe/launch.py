@@ -33,6 +33,7 @@ from specwood.engine.parallel_worker import build_draft, draft_spec, time_forwar
 from specwood.engine.processes import ChildLost, NoAnswer, describe_exit, receive
 from specwood.engine.request import Drafter, Request, State
 from specwood.errors import ContextLengthError, SpecwoodError
+from specwood.methods import EXECUTOR_ALIASES
 from specwood.sampling import SamplingParams
 
 # `--width auto`: the planner (a higher layer) registers its search for w here when it is imported,
@@ -542,7 +543,8 @@ def draft_load(engine: Any) -> float:
 
 # the method names the pipeline executor runs: Engine.generate(method=..., executor="pipeline") and the
 # bench's NAME@pipeline; a tree shape name runs PP + SpecInfer with that shape
-PIPELINE_METHODS = {"specpipe": "specpipe", "auto": "specpipe", "pp": "pp", "ar": "pp", "specinfer": "specinfer"}
+# each mode by its own name, and the sequential names that mean one here (the registry's aliases)
+PIPELINE_METHODS = {**{mode: mode for mode in MODES}, **EXECUTOR_ALIASES["pipeline"]}
 
 
 def pipeline_mode(method: str, budget: int | None = None, depth: int | None = None,
