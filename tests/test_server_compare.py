@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -114,3 +116,32 @@ def test_summary_ratios_and_report():
     md = sc.markdown(result)
     assert "0.95x" in md and "without a measured plan" in md and "other processes used the CPU" in md
     json.dumps(result)
+
+
+# ------------------------------------------------------------------- llama.cpp's build flags (issue 39, item 0)
+def test_llama_cpu_flags_name_the_sets_and_keep_amx_off() -> None:
+    from specwood.bench.llama_cpu_flags import cmake_flags, cpu_flags
+    xeon = ("processor : 0\nflags : fpu sse4_2 avx avx2 fma f16c bmi2 avx512f avx512dq avx512bw avx512vl "
+            "avx512_vnni avx512_bf16 avx512vbmi amx_tile amx_int8 amx_bf16\n")
+    f = cmake_flags(cpu_flags(xeon), machine="x86_64")
+    assert "-DGGML_NATIVE=OFF" in f and "-DGGML_NATIVE=ON" not in f
+    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+            "-DGGML_AVX512_VBMI=ON"} <= set(f)
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(f)
+    assert not any("AMX" in x and x.endswith("=ON") for x in f)
+    # an AVX2-only CPU with AVX-VNNI: no AVX512 flags
+    f2 = cmake_flags(cpu_flags("flags : avx avx2 fma f16c avx_vnni\n"), machine="x86_64")
+    assert "-DGGML_AVX_VNNI=ON" in f2 and not any("AVX512" in x for x in f2)
+    assert cmake_flags(set(), machine="aarch64") == ["-DGGML_NATIVE=OFF"]
+
+
+def test_llama_server_build_uses_the_named_flags() -> None:
+    # the README, CI and the server build all name the sets; none builds natively
+    root = Path(__file__).resolve().parents[1]
+    for f in ("README.md", ".ci/run"):
+        text = (root / f).read_text(encoding="utf-8")
+        assert "GGML_NATIVE=ON" not in text and "llama_cpu_flags.py" in text
+    assert not any("NATIVE" in x for x in LS.CMAKE_FLAGS)
+    out = subprocess.run([sys.executable, str(root / "specwood/bench/llama_cpu_flags.py")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert "-DGGML_NATIVE=OFF" in out and "-DGGML_AMX_INT8=OFF" in out

@@ -6,7 +6,8 @@ sdist (the `llamacpp` extra), so a server comparison runs the same llama.cpp the
 
 The sdist is fetched with pip (``pip download --no-deps --no-binary :all:
 llama-cpp-python==VERSION``: PyPI or pip's own cache, nothing else), its ``vendor/llama.cpp`` is
-configured with cmake (``-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release``, static
+configured with cmake (this CPU's instruction sets named explicitly, AMX off: see
+``specwood/bench/llama_cpu_flags.py``; ``-DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release``, static
 libraries, no web UI download, no OpenSSL, no tests or examples) and only the ``llama-server``
 target is built. The binary lands in ``$SPECWOOD_CACHE/llama-server/VERSION/bin/llama-server``
 (default ``~/.cache/specwood``) with ``build.json`` beside it (version, cmake flags, compiler, the
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from specwood.bench import llama_cpu_flags
 from specwood.errors import SpecwoodError
 from specwood.models.registry import cache_dir
 
@@ -39,7 +41,6 @@ DIST = "llama-cpp-python"
 TARGET = "llama-server"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",            # as the README's CMAKE_ARGS for the extra: compiled for this CPU
     "-DLLAMA_CURL=OFF",            # no downloads at run time (deprecated in newer llama.cpp, harmless)
     "-DBUILD_SHARED_LIBS=OFF",     # one self-contained binary, independent of the build tree
     "-DLLAMA_BUILD_TESTS=OFF",
@@ -72,7 +73,8 @@ def resolve_version(version: str | None) -> str:
     v = version or installed_version()
     if not v:
         raise SpecwoodError(f"{DIST} is not installed, so there is no version to build llama-server from; "
-                            "install the extra (CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install -e '.[llamacpp]') "
+                            "install the extra (CMAKE_ARGS=\"$(python3 -m specwood.bench.llama_cpu_flags)\" "
+                            "pip install -e '.[llamacpp]') "
                             "or pass --version X.Y.Z")
     if not re.fullmatch(r"[0-9A-Za-z.+!_-]+", v):
         raise SpecwoodError(f"not a version: {v!r}")
@@ -278,7 +280,9 @@ def build(version: str | None = None, *, jobs: int = 2, force: bool = False, kee
             sdist = download_sdist(v, work / "sdist", log)
             src = extract_llama_cpp(sdist, work / "src", log)
             bdir = work / "build"
-            flags = [*CMAKE_FLAGS, *extra_cmake_flags]
+            # as the README's CMAKE_ARGS for the extra: this CPU's sets by name (a native build
+            # faults on AMX VMs); flags given with --cmake-flag come last and win
+            flags = [*CMAKE_FLAGS, *llama_cpu_flags.cmake_flags(), *extra_cmake_flags]
             env = dict(os.environ)
             env.pop("CMAKE_ARGS", None)  # pip's convention, not cmake's: flags are given explicitly
             env.setdefault("CXX", tools["cxx"])

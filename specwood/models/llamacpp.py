@@ -32,8 +32,8 @@ import torch
 
 from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
 
-INSTALL_FIX = ("CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'specwood[llamacpp]' "
-               "(llama-cpp-python is built from source; GGML_NATIVE uses this CPU's instruction set)")
+INSTALL_FIX = ("CMAKE_ARGS=\"$(python3 -m specwood.bench.llama_cpu_flags)\" pip install 'specwood[llamacpp]' "
+               "(llama-cpp-python is built from source for this CPU's instruction sets, AMX off)")
 _backend_ready = False
 EXACT_UBATCH = 4  # rows per ubatch in exact mode (measured: 1..7 rows round alike, 8 do not)
 
