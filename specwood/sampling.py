@@ -14,11 +14,14 @@ from specwood.errors import SamplingParamsError
 
 
 SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes seeds below this
+# A temperature below this samples as its limit, greedy (as vLLM does): logits / 1e-38 overflow
+# float32 to inf and softmax to NaN, and long before that the softmax is one-hot up to rounding.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy (argmax)
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) means greedy (argmax)
     top_k: int = 0  # 0 means off
     top_p: float = 1.0  # 1.0 means off
     seed: int | None = None
@@ -36,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)
@@ -55,15 +58,26 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+        return _one_hot_argmax(logits)
+    scaled = logits / params.temperature
+    if params.top_k and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         probs = _top_p(probs, params.top_p)
+    # a row that overflowed (huge logits over a small temperature: inf - inf) or held NaN logits
+    # has no distribution to sample: its limit is the argmax
+    broken = ~torch.isfinite(probs).all(-1)
+    if bool(broken.any()):
+        probs = torch.where(broken.unsqueeze(-1), _one_hot_argmax(logits), probs)
     return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy distribution; a NaN logit never wins (torch.argmax would pick it)."""
+    best = logits.nan_to_num(nan=float("-inf")).argmax(-1)
+    return torch.nn.functional.one_hot(best, logits.shape[-1]).float()
 
 
 def _top_p(probs: torch.Tensor, top_p: float, candidates: int = 1024) -> torch.Tensor:
@@ -88,6 +102,9 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> torc
     """
     flat = probs.reshape(-1, probs.shape[-1]).double()
     cdf = flat.cumsum(-1)
+    total = cdf[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # a caller's bug, never a token
+        raise RuntimeError("sampling from a distribution that is empty or not finite (an all-zero or NaN row)")
     u = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).clamp_(max=flat.shape[-1] - 1)
     stray = flat.gather(1, idx).squeeze(1) <= 0  # u rounded onto the very end of the cdf

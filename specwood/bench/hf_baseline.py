@@ -16,6 +16,7 @@ import time
 from typing import Any, Sequence
 
 from specwood.errors import ContextLengthError, SpecwoodError
+from specwood.sampling import GREEDY_BELOW
 
 HF_METHODS = ("hf", "hf-assisted", "hf-pld")
 PLD_TOKENS = 10
@@ -120,6 +121,10 @@ class HFBaseline:
                                                 pad_token_id=self.eos[0] if self.eos else None)
         return hf
 
+    def _vocab_size(self) -> int | None:
+        config = getattr(getattr(self, "engine", None), "target_config", None)
+        return getattr(config, "vocab_size", None)
+
     def generation_config(self, method: str, max_tokens: int, sampling: dict[str, Any]) -> Any:
         from transformers import GenerationConfig
 
@@ -127,7 +132,11 @@ class HFBaseline:
         kw: dict[str, Any] = dict(max_new_tokens=max_tokens, eos_token_id=self.eos or None,
                                   pad_token_id=self.eos[0] if self.eos else None, num_beams=1,
                                   repetition_penalty=1.0)
-        if temperature > 0:
+        # the engine never emits the padding ids past its tokenizer's (specwood.engine.vocab): nor does HF
+        limit, vocab = getattr(getattr(self, "engine", None), "emit_limit", None), self._vocab_size()
+        if limit is not None and vocab is not None and limit < vocab:
+            kw["suppress_tokens"] = list(range(limit, vocab))
+        if temperature >= GREEDY_BELOW:
             kw.update(do_sample=True, temperature=temperature, top_p=float(sampling.get("top_p") or 1.0),
                       top_k=int(sampling.get("top_k") or 0))
         else:

@@ -15,6 +15,7 @@ from specwood.engine.executors import plugin_for
 from specwood.engine.output import GenerationResult, OutputStream
 from specwood.engine.request import Request
 from specwood.engine.runner import RunnerExecutor
+from specwood.engine.vocab import emit_limit
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.config import ModelConfig
@@ -80,6 +81,11 @@ class Engine:
                 f"({target.config.vocab_size} tokens, {target_name}); pick a draft from the same model family"
             )
         self.eos_token_ids = self._eos_ids()
+        # ids past the tokenizer's (a padded vocabulary) are never sampled nor emitted
+        self.emit_limit = emit_limit(tokenizer, target.config.vocab_size)
+        for model in (target, draft, getattr(target, "runner", None)):
+            if hasattr(model, "emit_limit"):  # a torch Transformer, a llama.cpp target's runner
+                model.emit_limit = self.emit_limit
         self._scheduler: Scheduler | None = None
 
     @property
@@ -201,7 +207,8 @@ class Engine:
         factory = prepared if prepared is not None else self.prepare(method, method_options)
         load = scheduler.admission_load if isinstance(scheduler, Scheduler) else 1  # an executor alone: 1
         drafter = factory(scheduler.draft_source, len(prompt_ids), max_tokens, load)
-        out = OutputStream(self.tokenizer, len(prompt_ids), max_tokens, self.eos_token_ids, stop, on_text)
+        out = OutputStream(self.tokenizer, len(prompt_ids), max_tokens, self.eos_token_ids, stop, on_text,
+                           emit_limit=self.emit_limit)
         return Request(prompt_ids, max_tokens, params, drafter, out, method=method, device=self.device,
                        extra_stats=drafter.extra_stats, on_finish=on_finish, request_id=request_id)
 

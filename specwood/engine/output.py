@@ -73,8 +73,10 @@ class OutputStream:
     """Accumulates generated tokens; applies EOS, stop strings and the token limit; streams text."""
 
     def __init__(self, tokenizer: Any, prompt_tokens: int, max_tokens: int, eos_ids: set[int],
-                 stop: list[str] | None = None, on_text: Callable[[str], None] | None = None):
+                 stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
+                 emit_limit: int | None = None):
         self.tokenizer = tokenizer
+        self.emit_limit = emit_limit  # ids at or past it are not the tokenizer's (specwood.engine.vocab)
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.eos_ids = eos_ids
@@ -113,6 +115,9 @@ class OutputStream:
         return self.finished
 
     def _push(self, token: int) -> bool:
+        if token < 0 or (self.emit_limit is not None and token >= self.emit_limit):
+            raise RuntimeError(f"a decoding step emitted token id {token}, which the tokenizer does not have "
+                               f"(its ids are 0..{(self.emit_limit or 1) - 1}); a bug in the sampler or verifier")
         if token in self.eos_ids:
             self.finish_reason = "stop"
             return True
