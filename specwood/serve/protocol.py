@@ -44,9 +44,32 @@ class ProtocolError(Exception):
 
 
 def error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500
-                                                                  else "server_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": printable(message),
+                      "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+                      "param": None if param is None else printable(param), "code": code}}
+
+
+def printable(text: str) -> str:
+    """`text` safe to echo in a response: what UTF-8 cannot encode (a lone surrogate such as
+    "\\ud800", which JSON allows and a Python string holds) written as its escape."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_text(text: str, where: str) -> str:
+    """`text` when it is valid Unicode, else a 400 naming `where` (a lone surrogate is no character:
+    no tokenizer, template or response can hold it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = printable(text[e.start:e.end])
+        raise ProtocolError(f"{where} is not valid Unicode text: it holds the lone UTF-16 surrogate {bad} at "
+                            f"character {e.start}; send well-formed UTF-8 (pair or remove it)", param=where,
+                            code="invalid_text") from None
+    return text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +140,7 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _type_error("model", "a string", model)
-    req.model = model
+    req.model = None if model is None else check_text(model, "model")
     t = _opt_number(body, "temperature")
     if t is not None:
         if t < 0:
@@ -152,7 +175,7 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
     if method is not None and (not isinstance(method, str) or not method.strip()):
         raise ProtocolError(f"method must be a non-empty string naming a decoding method, got {method!r}",
                             param="method")
-    req.method = method.strip() if method is not None else None
+    req.method = check_text(method, "method").strip() if method is not None else None
     return req
 
 
@@ -169,6 +192,7 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
         role = m.get("role")
         if not isinstance(role, str):
             raise ProtocolError(f"{where}.role is required and must be a string", param=f"{where}.role")
+        check_text(role, f"{where}.role")
         if role not in CHAT_ROLES:
             hint = " (tool calling is not supported)" if role in ("tool", "function") else ""
             raise ProtocolError(f"{where}.role '{role}' is not supported{hint}; use one of {', '.join(CHAT_ROLES)}",
@@ -187,7 +211,7 @@ def _message_text(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return check_text(content, where)
     if isinstance(content, list):  # content parts: only text
         texts = []
         for j, part in enumerate(content):
@@ -195,7 +219,7 @@ def _message_text(content: Any, where: str) -> str:
                 kind = part.get("type") if isinstance(part, dict) else _json_type(part)
                 raise ProtocolError(f"{where}[{j}]: only text content parts are supported (got {kind!r})",
                                     param=f"{where}[{j}]")
-            texts.append(part["text"])
+            texts.append(check_text(part["text"], f"{where}[{j}].text"))
         return "".join(texts)
     raise _type_error(where, "a string or an array of text parts", content)
 
@@ -205,7 +229,7 @@ def _parse_prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt
+        return check_text(prompt, "prompt")
     if isinstance(prompt, list):
         if prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise ProtocolError("batched prompts are not supported; send one prompt per request", param="prompt")
@@ -222,6 +246,8 @@ def _parse_stop(stop: Any) -> list[str]:
         stop = [stop]
     if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise _type_error("stop", "a string or an array of strings", stop)
+    for s in stop:
+        check_text(s, "stop")
     # every stop string is checked against the text at every step: bounded, so one request cannot
     # slow everyone's steps
     if len(stop) > MAX_STOP_STRINGS:
