@@ -25,6 +25,8 @@ class SamplingParams:
     top_k: int = 0  # 0 means off
     top_p: float = 1.0  # 1.0 means off
     seed: int | None = None
+    # ids at or past it are never chosen: a vocabulary padded past the tokenizer's (engine.vocab)
+    emit_limit: int | None = None
 
     def __post_init__(self) -> None:
         t, k, p = self.temperature, self.top_k, self.top_p
@@ -36,6 +38,8 @@ class SamplingParams:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {p}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT):
             raise SamplingParamsError(f"seed must be an integer in [0, 2**64), got {self.seed}")  # torch's range
+        if self.emit_limit is not None and (not isinstance(self.emit_limit, int) or self.emit_limit < 1):
+            raise SamplingParamsError(f"emit_limit must be a positive integer, got {self.emit_limit}")
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +61,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     decoding as the temperature -> 0 limit of sampling.
     """
     logits = logits.float()
+    V = logits.shape[-1]
+    if params.emit_limit is not None and params.emit_limit < V:
+        logits = logits.clone()  # .float() of fp32 logits is the caller's tensor
+        logits[..., params.emit_limit:] = float("-inf")
     if params.greedy:
         return _one_hot_argmax(logits)
     scaled = logits / params.temperature
@@ -116,5 +124,12 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> torc
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """The autoregressive choice: argmax when greedy, else a draw from `target_probs`."""
     if params.greedy:
-        return logits.argmax(-1)
+        return allowed(logits, params).argmax(-1)
     return sample_token(target_probs(logits, params), generator)
+
+
+def allowed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits of the ids that may be chosen (a view without the padding ids past
+    `params.emit_limit`): greedy choices take their argmax, the same op everywhere."""
+    limit = params.emit_limit
+    return logits if limit is None or limit >= logits.shape[-1] else logits[..., :limit]

@@ -78,15 +78,26 @@ def test_emit_limit_counts_the_tokenizers_real_tokens():
     assert emit_limit(GGUFStyle(), 10) == 7
 
 
-def test_models_mask_padding_logits_and_the_output_refuses_foreign_ids(tiny_model_factory):
+def test_requests_never_choose_padding_ids_and_the_output_refuses_them(tiny_model_factory):
     from specwood.engine.api import Engine
 
     tok = make_tiny_tokenizer()
     engine = Engine(tiny_model_factory(seed=0), tok)
     assert engine.emit_limit == 259 < engine.target_config.vocab_size
-    with torch.inference_mode():
-        logits = engine.target(torch.tensor([[1, 2, 3]]), torch.arange(3))[0]
-    assert torch.isneginf(logits[:, 259:]).all() and torch.isfinite(logits[:, :259]).all()
+    logits = torch.zeros(2, 264)
+    logits[:, 262] = 50.0  # a padding id the model likes best
+    logits[1, 7] = 1.0
+    for t in (0.0, 1e-38, 0.8):
+        params = engine.new_request("hi", temperature=t, seed=0, max_tokens=2).params
+        assert params.emit_limit == 259
+        probs = target_probs(logits, params)
+        assert probs[:, 259:].sum() == 0 and torch.isfinite(probs).all()
+        g = torch.Generator().manual_seed(1)
+        assert (next_token(logits, params, g) < 259).all()
+        tree = TokenTree.with_root(0, "selected" if params.greedy else "sampled")
+        tree.add_node(0, 262)
+        v = verify(tree, logits, params, g)
+        assert v.accepted == [] and v.next_token < 259
     out = OutputStream(tok, 3, 8, set(), emit_limit=engine.emit_limit)
     out.push_step([65])
     with pytest.raises(RuntimeError, match="token id 263"):

@@ -83,9 +83,6 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         # ids past the tokenizer's (a padded vocabulary) are never sampled nor emitted
         self.emit_limit = emit_limit(tokenizer, target.config.vocab_size)
-        for model in (target, draft, getattr(target, "runner", None)):
-            if hasattr(model, "emit_limit"):  # a torch Transformer, a llama.cpp target's runner
-                model.emit_limit = self.emit_limit
         self._scheduler: Scheduler | None = None
 
     @property
@@ -183,7 +180,8 @@ class Engine:
         """A request ready to `submit` to `scheduler` (default: the engine's own). Raises a
         SpecwoodError for bad input (sampling parameters, lengths, methods and their options)."""
         scheduler = scheduler or self.scheduler
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                emit_limit=self.emit_limit)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
         if _is_token_ids(prompt):

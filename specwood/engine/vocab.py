@@ -2,8 +2,9 @@
 
 A model's vocabulary is often padded past its tokenizer's (Qwen2.5: 151,936 rows for 151,665
 tokens); a GGUF file names the padding "[PAD151665]" and so on, a Hugging Face tokenizer just ends
-early. Those rows are never trained to be emitted, so their logits are masked (Transformer.emit_limit)
-and an id past them reaching the output is an internal error, never text.
+early. Those rows are never trained to be emitted: every request's SamplingParams.emit_limit keeps
+the sampler, the drafts' sampling and every verifier off them, and an id past them reaching the
+output is an internal error, never text.
 """
 from __future__ import annotations
 

@@ -138,7 +138,6 @@ class LlamaCppModel:
                                 "(out of memory?); fix: a smaller --max-context")
         self.n_vocab = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model)))
         self.vocab_size = vocab_size or self.n_vocab
-        self.emit_limit: int | None = None  # ids at or past it get -inf logits (specwood.engine.vocab)
         self._mem = lc.llama_get_memory(self._ctx)
         self._batch = lc.llama_batch_init(n_batch, 0, n_seq_max)
         self.n_past = 0  # committed tokens (sequence 0)
@@ -180,12 +179,10 @@ class LlamaCppModel:
         ptr = self._lc.llama_get_logits(self._ctx)
         out = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy())
         if self.vocab_size < self.n_vocab:
-            out = out[:, : self.vocab_size].contiguous()
-        elif self.vocab_size > self.n_vocab:  # ids the tokenizer lacks are never predicted
+            return out[:, : self.vocab_size].contiguous()
+        if self.vocab_size > self.n_vocab:  # ids the tokenizer lacks are never predicted
             pad = torch.full((rows, self.vocab_size - self.n_vocab), float("-inf"))
-            out = torch.cat([out, pad], dim=1)
-        if self.emit_limit is not None:  # as Transformer.vocab_logits: the "[PAD...]" rows too
-            out[:, self.emit_limit:] = float("-inf")
+            return torch.cat([out, pad], dim=1)
         return out
 
     def check_room(self, n: int) -> None:

@@ -137,7 +137,6 @@ class Transformer(nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.q4_lite = False  # quantize_q4's choice: every weight in 4 bits, not the file's types
         self.weights_in_floats: list[str] = []  # what quantize_q4 found no kernel for
-        self.emit_limit: int | None = None  # ids at or past it get -inf logits (specwood.engine.vocab)
         # under a meta-device context (build_model) the tables are filled in after allocation
         cos, sin = (torch.empty(0), torch.empty(0)) if on_meta else rope_tables(config, self.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -238,10 +237,7 @@ class Transformer(nn.Module):
         return self.vocab_logits(x)
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.output(self.norm(hidden)).float()
-        if self.emit_limit is not None and self.emit_limit < logits.shape[-1]:
-            logits[..., self.emit_limit:] = float("-inf")  # padding rows: ids the tokenizer lacks
-        return logits
+        return self.output(self.norm(hidden)).float()
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a feature-level draft head reads of this model (last stage): the final-normed

@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from specwood.sampling import SamplingParams, sample_token, target_probs
+from specwood.sampling import SamplingParams, allowed, sample_token, target_probs
 from specwood.tree.token_tree import ChildRule, TokenTree
 from specwood.verify.greedy import Verdict, children_lists, verify_greedy
 
@@ -208,5 +208,5 @@ def verify(
 ) -> Verdict:
     """Greedy verification for greedy params, lossless speculative sampling otherwise."""
     if params.greedy:
-        return verify_greedy(tree, target_logits)
+        return verify_greedy(tree, allowed(target_logits, params))
     return verify_sampling(tree, target_logits, params, generator)
