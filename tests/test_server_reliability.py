@@ -30,7 +30,7 @@ def served(tmp_path_factory):
     target, draft = tiny_pair_folders(root)
     cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(target), "--draft", str(draft),
            "--dtype", "fp32", "--method", "dyspec", "--port", "0", "--max-batch", str(MAX_BATCH)]
-    with serve_command(cmd, root / "cache") as (url, lines, proc):
+    with serve_command(cmd, root / "cache", start_timeout_s=400) as (url, lines, proc):
         yield url, proc, root
 
 
@@ -41,7 +41,11 @@ def test_fuzzing_both_generation_endpoints_finds_no_server_error(served):
            "--checks", "not_a_server_error", "--mode", "all", "--phases", "coverage,fuzzing",
            "--max-examples", str(FUZZ_EXAMPLES), "--seed", "7", "--workers", "1", "--generation-database", "none",
            "--request-timeout", "60", "--no-color", "--report", "ndjson", "--report-dir", str(report)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=root)  # its caches go there
+    # tests/schemathesis_hooks.py also sends each body with a string field turned hostile
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, SCHEMATHESIS_HOOKS="schemathesis_hooks",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=root, env=env)  # its caches go there
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     # from the run's own record: every answer per endpoint, and how many fuzzing cases each had
     statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

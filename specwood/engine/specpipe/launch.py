@@ -348,7 +348,8 @@ class PipelineExecutor(Executor):
         if mode in DRAFTED_MODES and self.engine.draft_model is None:
             raise SpecwoodError(f"mode '{mode}' needs a draft model; load one (--draft NAME|PATH) or use mode 'pp'")
         n_tree = tree_nodes(tree) if mode == "specinfer" else 0
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                emit_limit=getattr(self.engine, "emit_limit", None))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
