@@ -30,7 +30,7 @@ def served(tmp_path_factory):
     target, draft = tiny_pair_folders(root)
     cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(target), "--draft", str(draft),
            "--dtype", "fp32", "--method", "dyspec", "--port", "0", "--max-batch", str(MAX_BATCH)]
-    with serve_command(cmd, root / "cache", start_timeout_s=400) as (url, lines, proc):
+    with serve_command(cmd, root / "cache") as (url, lines, proc):
         yield url, proc, root
 
 
@@ -50,6 +50,7 @@ def test_fuzzing_both_generation_endpoints_finds_no_server_error(served):
     # from the run's own record: every answer per endpoint, and how many fuzzing cases each had
     statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     fuzzed: collections.Counter = collections.Counter()
+    hostile: collections.Counter = collections.Counter()
     for line in next(report.glob("*.ndjson")).read_text().splitlines():
         event = json.loads(line)
         finished = event.get("ScenarioFinished")
@@ -60,8 +61,13 @@ def test_fuzzing_both_generation_endpoints_finds_no_server_error(served):
                                       if i.get("response"))
         if finished["phase"] == "fuzzing":
             fuzzed[rec["label"]] += len(rec["cases"])
+        for case in rec["cases"].values():  # what the hooks sent
+            sent = json.dumps(case.get("value", {}).get("body"))
+            hostile["surrogate"] += "\\ud800" in sent or "\\udfff" in sent
+            hostile["control text"] += "<|im_end|>" in sent
     labels = {"POST /v1/chat/completions", "POST /v1/completions"}
     assert set(fuzzed) == labels and min(fuzzed.values()) >= FUZZ_EXAMPLES, fuzzed
+    assert hostile["surrogate"] and hostile["control text"], hostile
     for label in labels:  # accepted and refused cases both reached the server, and no 5xx
         seen = statuses[label]
         assert seen[200] > 0 and sum(n for s, n in seen.items() if 400 <= s < 500) > 0, (label, seen)
