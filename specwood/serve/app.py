@@ -34,6 +34,7 @@ from specwood.serve.guard import Access, guard_app
 from specwood.serve.metrics import ServerMetrics
 from specwood.serve.openapi import chat_body, completion_body, generation_operation
 from specwood.serve.pipeline_methods import PipelineMethods
+from specwood.serve.prompt_limits import PromptLimit
 from specwood.serve.protocol import GenerationRequest, ProtocolError
 
 RETRY_AFTER_S = 1
@@ -152,6 +153,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     metrics = ServerMetrics(scheduler, name)
     scheduler.observers.append(metrics.observe_step)
     vocab = int(engine.target_config.vocab_size)
+    prompt_limit = PromptLimit(getattr(engine, "tokenizer", None), max_context)
     created = P.now()
 
     submitted = asyncio.Event()  # wakes the queue-time sampler (set on the event loop)
@@ -172,6 +174,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             yield
         finally:
             sampler.cancel()
+            prompt_limit.close()
             await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="specwood", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -258,7 +261,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                                 code="model_not_found")
         found = methods.cached(g.method)
         method_name, prepared = found if found is not None else await asyncio.to_thread(methods.prepare, g.method)
-        prompt_ids = await asyncio.to_thread(_encode, g)
+        # a prompt too long to fit is refused before it is tokenized; large ones on their own thread
+        prompt_ids = await prompt_limit.run(g, _encode)
         max_tokens = g.max_tokens
         room = max_context - len(prompt_ids)
         if max_tokens is None:
