@@ -91,8 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SpecwoodError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if not 0 <= args.drain_timeout <= 3600:
         raise SpecwoodError(f"--drain-timeout must be between 0 and 3600 seconds, got {args.drain_timeout}")
+    if not 0 < args.read_timeout <= 3600:
+        raise SpecwoodError(f"--read-timeout must be between 0 and 3600 seconds, got {args.read_timeout}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
-                        ("--max-body-bytes", args.max_body_bytes)):
+                        ("--max-body-bytes", args.max_body_bytes), ("--max-connections", args.max_connections)):
         if value < 1:
             raise SpecwoodError(f"{flag} must be >= 1, got {value}")
     if args.max_context is None:
@@ -109,7 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
               max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor,
               background=planner, max_body_bytes=args.max_body_bytes, access=access, drain_timeout=args.drain_timeout,
-              request_timeout=args.request_timeout)
+              request_timeout=args.request_timeout, read_timeout=args.read_timeout,
+              max_connections=args.max_connections)
     finally:
         sock.close()
         if planner is not None and planner.poll() is None:
@@ -207,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "an error event and [DONE]); a second signal ends at once (default 30)")
     s.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413 (default 2 MiB)")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a request's headers, then its body, may take to arrive; a slower body gets 408 "
+                        "and a connection without headers is closed (default 30)")
+    s.add_argument("--max-connections", type=int, default=256,
+                   help="open connections served at once; requests on more get 503 (default 256)")
     add_executor_args(s, pipeline=True)
     s.add_argument("--no-plan-in-background", dest="plan_in_background", action="store_false",
                    help="with --method auto and no measured plan, do not measure one in a niced child process "

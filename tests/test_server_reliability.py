@@ -14,7 +14,7 @@ import sys
 import httpx
 import pytest
 
-from specwood.bench.soak import Soak
+from specwood.bench.soak import CLIENT_CLOSED, Soak
 from specwood.models.testing import tiny_pair_folders
 
 from test_server import serve_command
@@ -84,9 +84,14 @@ def test_a_soak_gives_everything_back(served):
     warm-up the server's memory grows < 5% while descriptors, threads and cache rows return."""
     url, proc, _ = served
     with Soak(url, proc.pid, concurrency=MAX_BATCH, seed=3) as soak:
+        dropped = _uploads_dropped(soak.client)
         report = soak.run(1500, warmup=100)
+        dropped = _uploads_dropped(soak.client) - dropped
     print("\n" + report.summary())
     assert report.server_errors == 0 and not report.failures, report.failures[:5]
+    # every upload the client dropped was counted as one (the warm-up's too), and logged no
+    # traceback (the fixture's end looks at the whole log)
+    assert dropped >= report.kinds["drop"] == report.statuses[CLIENT_CLOSED] > 0, (dropped, report.summary())
     assert sum(report.statuses.values()) == report.requests and all(report.kinds.values())
     assert report.rss_growth < 0.05, report.summary()
     assert report.end["fds"] <= report.warm["fds"], report.summary()
@@ -95,3 +100,10 @@ def test_a_soak_gives_everything_back(served):
     assert report.end["threads"] <= report.warm["threads"] + min(32, (os.cpu_count() or 1) + 4), report.summary()
     assert report.warm["free_rows"] == report.end["free_rows"] == MAX_BATCH
     assert proc.poll() is None
+
+
+def _uploads_dropped(client: httpx.Client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("specwood:request_uploads_dropped_total "):
+            return float(line.split()[1])
+    raise AssertionError("no specwood:request_uploads_dropped_total in /metrics")

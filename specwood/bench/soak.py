@@ -1,12 +1,14 @@
 """A soak test of `specwood serve`: many mixed requests, then is everything given back?
 
 The requests are a seeded mix of non-streamed chat and completion requests, streams, streams the
-client drops after their first chunk (a cancellation mid-stream) and bad requests (malformed JSON,
-out-of-range parameters, a seed past 2^64, deep nesting, a wrong content type), sent by up to
+client drops after their first chunk (a cancellation mid-stream), uploads the client drops halfway
+through the body, and bad requests (malformed JSON, out-of-range parameters, a seed past 2^64, deep
+nesting, a wrong content type), sent by up to
 `concurrency` clients at once. Read from the server's process (/proc) after a warm-up and at the
 end, both while it is idle: resident memory, open file descriptors and threads; from /health: free
 cache rows. Every good request must complete (200, a finish reason, [DONE] for a stream), every bad
-one must get a 4xx, and none may get a 5xx.
+one must get a 4xx, and none may get a 5xx. A dropped upload gets no answer (recorded as 499,
+nginx's "client closed request").
 
 Used by tests/test_server_reliability.py (a short run) and benchmarks/soak.py (5,000 requests).
 """
@@ -16,6 +18,7 @@ import collections
 import dataclasses
 import json
 import random
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +27,9 @@ from typing import Any, Callable
 
 import httpx
 
-KINDS = ("chat", "completion", "stream", "cancel", "bad")
-WEIGHTS = (3, 3, 3, 2, 2)
+KINDS = ("chat", "completion", "stream", "cancel", "bad", "drop")
+WEIGHTS = (3, 3, 3, 2, 2, 1)
+CLIENT_CLOSED = 499  # the status recorded for an upload the client dropped (nothing comes back)
 WORDS = ("def", "return", "the", "server", "token", "tree", "print(", "x = 1", "hello", "for i in range(3):")
 
 
@@ -90,6 +94,7 @@ class Soak:
     def __init__(self, url: str, pid: int, *, concurrency: int = 4, max_tokens: int = 24, seed: int = 0,
                  headers: dict[str, str] | None = None, timeout_s: float = 120):
         self.url, self.pid, self.concurrency, self.max_tokens = url, pid, concurrency, max_tokens
+        self.headers, self.timeout_s = dict(headers or {}), timeout_s
         self.rng = random.Random(seed)
         self._client_args = {"base_url": url, "timeout": timeout_s, "trust_env": False, "headers": headers,
                              "limits": httpx.Limits(max_connections=concurrency + 2)}
@@ -130,6 +135,8 @@ class Soak:
             return 0, f"{kind}: {type(e).__name__}: {e}"
 
     def _send(self, kind: str, rng: random.Random) -> tuple[int, str | None]:
+        if kind == "drop":
+            return self._drop_upload(rng)
         if kind == "bad":
             body, ctype = _bad_request(rng)
             r = self.client.post("/v1/completions", content=body, headers={"content-type": ctype})
@@ -153,6 +160,23 @@ class Soak:
         chunks = [json.loads(e) for e in events if e != "[DONE]"]
         finished = any(c.get("choices") and c["choices"][0].get("finish_reason") for c in chunks)
         return 200, None if events and events[-1] == "[DONE]" and finished else f"stream ended early: {events[-2:]}"
+
+    def _drop_upload(self, rng: random.Random) -> tuple[int, str | None]:
+        """A good request whose client goes away after half of its body: the server must take it
+        for a cancelled request and go on."""
+        chat = rng.random() < 0.5
+        body = json.dumps(self._good_body(rng, chat, False)).encode()
+        host, port = httpx.URL(self.url).host, httpx.URL(self.url).port
+        shown = f"[{host}]" if ":" in host else host
+        head = [f"POST /v1/{'chat/' if chat else ''}completions HTTP/1.1", f"Host: {shown}:{port}",
+                "Content-Type: application/json", f"Content-Length: {len(body)}"]
+        head += [f"{k}: {v}" for k, v in self.headers.items()]
+        try:
+            with socket.create_connection((host, port), timeout=self.timeout_s) as s:
+                s.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body[:len(body) // 2])
+        except OSError as e:
+            return 0, f"drop: {type(e).__name__}: {e}"
+        return CLIENT_CLOSED, None
 
     def health(self) -> dict[str, Any]:
         return self.client.get("/health").json()

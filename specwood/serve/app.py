@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.request import Request
@@ -27,10 +29,12 @@ from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
 from specwood.errors import ContextLengthError, DeadlineExceeded, SamplingParamsError, SpecwoodError
 from specwood.serve import protocol as P
 from specwood.serve.background import pause_while_busy
+from specwood.serve.connections import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, uvicorn_limits
 from specwood.serve.guard import Access, guard_app
 from specwood.serve.metrics import ServerMetrics
 from specwood.serve.openapi import chat_body, completion_body, generation_operation
 from specwood.serve.pipeline_methods import PipelineMethods
+from specwood.serve.prompt_limits import PromptLimit
 from specwood.serve.protocol import GenerationRequest, ProtocolError
 
 RETRY_AFTER_S = 1
@@ -38,6 +42,7 @@ QUEUE_SAMPLE_S = 0.005  # period of the queue-time sampler while requests wait f
 DEFAULT_MAX_CONTEXT = 4096  # `specwood serve` without --max-context: the cache holds max_batch rows of it
 EXECUTOR_POLL_S = 0.5  # how often the server looks whether its executor went down
 DEFAULT_DRAIN_S = 30.0  # on SIGTERM, how long running requests may take to finish
+logger = logging.getLogger("specwood.serve")
 
 
 def _log(msg: str) -> None:
@@ -128,13 +133,13 @@ def _failure_status(req: Request) -> tuple[int, str]:
 
 def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", options: dict[str, Any] | None = None,
                model_name: str | None = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES,
-               access: Access = Access()) -> FastAPI:
+               access: Access = Access(), read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine` through `scheduler` (started and stopped by the app's
     lifespan; a scheduler already started is left running until the app stops). `method`
     (with `options`) is the default method, prepared now; a request may name another with the
-    non-standard body field "method"; a body over `max_body_bytes` gets a 413; `access` says who
-    may call it (API key, origins, Host names: specwood.serve.guard). Raises SpecwoodError for a
-    bad default method."""
+    non-standard body field "method"; a body over `max_body_bytes` gets a 413, one that has not
+    arrived `read_timeout` seconds after its headers a 408; `access` says who may call it (API
+    key, origins, Host names: specwood.serve.guard). Raises SpecwoodError for a bad default method."""
     # the context a request may use: the engine's, or less where the scheduler's rows are shorter
     tree_room = scheduler.tree_room
     max_context = min(int(engine.max_context), int(scheduler.row_len) - tree_room)
@@ -148,6 +153,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     metrics = ServerMetrics(scheduler, name)
     scheduler.observers.append(metrics.observe_step)
     vocab = int(engine.target_config.vocab_size)
+    prompt_limit = PromptLimit(getattr(engine, "tokenizer", None), max_context)
     created = P.now()
 
     submitted = asyncio.Event()  # wakes the queue-time sampler (set on the event loop)
@@ -168,6 +174,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             yield
         finally:
             sampler.cancel()
+            prompt_limit.close()
             await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="specwood", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -240,7 +247,12 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
 
     async def _generate(http: HTTPRequest, kind: str) -> Response:
         arrival = time.perf_counter()
-        raw = await _read_body(http, max_body_bytes)
+        try:
+            raw = await _read_body(http, max_body_bytes, read_timeout)
+        except ClientDisconnect:  # the client went away mid-upload: a cancelled request, not an error
+            metrics.upload_dropped()
+            logger.debug("a client disconnected before its request body arrived")
+            return Response(status_code=499)
         # parsing, the chat template and tokenisation take a while for a large body: off the event
         # loop, so /health and every stream go on meanwhile
         body, g = await asyncio.to_thread(_parse, raw, kind)
@@ -249,7 +261,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                                 code="model_not_found")
         found = methods.cached(g.method)
         method_name, prepared = found if found is not None else await asyncio.to_thread(methods.prepare, g.method)
-        prompt_ids = await asyncio.to_thread(_encode, g)
+        # a prompt too long to fit is refused before it is tokenized; large ones on their own thread
+        prompt_ids = await prompt_limit.run(g, _encode)
         max_tokens = g.max_tokens
         room = max_context - len(prompt_ids)
         if max_tokens is None:
@@ -389,22 +402,31 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     return guard_app(app, access)
 
 
-async def _read_body(http: HTTPRequest, limit: int) -> bytes:
-    """The request body, or a 413 once it exceeds `limit` bytes (by its Content-Length or as it
-    arrives). The rest of a body that is too large is read and dropped, never held, so the client
-    gets the 413 instead of a reset connection."""
+async def _read_body(http: HTTPRequest, limit: int, timeout_s: float) -> bytes:
+    """The request body; a 413 once it exceeds `limit` bytes (at once where its Content-Length
+    says so, unread) and a 408 where it has not arrived in `timeout_s` seconds. Both close the
+    connection, so the rest of the body is never read. Raises ClientDisconnect where the client
+    goes away meanwhile."""
     declared = http.headers.get("content-length", "")
-    too_large = declared.isdigit() and int(declared) > limit
+    if declared.isdigit() and int(declared) > limit:
+        raise _body_too_large(limit)
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        too_large = too_large or size > limit
-        if not too_large:
-            chunks.append(chunk)
-    if too_large:
-        raise P.ProtocolError(f"the request body exceeds this server's limit of {limit} bytes (--max-body-bytes)",
-                              code="request_too_large", status=413)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _body_too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise P.ProtocolError(f"the request body did not arrive within {timeout_s:g} s (--read-timeout)",
+                              code="read_timeout", status=408, headers={"Connection": "close"}) from None
     return b"".join(chunks)
+
+
+def _body_too_large(limit: int) -> P.ProtocolError:
+    return P.ProtocolError(f"the request body exceeds this server's limit of {limit} bytes (--max-body-bytes)",
+                           code="request_too_large", status=413, headers={"Connection": "close"})
 
 
 async def _until_disconnect(http: HTTPRequest) -> None:
@@ -474,14 +496,17 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
           options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
           sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None,
           background: Any = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
-          drain_timeout: float = DEFAULT_DRAIN_S, request_timeout: float | None = None) -> None:
+          drain_timeout: float = DEFAULT_DRAIN_S, request_timeout: float | None = None,
+          read_timeout: float = DEFAULT_READ_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
     """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line. On the
     signal it stops accepting requests and drains: running requests get `drain_timeout` seconds
     to finish, then end (streams with an error event and [DONE]); a second signal ends at once.
     executor: a ParallelExecutor to serve on (DuoDecoding, lock-step batches), a PipelineExecutor
     (SpecPipe-DB, requests joining and leaving between pipeline steps), or None for the
     continuous-batching scheduler. background: a child process (group leader) that may only
-    run while the server is idle (the plan measured in the background; `pause_while_busy`)."""
+    run while the server is idle (the plan measured in the background; `pause_while_busy`).
+    read_timeout: seconds a request's headers, and then its body, may take to arrive;
+    max_connections: open connections served, requests on more get 503 (connections.py)."""
     import uvicorn
 
     sock = sock or bind_socket(host, port)
@@ -491,12 +516,12 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
         scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
     scheduler.request_timeout_s = request_timeout
     app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes,
-                     access=access.for_bind(str(sock.getsockname()[0])))
+                     access=access.for_bind(str(sock.getsockname()[0])), read_timeout=read_timeout)
     if background is not None:
         pause_while_busy(background, scheduler)
     # uvicorn waits for open responses a little longer than the drain, so streams get their end
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=drain_timeout + 10,
-                            lifespan="on")
+                            lifespan="on", **uvicorn_limits(read_timeout, max_connections))
     server = uvicorn.Server(config)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in str(bound_host) else bound_host

@@ -60,6 +60,8 @@ class ServerMetrics:
                                         registry=r)
         self.requests_rejected = Counter(P + "requests_rejected", "Requests refused with 503 (queue full)",
                                          registry=r)
+        self.uploads_dropped = Counter(P + "request_uploads_dropped", "Requests whose client disconnected before "
+                                       "their body arrived (cancelled before they started)", registry=r)
         # latencies
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token (request arrival to first "
                               "token)", buckets=_LATENCY, registry=r)
@@ -147,6 +149,9 @@ class ServerMetrics:
         with self._pending_lock:
             self._pending.pop(req, None)
         self.requests_rejected.inc()
+
+    def upload_dropped(self) -> None:
+        self.uploads_dropped.inc()
 
     def request_finished(self, req: Request, arrival: float) -> None:
         """At a request's end (scheduler thread): tokens, finish reason, latencies."""
