@@ -60,11 +60,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Greedy params give a one-hot distribution on the argmax, so verifiers can treat greedy
     decoding as the temperature -> 0 limit of sampling.
     """
-    logits = logits.float()
-    V = logits.shape[-1]
-    if params.emit_limit is not None and params.emit_limit < V:
-        logits = logits.clone()  # .float() of fp32 logits is the caller's tensor
-        logits[..., params.emit_limit:] = float("-inf")
+    logits = without_padding(logits, params)
     if params.greedy:
         return _one_hot_argmax(logits)
     scaled = logits / params.temperature
@@ -80,6 +76,16 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if bool(broken.any()):
         probs = torch.where(broken.unsqueeze(-1), _one_hot_argmax(logits), probs)
     return probs
+
+
+def without_padding(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Float32 logits with -inf at the padding ids past `params.emit_limit` (never the caller's tensor
+    when it masks)."""
+    logits = logits.float()
+    if params.emit_limit is not None and params.emit_limit < logits.shape[-1]:
+        logits = logits.clone()  # .float() of fp32 logits is the caller's tensor
+        logits[..., params.emit_limit:] = float("-inf")
+    return logits
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:

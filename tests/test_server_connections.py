@@ -257,3 +257,13 @@ def test_large_prompts_are_tokenized_on_one_thread_of_their_own():
     finally:
         limit.close()
     assert not names[0].startswith("specwood-tokenize-large") and names[1].startswith("specwood-tokenize-large")
+
+
+@pytest.mark.parametrize("flag,value", [("--read-timeout", "0"), ("--read-timeout", "nan"), ("--max-connections", "0")])
+def test_bad_connection_limits_fail_in_one_line(tmp_path, flag, value):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(tmp_path / "none"), "--port", "0", flag, value]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(f"specwood: error: {flag} must be"), p.stderr

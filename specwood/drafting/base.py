@@ -15,7 +15,7 @@ from typing import Generator, Protocol
 import torch
 
 from specwood.errors import SpecwoodError
-from specwood.sampling import SamplingParams, target_probs
+from specwood.sampling import SamplingParams, target_probs, without_padding
 from specwood.tree.token_tree import TokenTree
 
 # A draft call: "the logits after each of these nodes of this tree".
@@ -48,7 +48,7 @@ def draft_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The draft's proposal distribution q: same temperature/top-k/top-p as the target when
     sampling; plain softmax when the target is greedy (q then only ranks and scores candidates)."""
     if params.greedy:
-        return torch.softmax(logits.float(), dim=-1)
+        return torch.softmax(without_padding(logits, params), dim=-1)
     return target_probs(logits, params)
 
 
