@@ -127,9 +127,10 @@ def start_background_plan(args: argparse.Namespace, engine: Any):
     measures one in a niced child process; auto switches to it when it is stored. The server
     keeps the child stopped while it has requests (`serve(background=...)`)."""
     import os
-    import subprocess
 
+    from specwood.engine.parallel_worker import time_forward
     from specwood.engine.processes import exit_with_parent
+    from specwood.serve.background import Background
     from specwood.planner import load_plan, plan_key_for
     from specwood.planner.store import DEFAULT_METHOD, plans_dir
 
@@ -142,8 +143,10 @@ def start_background_plan(args: argparse.Namespace, engine: Any):
         cmd += ["--target", str(args.target)]
     if args.draft not in (None, "auto"):
         cmd += ["--draft", str(args.draft)]
+    # plain decoding timed here, on a quiet machine, before any request: a plan far from it is not stored
+    step_ctx = min(128, engine.max_context - 1)
+    cmd += ["--server-step-s", repr(time_forward(engine.target, step_ctx, 5)), "--server-step-ctx", str(step_ctx)]
     log = plans_dir() / "background-plan.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
     print(f"specwood: no measured plan yet; measuring one in the background at low priority (log: {log})",
           file=sys.stderr)
     server = os.getpid()
@@ -152,9 +155,8 @@ def start_background_plan(args: argparse.Namespace, engine: Any):
         os.nice(19)
         exit_with_parent(server)
 
-    with open(log, "w") as out:  # its own process group: the server pauses it (and its workers) while busy
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=in_child, start_new_session=True)
+    # its own process group: the server pauses it (and its workers) while busy
+    return Background(cmd, log, "background plan (auto keeps its starter plan)", preexec_fn=in_child)
 
 
 def build_parser() -> argparse.ArgumentParser:

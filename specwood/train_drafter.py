@@ -66,10 +66,21 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                  "batch"):
         if getattr(args, name) < (0 if name in ("prompts", "text_tokens") else 1):
             raise SpecwoodError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.window < 2:  # a window trains on next tokens: it needs two
+        raise SpecwoodError(f"--window must be >= 2 tokens, got {args.window}")
+    for flag, value in (("--lr", args.lr), ("--minutes", args.minutes)):
+        if not value > 0:
+            raise SpecwoodError(f"{flag} must be > 0, got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise SpecwoodError(f"--threads must be >= 1, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     target_name = str(args.target or DEFAULT_TARGET)
     out = Path(args.out) if args.out else cache_dir() / "heads" / f"{Path(target_name).stem}.safetensors"
+    try:  # before minutes of work: the head (and its checkpoints) must have somewhere to go
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecwoodError(f"cannot write the head to {out}: {e.strerror or e}") from None
     data_key = hashlib.sha256(json.dumps([target_name, args.dtype, args.prompts, args.answer_tokens, args.text_tokens,
                                           args.window, args.seed, sys.version_info[:2]]).encode()).hexdigest()[:16]
     work = cache_dir() / "drafter" / data_key

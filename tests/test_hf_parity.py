@@ -56,3 +56,36 @@ def test_real_default_draft_matches_transformers(real_draft_fp32):
         diff = (model(ids, torch.arange(len(prompt))) - hf(ids).logits).abs().max().item()
         assert diff <= 1e-3, diff
         assert our_greedy(model, prompt, 64) == hf_greedy(hf, prompt, 64)
+
+
+def test_quantised_model_exports_the_files_exact_weights(tmp_path, monkeypatch, tiny_tokenizer):
+    """The default mode on a Q4_K_M file (q4: the file's Q4_K and Q6_K values as stored, a fused qkv
+    of two types) exports to transformers (the `hf` benchmark baseline) with the file's weights
+    dequantised exactly: the linears equal the fidelity benchmark's fp32 reference bit for bit,
+    the tensors q4 keeps in floats equal it to their dtype's rounding, and the HF twin runs."""
+    from specwood.bench.hf_baseline import HFBaseline
+    from specwood.engine.api import load
+    from specwood.models import loader
+    from specwood.models.testing import write_q4_k_m_gguf
+    from specwood.models.w4a8 import StackedLinear, q4_unavailable_reason
+
+    if q4_unavailable_reason() is not None:
+        pytest.skip(str(q4_unavailable_reason()))
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(loader, "load_tokenizer", lambda path: tiny_tokenizer)  # not what is tested here
+    cfg = random_tiny_config("qwen2", vocab_size=264, dim=256, intermediate_size=512, eos_token_ids=[256],
+                             bos_token_id=None)
+    path = str(write_q4_k_m_gguf(tmp_path / "q4km.gguf", cfg, seed=5))
+    q4 = load(path, None, progress=False)  # the default mode
+    assert q4.target.weight_mode == "q4" and isinstance(q4.target.layers[0].attention.wqkv, StackedLinear)
+    reference = load(path, None, dtype="fp32", progress=False).target.canonical_state_dict()  # fidelity's
+    exported = q4.target.canonical_state_dict(torch.float32)
+    assert exported.keys() == reference.keys()
+    for name, ref in reference.items():
+        if name.startswith("layers.") and ref.dim() == 2:  # the file's Q4_K / Q6_K linears
+            assert torch.equal(exported[name], ref), name
+        else:  # kept in the activation dtype by q4
+            torch.testing.assert_close(exported[name], ref.to(q4.dtype).float(), rtol=0, atol=0)
+    baseline = HFBaseline(q4, ["hf"])
+    out = baseline.generate("hf", "def add(a, b):", True, 6, {"temperature": 0.0})
+    assert out["prompt_tokens"] > 0 and len(out["token_ids"]) >= 1

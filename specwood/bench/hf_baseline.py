@@ -109,7 +109,8 @@ class HFBaseline:
     def _build(self, to_hf_model: Any, config: Any, model: Any) -> Any:
         from transformers import GenerationConfig
 
-        hf = to_hf_model(config, model.canonical_state_dict(), self.dtype)
+        # a quantised target (the default q4 mode, int8, ...) exports its exact dequantised weights
+        hf = to_hf_model(config, model.canonical_state_dict(self.dtype), self.dtype)
         hf.eval()
         try:
             hf.to(self.device)

@@ -401,6 +401,8 @@ def load(
     from specwood.models.registry import DEFAULT_TARGET, default_draft_for
 
     device = check_device(device)
+    if max_context is not None and max_context < 2:
+        raise SpecwoodError(f"max_context (--max-context) must be >= 2 tokens, got {max_context}")
     target = str(target or DEFAULT_TARGET)
     if isinstance(draft, str) and draft.strip().lower() == "none":  # as on the command line
         draft = None

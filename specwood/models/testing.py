@@ -94,11 +94,14 @@ def write_gguf(
     extra_metadata: dict[str, object] | None = None,
     permute: bool | None = None,
     tokens: list[str] | None = None,
+    raw_blocks: dict[str, tuple[str, np.ndarray]] | None = None,
 ) -> Path:
     """Write ``state_dict`` as a llama.cpp-style GGUF: 2-D weights in ``qtype`` (F32, F16, BF16, Q8_0,
     Q4_0, Q5_0, ...; whatever gguf.quants can quantise), 1-D tensors in F32, q/k permuted as llama.cpp
     does for llama/mistral (``permute=False``: the caller already permuted them). ``tokens`` (e.g.
-    ``byte_level_tokens(...)``) adds the vocabulary llama.cpp itself needs to load the file."""
+    ``byte_level_tokens(...)``) adds the vocabulary llama.cpp itself needs to load the file.
+    ``raw_blocks`` maps canonical names to (type, block bytes [rows, bytes per row]) written as they
+    are, in place of the state dict's tensor: the k-quants gguf-py cannot quantise (kquant_blocks)."""
     import gguf
 
     arch = arch or config.arch
@@ -135,6 +138,10 @@ def write_gguf(
             w.add_uint32(key, value)
     q = gguf.GGMLQuantizationType[qtype]
     for name, t in state_dict.items():
+        if raw_blocks and name in raw_blocks:
+            kind, blocks = raw_blocks[name]
+            w.add_tensor(gguf_tensor_name(name), blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+            continue
         t = t.float()
         if permute and name.endswith(("attention.wq.weight", "attention.wq.bias")):
             t = permute_qk(t, config.n_heads)
@@ -152,6 +159,35 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF blocks [rows, bytes per row] of a k-quant type (Q4_K, Q5_K, Q6_K, ...): every
+    code the format can hold, with small finite fp16 factors where each format keeps them."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    at = {"Q6_K": [size - 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])  # d (and dmin)
+    factors = (np.random.default_rng(seed + 1).random((raw.shape[0], len(at))) * 0.02 - 0.005).astype(np.float16)
+    for i, pos in enumerate(at):
+        raw[:, pos:pos + 2] = factors[:, i:i + 1].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_q4_k_m_gguf(path: str | os.PathLike[str], config: ModelConfig, seed: int = 0,
+                      tokens: list[str] | None = None) -> Path:
+    """A random model laid out as a Q4_K_M file: the layers' linears in Q4_K, their v and down
+    projections in Q6_K (so each fused qkv mixes two types), every other tensor in F32. The
+    layers' widths must be multiples of 256 (a k-quant superblock)."""
+    sd = random_state_dict(config, seed)
+    raw = {}
+    for i, (name, t) in enumerate(sd.items()):
+        if name.startswith("layers.") and t.dim() == 2:
+            kind = "Q6_K" if name.endswith(("attention.wv.weight", "feed_forward.w2.weight")) else "Q4_K"
+            raw[name] = (kind, kquant_blocks(kind, *t.shape, seed=seed * 1000 + i))
+    return write_gguf(path, config, sd, "F32", tokens=tokens, raw_blocks=raw)
 
 
 def byte_level_tokens(vocab_size: int, specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

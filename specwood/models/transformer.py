@@ -413,29 +413,37 @@ class Transformer(nn.Module):
         if self.is_first and self.is_last and c.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight  # one copy in memory
 
-    def canonical_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights under the loaders' names (views; unfused), e.g. to build a reference HF model."""
+    def canonical_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Weights under the loaders' names (unfused), e.g. to build a reference HF model: views of
+        float weights, and a quantised linear's (or token table's) exact dequantised values, the
+        file's own where the model runs them as stored. `dtype` casts each tensor as it is taken,
+        so a quantised model never holds a whole fp32 copy at once."""
         c, sd = self.config, {}
+
+        def put(name: str, t: torch.Tensor) -> None:
+            sd[name] = t if dtype is None else t.to(dtype)
+
         if self.is_first:
-            sd["tok_embeddings.weight"] = self.tok_embeddings.weight.data
+            put("tok_embeddings.weight", self.tok_embeddings.weight.data)
         if self.is_last:
-            sd["norm.weight"] = self.norm.weight.data
+            put("norm.weight", self.norm.weight.data)
             if not (c.tie_embeddings and self.is_first):
-                sd["output.weight"] = self.output.weight.data
+                put("output.weight", self.output.weight.data)
         sizes = [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim]
         for local, i in enumerate(self.layer_range):
             blk, p = self.layers[local], f"layers.{i}."
             for n, w in zip("qkv", blk.attention.wqkv.weight.data.split(sizes)):
-                sd[p + f"attention.w{n}.weight"] = w
+                put(p + f"attention.w{n}.weight", w)
             if c.qkv_bias:
                 for n, b in zip("qkv", blk.attention.wqkv.bias.data.split(sizes)):
-                    sd[p + f"attention.w{n}.bias"] = b
-            sd[p + "attention.wo.weight"] = blk.attention.wo.weight.data
+                    put(p + f"attention.w{n}.bias", b)
+            put(p + "attention.wo.weight", blk.attention.wo.weight.data)
             w1, w3 = blk.feed_forward.w13.weight.data.split(c.intermediate_size)
-            sd[p + "feed_forward.w1.weight"], sd[p + "feed_forward.w3.weight"] = w1, w3
-            sd[p + "feed_forward.w2.weight"] = blk.feed_forward.w2.weight.data
-            sd[p + "attention_norm.weight"] = blk.attention_norm.weight.data
-            sd[p + "ffn_norm.weight"] = blk.ffn_norm.weight.data
+            put(p + "feed_forward.w1.weight", w1)
+            put(p + "feed_forward.w3.weight", w3)
+            put(p + "feed_forward.w2.weight", blk.feed_forward.w2.weight.data)
+            put(p + "attention_norm.weight", blk.attention_norm.weight.data)
+            put(p + "ffn_norm.weight", blk.ffn_norm.weight.data)
         return sd
 
 

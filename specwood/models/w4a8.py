@@ -309,7 +309,16 @@ class StackedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
+        """The parts' dequantised weights, stacked (fp32, a fresh copy), e.g. for a reference model."""
         return torch.cat([p.weight for p in self.parts])
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The parts' biases, stacked (None without; a KQuantLinear keeps an empty one)."""
+        biases = [getattr(p, "bias", None) for p in self.parts]
+        if any(b is None or b.numel() == 0 for b in biases):
+            return None
+        return torch.cat(biases)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], -1)

@@ -15,6 +15,7 @@ from specwood.errors import SpecwoodError
 from specwood.planner.calibration import CALIBRATION_PROMPTS, calibration_set, encode_prompts
 from specwood.planner.decision import MAX_X, ParallelProfile
 from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat
+from specwood.planner.pauses import undisturbed
 from specwood.planner.prior_tree import PriorScores
 from specwood.planner.store import DEFAULT_METHOD, Plan, load_plan, plan_key_for, save_plan
 
@@ -51,7 +52,8 @@ def measure_aat(engine: Any, make: Callable[[int], tuple[Any, Any]], xs: Sequenc
     with _progress(len(xs), f"calibrating AAT(x) {label}".strip(), progress) as bar:
         for x in xs:
             source, shape = make(int(x) - 1)
-            stats = run_speculative(engine, source, shape, prompts_ids, max_tokens)
+            # greedy, so a run taken again after a pause accepts the same; only its times change
+            stats = undisturbed(lambda: run_speculative(engine, source, shape, prompts_ids, max_tokens))
             s = stats.as_dict()
             steps = max(stats.steps, 1)
             out[int(x)] = {"aat": float(s["mean_accepted_tokens"]), "steps": float(stats.steps),
@@ -75,10 +77,14 @@ def measure_draft_prefill(engine: Any, n_tokens: int = 512, repeats: int = 2) ->
         source.start(ids[0][:16])  # allocate the cache, warm the kernels
         best = math.inf
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            source.start(ids[0])
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, undisturbed(lambda: _seconds(lambda: source.start(ids[0]))))
     return best / len(ids[0])
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 DRAFT_ROWS = (1, 2, 3, 4, 8, 16)
@@ -113,14 +119,15 @@ def measure_parallel(engine: Any, plan: Plan, prompts_ids: Sequence[Sequence[int
         print("[plan] parallel executor (DuoDecoding): starting the draft worker and decoding the calibration "
               "prompts", file=sys.stderr)
     ctx = max(1, min(CALIBRATION_CONTEXT, engine.max_context - 2))
-    t_full = time_forward(engine.target, ctx, CALIBRATION_REPS)  # all threads, nothing beside it
+    # all threads, nothing beside it
+    t_full = undisturbed(lambda: time_forward(engine.target, ctx, CALIBRATION_REPS))
     with ParallelExecutor(engine, verbose=False) as ex:
         ex.start()
         slowdown = (ex._t_target or t_full) / t_full
         iterations = emitted = steps = verified = 0
         decode_s = gamma = t_draft = 0.0
         for ids in prompts_ids:
-            res = ex.generate(list(ids), max_tokens=max_tokens)
+            res = undisturbed(lambda: ex.generate(list(ids), max_tokens=max_tokens))
             st = res.stats
             n = len(res.token_ids) - 1
             if n < 1 or not st.get("iterations"):

@@ -72,6 +72,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="time every runtime configuration of the pair here (target and draft backend and weight "
                         "mode: torch bf16/int8/q4, llama.cpp) and store the fastest for --backend auto "
                         "(about a minute per configuration)")
+    # the server's own plain step, timed before it measures a plan in the background: a plan far from it is not kept
+    p.add_argument("--server-step-s", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--server-step-ctx", type=int, default=128, help=argparse.SUPPRESS)
     p.set_defaults(func=run_plan_cli)
     return p
 
@@ -117,7 +120,7 @@ def _local_plan(args: argparse.Namespace) -> Any:
     from specwood.engine.api import load
     from specwood.engine.args import needs_draft
     from specwood.planner.build import build_plan
-    from specwood.planner.store import load_plan, plan_key_for, save_plan
+    from specwood.planner.store import load_plan, plan_key_for, plan_problems, save_plan
 
     draft = None if (args.draft in (None, "none") or not needs_draft(args.method)) else args.draft
     engine = load(args.target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
@@ -139,6 +142,12 @@ def _local_plan(args: argparse.Namespace) -> Any:
               file=sys.stderr)
         plan = build_plan(engine, args.method, quick=args.quick, contexts=args.contexts,
                           parallel=not args.no_parallel)
+        problems = plan_problems(plan, args.server_step_s, args.server_step_ctx)
+        if problems and args.server_step_s is not None:  # measured for a server, which keeps its starter plan
+            raise SpecwoodError(f"the measured plan is not stored: {'; '.join(problems)} (the machine was busy?)")
+        if problems:  # asked for here: stored, with what looks wrong
+            print(f"[plan] warning: {'; '.join(problems)} (measured while the machine was busy? run `specwood "
+                  "plan --force` again when it is quiet)", file=sys.stderr)
         path = save_plan(plan)
         print(f"[plan] saved {path}", file=sys.stderr)
     if args.compare_trees:

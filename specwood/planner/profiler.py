@@ -5,7 +5,9 @@ Conventions used throughout the planner:
   nodes including the root (the newest accepted token). x = 1 is autoregressive decoding.
 * A tree of x tokens has x - 1 drafted nodes, which is what shapes call `budget`.
 
-Timings are medians over `repeats` runs after a warm-up, under `torch.inference_mode`.
+Timings are medians over `repeats` runs after a warm-up, under `torch.inference_mode`; a run
+that a pause overlapped (the server stops its background planner while requests run) is taken
+again (specwood.planner.pauses).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from specwood.models.transformer import Transformer
+from specwood.planner.pauses import undisturbed
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
 
@@ -160,11 +163,14 @@ def measure_verify_times(
                 samples: dict[int, list[float]] = {x: [] for x in batch}
                 for fn in fns.values():  # first call of a new shape
                     fn()
+                def one_round() -> dict[int, list[float]]:
+                    # P(1) = P_AR is the reference of every decision: time it twice as often
+                    return {x: [median_time(fn, 1, warmup=0, device=model.device) for _ in range(2 if x == 1 else 1)]
+                            for x, fn in fns.items()}
+
                 for _ in range(repeats):
-                    for x, fn in fns.items():
-                        # P(1) = P_AR is the reference of every decision: time it twice as often
-                        for _ in range(2 if x == 1 else 1):
-                            samples[x].append(median_time(fn, 1, warmup=0, device=model.device))
+                    for x, taken in undisturbed(one_round).items():  # a round a pause spoilt is taken again
+                        samples[x] += taken
                 for x in batch:
                     row[x] = statistics.median(samples[x])
                     bar.set_postfix(ctx=ctx, x=x, ms=f"{row[x] * 1e3:.1f}")
