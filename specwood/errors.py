@@ -19,3 +19,7 @@ class SamplingParamsError(SpecwoodError):
 
 class DeadlineExceeded(SpecwoodError):
     """A request ran past its deadline (Scheduler.submit's timeout_s, `serve --request-timeout`)."""
+
+
+class GrammarError(SamplingParamsError):
+    """A grammar, JSON schema or tool definition that cannot be used."""
