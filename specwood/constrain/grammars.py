@@ -13,10 +13,11 @@ whitespace.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from specwood.errors import GrammarError
 
@@ -119,10 +120,8 @@ def _with_options(schema: dict[str, Any]) -> dict[str, Any]:
 def _compile(schema: dict[str, Any], what: str) -> str:
     from llguidance import LLMatcher
 
-    try:
+    with _llguidance_errors(what):
         grammar = LLMatcher.grammar_from_json_schema(schema)
-    except ValueError as e:
-        raise GrammarError(f"the {what} is not valid JSON: {_one_line(str(e))}") from None
     _validate(grammar)
     return grammar
 
@@ -130,9 +129,25 @@ def _compile(schema: dict[str, Any], what: str) -> str:
 def _validate(grammar: str) -> None:
     from llguidance import LLMatcher
 
-    message = LLMatcher.validate_grammar(grammar)
+    with _llguidance_errors("grammar"):
+        message = LLMatcher.validate_grammar(grammar)
     if message:
         raise GrammarError(explain(message))
+
+
+@contextlib.contextmanager
+def _llguidance_errors(what: str) -> Iterator[None]:
+    """Any failure inside llguidance (a Rust panic included) as a GrammarError, never a 500."""
+    try:
+        yield
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise GrammarError(f"the {what} cannot be compiled: {_one_line(str(e))}") from None
+    except BaseException as e:  # pyo3's PanicException derives from BaseException
+        if type(e).__name__ != "PanicException":
+            raise
+        raise GrammarError(f"the {what} cannot be compiled: {_one_line(str(e))}") from None
 
 
 def explain(message: str) -> str:
@@ -257,11 +272,14 @@ def parse_tool_choice(choice: Any, tools: list[Tool] | None) -> str:
     return name
 
 
-def tools_grammar(tools: list[Tool], tool_choice: str, fmt: ToolFormat, parallel: bool = True) -> str | None:
+def tools_grammar(tools: list[Tool], tool_choice: str, fmt: ToolFormat, parallel: bool = True,
+                  content: dict[str, Any] | None = None) -> str | None:
     """The grammar of the model's answer given `tools` (`tool_choice` as parse_tool_choice gives
     it): "auto" text, or text and then tool calls; "required" one or more calls; a function's name
     exactly one call of it; "none" no grammar (None: the model answers in text, its tools still
-    in the prompt, as OpenAI does). `parallel` (parallel_tool_calls) allows several calls."""
+    in the prompt, as OpenAI does). `parallel` (parallel_tool_calls) allows several calls.
+    `content` (a prepare_schema result, from response_format): with "auto", the answer is either
+    JSON under it or tool calls."""
     if tool_choice == "none":
         return None
     named = tool_choice not in ("auto", "required")
@@ -272,6 +290,8 @@ def tools_grammar(tools: list[Tool], tool_choice: str, fmt: ToolFormat, parallel
     more = f' ("\\n" {open_} body)*' if parallel and not named else ""
     if tool_choice != "auto":
         start = [f"start: {open_} body{more}"]
+    elif content is not None:
+        start = [f"start: %json {json.dumps(content)} | {open_} body{more}"]
     elif fmt.open_id is not None:  # the tag is a token: text can never contain it
         start = [f"start: TEXT | TEXT {open_} body{more}"]
     else:  # the tag is text: the text ends (lazily) where the tag first appears
@@ -280,7 +300,8 @@ def tools_grammar(tools: list[Tool], tool_choice: str, fmt: ToolFormat, parallel
                       *bodies]) + "\n"
     from llguidance import LLMatcher
 
-    grammar = LLMatcher.grammar_from_lark(lark)
+    with _llguidance_errors("tools' grammar"):
+        grammar = LLMatcher.grammar_from_lark(lark)
     _validate(grammar)
     return grammar
 
