@@ -30,6 +30,7 @@ class ToolCallText:
             self.in_calls, end = True, at
         else:
             end = len(self.text) - _partial_tail(self.text, tag)
+        end = len(self.text[:end].rstrip())  # whitespace before a call is not content: held until known
         out = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return out
