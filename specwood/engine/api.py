@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from specwood.engine.chat import encode_chat
 from specwood.engine.executor import executor_name
 from specwood.engine.executors import plugin_for
 from specwood.engine.output import GenerationResult, OutputStream
@@ -107,7 +108,8 @@ class Engine:
         return {i for i in ids if i < self.target.config.vocab_size}
 
     def encode(self, prompt: str | list[dict[str, str]], raw: bool = False) -> list[int]:
-        """Token ids for a prompt: chat messages (or a user string) through the chat template, or raw text."""
+        """Token ids for a prompt: chat messages (or a user string) through the chat template, their
+        contents as plain text (specwood.engine.chat), or raw text, whose special tokens' text parses."""
         tok = self.tokenizer
         if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
             return list(tok.encode(prompt, add_special_tokens=True))
@@ -116,8 +118,7 @@ class Engine:
             raise SpecwoodError("messages must be a list of {'role': ..., 'content': ...} objects")
         if not getattr(tok, "chat_template", None):
             raise SpecwoodError("this model's tokenizer has no chat template; pass a plain prompt with raw=True (--raw)")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tok.encode(text, add_special_tokens=False))
+        return encode_chat(tok, messages)  # contents as plain text: no forged turns
 
     # --- requests -------------------------------------------------------------------------------
 
