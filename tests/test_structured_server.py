@@ -190,7 +190,7 @@ def test_streamed_content_stops_where_a_tool_call_begins():
         rest, calls = s.finish(text)
         assert streamed + rest == "Let me check." and calls == [("add", '{"a": 1}')]
     s = ToolCallText(fmt)
-    assert s.feed("a <tool") == "a " and s.feed("box> b") == "<toolbox> b" and s.finish("a <toolbox> b") == ("", [])
+    assert s.feed("a <tool") == "a" and s.feed("box> b") == " <toolbox> b" and s.finish("a <toolbox> b") == ("", [])
 
 
 # ---------------------------------------------------------------------------------------------
