@@ -22,4 +22,4 @@ class DeadlineExceeded(SpecwoodError):
 
 
 class GrammarError(SamplingParamsError):
-    """A grammar, JSON schema or tool definition that cannot be used."""
+    """A grammar (or JSON schema) that does not compile for the model's tokenizer."""
