@@ -316,7 +316,8 @@ def _call_head(name: str) -> str:
 
 def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str, list[tuple[str, str]]]:
     """The content before the first tool call and the calls as (name, arguments as a JSON string);
-    (text, []) when the text holds no complete, well-formed call."""
+    (text, []) when the text holds no complete call or a malformed one. A last call cut short (the
+    answer ran out of tokens) is left out."""
     calls: list[tuple[str, str]] = []
     first = text.find(fmt.open)
     if first < 0:
@@ -328,7 +329,7 @@ def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str, list[tuple[str, s
             break
         j = text.find(fmt.close, i)
         if j < 0:
-            return text, []
+            break
         try:
             obj = json.loads(text[i + len(fmt.open):j])
         except ValueError:

@@ -375,8 +375,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         if g.calls_tools:
             text, parsed = ToolCallText(tool_format).finish(answer_text(engine.tokenizer, res.text, res.token_ids,
                                                                          tool_format))
-            if parsed:
-                calls, finish = P.tool_call_objects(parsed), "tool_calls"
+            if parsed:  # finish_reason "tool_calls", unless the answer ran out of tokens after them
+                calls, finish = P.tool_call_objects(parsed), "tool_calls" if finish == "stop" else finish
         return JSONResponse(P.completion_response(kind, rid, P.now(), name, text, finish,
                                                   P.usage(len(req.prompt_ids), len(res.token_ids)), res.stats,
                                                   tool_calls=calls,
@@ -439,7 +439,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                     yield chunk(text=rest, tokens=len(res.token_ids))
                 if parsed:
                     yield chunk(tool_calls=P.tool_call_objects(parsed, streamed=True), tokens=len(res.token_ids))
-                    finish = "tool_calls"
+                    finish = "tool_calls" if finish == "stop" else finish
             yield chunk(text=None if kind == "chat" else "", finish_reason=finish, tokens=len(res.token_ids),
                         logprobs=logprobs(job.new_logprobs()))
             if g.include_usage:

@@ -104,7 +104,7 @@ class GenerationRequest:
         """The processors' options that differ from their neutral values (Engine.new_request's keywords)."""
         opts: dict[str, Any] = {}
         if self.logit_bias:
-            opts["logit_bias"] = tuple(sorted(self.logit_bias.items()))
+            opts["logit_bias"] = dict(self.logit_bias)
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("min_p", 0.0)):
             if getattr(self, name) != neutral:
