@@ -122,7 +122,7 @@ class _Job:
     def new_logprobs(self) -> list[Any] | None:
         """The logprob entries pushed since the last call (read on the scheduler thread while it
         runs, on the event loop once it is done), or None without logprobs."""
-        entries = getattr(self.req.out, "logprobs", None) if self.req is not None else None
+        entries = self.req.out.logprobs if self.req is not None else None
         if entries is None:
             return None
         new = entries[self.logprobs_sent:]
@@ -380,7 +380,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         return JSONResponse(P.completion_response(kind, rid, P.now(), name, text, finish,
                                                   P.usage(len(req.prompt_ids), len(res.token_ids)), res.stats,
                                                   tool_calls=calls,
-                                                  logprobs=_logprobs(kind, getattr(res, "logprobs", None))))
+                                                  logprobs=_logprobs(kind, res.logprobs)))
 
     async def _stream(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, req: Request,
                       job: _Job) -> AsyncIterator[str]:
