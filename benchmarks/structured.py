@@ -9,7 +9,8 @@ constrained methods beside llama.cpp's `llama-server --jinja` with the same `res
 The requests (benchmarks/structured_requests.jsonl, written for this benchmark): `json-high`,
 JSON-schema extractions that the grammar mostly forces (enums, fixed keys, booleans, bounded
 integers); `json-low`, extractions into long free strings; `tools`, tool calls with
-`tool_choice: "required"`. Each is an OpenAI chat body (temperature 0, max_tokens N, not
+`tool_choice: "required"` and `parallel_tool_calls: false` (one intent each: a small model
+allowed several calls tends to repeat the call until max_tokens). Each is an OpenAI chat body (temperature 0, max_tokens N, not
 streamed), sent by c closed-loop clients (c from --concurrency: a request list of max(#requests,
 2c), cycled). Per server, method, level and category:
 - tok/s: completion tokens / request latency (client clock), mean over requests; aggregate tok/s
@@ -60,7 +61,7 @@ def load_requests(path: Path, limit: int | None) -> list[dict[str, Any]]:
 
 def body_of(req: dict[str, Any], max_tokens: int, method: str | None) -> dict[str, Any]:
     body = {"messages": req["messages"], "max_tokens": max_tokens, "temperature": 0}
-    for k in ("response_format", "tools", "tool_choice"):
+    for k in ("response_format", "tools", "tool_choice", "parallel_tool_calls"):
         if k in req:
             body[k] = req[k]
     if method is not None:
