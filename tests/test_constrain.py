@@ -72,6 +72,20 @@ def test_penalties_and_bias_are_identical_to_ar(tiny_engine, shaping):
         assert out.token_ids == ref.token_ids, method
 
 
+def test_sampled_output_always_follows_the_grammar(tiny_engine):
+    """Sampling through every tree shape (masked draft q, processed target rows): the text is in
+    the grammar's language and ends where it does; seeded runs repeat."""
+    for name in ("few", "json"):
+        for method in ("ar", "chain", "static", "dyspec", "eagle", "pld"):
+            for seed in (1, 2):
+                kw = dict(max_tokens=60, raw=True, grammar=GRAMMARS[name], method=method, temperature=1.0,
+                          top_p=0.95, seed=seed, presence_penalty=0.4)
+                out = tiny_engine.generate("Once upon a time", **kw)
+                assert out.finish_reason == "stop", (name, method, out.text)
+                _check_text(name, out.text)
+                assert tiny_engine.generate("Once upon a time", **kw).token_ids == out.token_ids
+
+
 def test_draft_equal_to_target_with_a_grammar_accepts_long_paths(tiny_pair, tiny_tokenizer):
     """Accepted paths run through the forced parts and into the end (EOS inside a tree)."""
     engine = Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.target)
@@ -161,3 +175,26 @@ def test_bad_input_is_one_line(tiny_engine):
             tiny_engine.generate("x", max_tokens=4, **bad)
     with pytest.raises(SamplingParamsError, match="not both"):
         tiny_engine.generate("x", max_tokens=4, grammar=GRAMMARS["few"], json_schema={"type": "object"})
+
+
+def test_cli_grammar_and_json_schema(tiny_folder, tmp_path):
+    import json
+    import re
+
+    from test_cli import assert_one_line_error, run
+
+    (tmp_path / "g.lark").write_text('start: "answer: " /[0-9]{1,3}/ "!"\n')
+    (tmp_path / "s.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                 "required": ["ok"], "additionalProperties": False}))
+    base = ("generate", "hi", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--dtype", "fp32", "--raw",
+            "--json", "--max-tokens", "40")
+    p = run(*base, "--grammar", str(tmp_path / "g.lark"), "--method", "dyspec", "--logprobs", "2", cache=tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert re.fullmatch(r"answer: [0-9]{1,3}!", out["text"]) and out["finish_reason"] == "stop"
+    assert len(out["logprobs"]) == len(out["token_ids"])
+    p = run(*base, "--json-schema", str(tmp_path / "s.json"), cache=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(json.loads(p.stdout)["text"]).keys() == {"ok"}
+    (tmp_path / "bad.lark").write_text("start: missing_rule\n")
+    assert_one_line_error(run(*base, "--grammar", str(tmp_path / "bad.lark"), cache=tmp_path), "grammar")
