@@ -32,14 +32,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = engine.generate(
             prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, stop=args.stop, method=args.method, raw=args.raw, on_text=stream, executor=executor,
-            **method_options(args),
+            **constraint_options(args), **method_options(args),
         )
     finally:
         if built is not None:
             built.close()
     if args.json:
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                          "stats": result.stats}))
+        out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+               "stats": result.stats}
+        if result.logprobs is not None:
+            out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in result.logprobs]
+        print(json.dumps(out))
     else:
         s = result.stats
         line = (f"[{s['method']}] {s['new_tokens']} tokens, {s['tokens_per_s']} tok/s, TTFT {s['ttft_s']:.3f}s, "
@@ -51,6 +54,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
                      f"{s['sequences_mean']:.1f}, idle draft {s['draft_idle_s']:.3f}s target {s['target_idle_s']:.3f}s")
         print("\n" + line, file=sys.stderr)
     return 0
+
+
+def constraint_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--grammar FILE (llguidance's Lark dialect), --json-schema FILE, --logprobs N as generate's arguments."""
+    options: dict[str, Any] = {}
+    if args.grammar is not None:
+        import llguidance
+
+        options["grammar"] = llguidance.LLMatcher.grammar_from_lark(_read_text(args.grammar, "--grammar"))
+    if args.json_schema is not None:
+        try:
+            options["json_schema"] = json.loads(_read_text(args.json_schema, "--json-schema"))
+        except json.JSONDecodeError as e:
+            raise SpecwoodError(f"--json-schema {args.json_schema}: not JSON ({e})") from None
+    if args.logprobs is not None:
+        options["logprobs"] = args.logprobs
+    return options
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise SpecwoodError(f"{flag} {path}: cannot read it ({e.strerror})") from None
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -175,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message (chat mode)")
     g.add_argument("--raw", action="store_true", help="plain completion: no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="constrain the output to a grammar in llguidance's Lark dialect (docs/processors.md)")
+    g.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the output to a JSON schema")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability and its N best alternatives (0..20)")
     add_executor_args(g, pipeline=True)
     g.set_defaults(func=cmd_generate)
 

@@ -19,3 +19,7 @@ class SamplingParamsError(SpecwoodError):
 
 class DeadlineExceeded(SpecwoodError):
     """A request ran past its deadline (Scheduler.submit's timeout_s, `serve --request-timeout`)."""
+
+
+class GrammarError(SamplingParamsError):
+    """A grammar (or JSON schema) that does not compile for the model's tokenizer."""

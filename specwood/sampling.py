@@ -17,6 +17,15 @@ SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes seeds below this
 # A temperature below this samples as its limit, greedy (as vLLM does): logits / 1e-38 overflow
 # float32 to inf and softmax to NaN, and long before that the softmax is one-hot up to rounding.
 GREEDY_BELOW = 1e-5
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,14 @@ class SamplingParams:
     seed: int | None = None
     # ids at or past it are never chosen: a vocabulary padded past the tokenizer's (engine.vocab)
     emit_limit: int | None = None
+    # per-path logits processors (specwood.constrain.processors), applied before temperature
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit), OpenAI's range
+    presence_penalty: float = 0.0  # over the generated tokens (OpenAI/vLLM)
+    frequency_penalty: float = 0.0  # over the generated tokens, times their count
+    repetition_penalty: float = 1.0  # over prompt + generated tokens (HF/vLLM); 1.0 means off
+    min_p: float = 0.0  # after temperature: drop tokens below min_p * the top probability
+    grammar: str | None = None  # an llguidance grammar (LLMatcher.grammar_from_json_schema / _lark)
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and its k best alternatives
 
     def __post_init__(self) -> None:
         t, k, p = self.temperature, self.top_k, self.top_p
@@ -40,6 +57,32 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be an integer in [0, 2**64), got {self.seed}")  # torch's range
         if self.emit_limit is not None and (not isinstance(self.emit_limit, int) or self.emit_limit < 1):
             raise SamplingParamsError(f"emit_limit must be a positive integer, got {self.emit_limit}")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
+            v = getattr(self, name)
+            if not _is_number(v) or not lo <= v <= hi:
+                raise SamplingParamsError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0 < rp <= 100:
+            raise SamplingParamsError(f"repetition_penalty must be a number in (0, 100] (1 = off), got {rp!r}")
+        for pair in self.logit_bias:
+            if (not isinstance(pair, tuple) or len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0
+                    or not _is_number(pair[1]) or not -100 <= pair[1] <= 100):
+                raise SamplingParamsError(
+                    f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100], got {pair!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise SamplingParamsError("grammar must be a non-empty llguidance grammar string")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise SamplingParamsError(f"logprobs (top_logprobs) must be an integer in [0, {MAX_TOP_LOGPROBS}], got {lp!r}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether any per-path logits processor is on (specwood.constrain.processors)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.grammar is not None)
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +111,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if params.min_p > 0:  # after temperature, as vLLM and HF's MinPLogitsWarper; renormalised below
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if params.top_p < 1.0:
         probs = _top_p(probs, params.top_p)
     # a row that overflowed (huge logits over a small temperature: inf - inf) or held NaN logits

@@ -1,5 +1,5 @@
 """The package's import graph, read from the source: no circles and no import from a higher layer
-(models -> tree/verify -> drafting -> engine -> planner -> serve/bench/cli -> the package's front door).
+(models -> tree/verify/constrain -> drafting -> engine -> planner -> serve/bench/cli -> the package's front door).
 Function-local imports count like module-level ones; only `if TYPE_CHECKING:` imports are left out."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specwood"
 LAYERS: list[tuple[str, ...]] = [
     ("specwood.errors", "specwood.sampling", "specwood.version", "specwood.bench.workload"),
     ("specwood.models",),
-    ("specwood.tree", "specwood.verify"),
+    ("specwood.tree", "specwood.verify", "specwood.constrain"),
     ("specwood.drafting", "specwood.drafter_data"),
     ("specwood.engine", "specwood.methods"),
     ("specwood.planner",),

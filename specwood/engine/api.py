@@ -17,7 +17,7 @@ from specwood.engine.request import Request
 from specwood.engine.runner import RunnerExecutor
 from specwood.engine.vocab import emit_limit
 from specwood.engine.scheduler import Scheduler
-from specwood.errors import ContextLengthError, SpecwoodError
+from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
 from specwood.models.config import ModelConfig
 from specwood.models.linears import int4_available
 from specwood.models.transformer import Transformer, build_model
@@ -110,9 +110,11 @@ class Engine:
         ids.update(vocab[t] for t in _END_OF_TURN if t in vocab)
         return {i for i in ids if i < self.target.config.vocab_size}
 
-    def encode(self, prompt: str | list[dict[str, str]], raw: bool = False) -> list[int]:
+    def encode(self, prompt: str | list[dict[str, Any]], raw: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids for a prompt: chat messages (or a user string) through the chat template, their
-        contents as plain text (specwood.engine.chat), or raw text, whose special tokens' text parses."""
+        contents as plain text (specwood.engine.chat), or raw text, whose special tokens' text parses.
+        `tools` (OpenAI tool definitions) go to the template, which shows them to the model."""
         tok = self.tokenizer
         if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
             return list(tok.encode(prompt, add_special_tokens=True))
@@ -121,7 +123,8 @@ class Engine:
             raise SpecwoodError("messages must be a list of {'role': ..., 'content': ...} objects")
         if not getattr(tok, "chat_template", None):
             raise SpecwoodError("this model's tokenizer has no chat template; pass a plain prompt with raw=True (--raw)")
-        return encode_chat(tok, messages)  # contents as plain text: no forged turns
+        extra = {"tools": tools} if tools else {}
+        return encode_chat(tok, messages, **extra)  # contents as plain text: no forged turns
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -175,13 +178,29 @@ class Engine:
         prepared: "DrafterFactory | None" = None,
         on_finish: Callable[[Request], None] | None = None,
         request_id: str | None = None,
+        grammar: str | None = None,
+        json_schema: dict[str, Any] | None = None,
+        logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_p: float = 0.0,
+        logprobs: int | None = None,
         **method_options: Any,
     ) -> Request:
         """A request ready to `submit` to `scheduler` (default: the engine's own). Raises a
-        SpecwoodError for bad input (sampling parameters, lengths, methods and their options)."""
+        SpecwoodError for bad input (sampling parameters, lengths, methods and their options).
+
+        Constraints and shaping (specwood.constrain, docs/structured.md): `grammar` (an llguidance
+        grammar string) or `json_schema` (a dict, compiled to one), `logit_bias` ({token id: bias}),
+        the presence/frequency/repetition penalties and `min_p`, as OpenAI/vLLM define them;
+        `logprobs` k reports each emitted token's log-probability and its k best alternatives."""
         scheduler = scheduler or self.scheduler
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                emit_limit=self.emit_limit)
+                                emit_limit=self.emit_limit,
+                                logit_bias=self._logit_bias(logit_bias), presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                                min_p=min_p, grammar=self._grammar(grammar, json_schema), logprobs=logprobs)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
         if _is_token_ids(prompt):
@@ -208,7 +227,60 @@ class Engine:
         out = OutputStream(self.tokenizer, len(prompt_ids), max_tokens, self.eos_token_ids, stop, on_text,
                            emit_limit=self.emit_limit)
         return Request(prompt_ids, max_tokens, params, drafter, out, method=method, device=self.device,
-                       extra_stats=drafter.extra_stats, on_finish=on_finish, request_id=request_id)
+                       extra_stats=drafter.extra_stats, on_finish=on_finish, request_id=request_id,
+                       processors=self.processors_for(params, prompt_ids))
+
+    # --- constraints and shaping (specwood.constrain) -------------------------------------------
+
+    def _logit_bias(self, bias: Any) -> tuple[tuple[int, float], ...]:
+        """{token id: bias} (ids as ints or numeric strings, as JSON gives them) -> sorted pairs;
+        ids must lie in the target's vocabulary."""
+        if bias is None:
+            return ()
+        if not isinstance(bias, dict):
+            raise SamplingParamsError("logit_bias must map token ids to numbers in [-100, 100]")
+        V, pairs = self.target.config.vocab_size, []
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if not 0 <= token < V:
+                raise SamplingParamsError(f"logit_bias token id {token} is outside the vocabulary [0, {V})")
+            pairs.append((token, value))
+        return tuple(sorted(pairs))
+
+    def _grammar(self, grammar: str | None, json_schema: dict[str, Any] | None) -> str | None:
+        if json_schema is None:
+            return grammar
+        if grammar is not None:
+            raise SamplingParamsError("pass grammar or json_schema, not both")
+        if not isinstance(json_schema, dict):
+            raise SamplingParamsError("json_schema must be a JSON schema object (a dict)")
+        try:
+            from specwood.constrain.grammars import json_schema_grammar  # the HTTP side's compiler
+        except ImportError:  # (before grammars.py lands: llguidance's own compiler)
+            import llguidance
+
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(json_schema)
+            except ValueError as e:
+                raise SamplingParamsError(f"json_schema: {e}") from None
+        return json_schema_grammar(json_schema)
+
+    def processors_for(self, params: SamplingParams, prompt_ids: list[int]) -> Any:
+        """The request's per-path logits processors, None when it has none (it then pays nothing).
+        A grammar is compiled for this tokenizer here: a bad one fails the request before it runs."""
+        if not params.processed:
+            return None
+        from specwood.constrain.matcher import grammar_matcher, ll_tokenizer
+        from specwood.constrain.processors import Processors
+
+        V = self.target.config.vocab_size
+        matcher = None
+        if params.grammar is not None:
+            matcher = grammar_matcher(ll_tokenizer(self.tokenizer, V, self.eos_token_ids), params.grammar)
+        return Processors(params, prompt_ids, V, matcher, self.eos_token_ids)
 
     def generate(
         self,
@@ -224,6 +296,14 @@ class Engine:
         raw: bool = False,
         on_text: Callable[[str], None] | None = None,
         executor: Any = None,
+        grammar: str | None = None,
+        json_schema: dict[str, Any] | None = None,
+        logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_p: float = 0.0,
+        logprobs: int | None = None,
         **method_options: Any,
     ) -> GenerationResult:
         """Generate a completion with `method` ("ar" or a speculative method): a batch of one on
@@ -236,7 +316,16 @@ class Engine:
         parallel executor where the stored plan measured it fastest, everything else sequentially.
         executor="pipeline" (or a PipelineExecutor) splits the target over pipeline stages (options
         stages, width, topk, threads; specwood.engine.specpipe.launch): method "specpipe" (or auto),
-        "pp" (or ar), "specinfer" (or a tree shape name, with budget/depth)."""
+        "pp" (or ar), "specinfer" (or a tree shape name, with budget/depth).
+
+        grammar / json_schema / logit_bias / the penalties / min_p / logprobs: see new_request
+        (the sequential executor's)."""
+        shaping = dict(grammar=grammar, json_schema=json_schema, logit_bias=logit_bias,
+                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                       repetition_penalty=repetition_penalty, min_p=min_p, logprobs=logprobs)
+        shaped = [k for k, v in shaping.items() if v != _UNSHAPED[k]]
+        if executor is None and shaped:
+            executor = "sequential"  # where the processors run (auto's plan may pick another)
         if executor is None:
             executor, prompt = self._executor_for(method, prompt, raw, method_options)
             if executor == "parallel":
@@ -245,8 +334,10 @@ class Engine:
         if name == "sequential":
             request = self.new_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                        top_k=top_k, seed=seed, stop=stop, method=method, raw=raw, on_text=on_text,
-                                       **method_options)
+                                       **shaping, **method_options)
             return self.run(request)
+        if shaped:
+            raise SpecwoodError(f"{', '.join(shaped)} run on the sequential executor, not '{name}'; drop executor=")
         from specwood.engine.backends import check_backends
 
         check_backends(self.backend, self.draft_backend or "torch", executor=name)
@@ -273,6 +364,11 @@ class Engine:
         if request.error is not None:
             raise request.exception
         return request.result
+
+
+# generate's constraint and shaping arguments when unused
+_UNSHAPED: dict[str, Any] = dict(grammar=None, json_schema=None, logit_bias=None, presence_penalty=0.0,
+                                 frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0, logprobs=None)
 
 
 def _is_token_ids(prompt: Any) -> bool:

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from specwood.constrain.logprobs import TokenLogprob
+
 
 @dataclass
 class GenerationResult:
@@ -18,6 +20,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string), "length"
     stats: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token id when the request asked (specwood.constrain.logprobs)
 
 
 class StopMatcher:
@@ -84,6 +87,9 @@ class OutputStream:
         self._stops = StopMatcher(self.stop)
         self.on_text = on_text
         self.token_ids: list[int] = []
+        # with logprobs requested: one entry per token id, pushed with it (read them in on_text to stream)
+        self.logprobs: list[TokenLogprob] | None = None
+        self._offered: list[TokenLogprob] = []
         self.text = ""
         # incremental detokenisation: text holds decode(ids[:read]); ids[prefix:read] is a short
         # window decoded again with each new token, so a token's text can depend on the previous
@@ -100,14 +106,23 @@ class OutputStream:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def offer_logprobs(self, entries: list[TokenLogprob]) -> None:
+        """The log-probabilities of the tokens the next `push_step` brings, in order."""
+        if self.logprobs is None:
+            self.logprobs = []
+        self._offered = list(entries)
+
     def push_step(self, tokens: list[int]) -> bool:
         """Add the tokens one decoding step produced; True once generation should stop."""
+        offered, self._offered = self._offered, []
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
         taken = 0
-        for t in tokens:
+        for i, t in enumerate(tokens):
             taken += 1
+            if offered and int(t) not in self.eos_ids:  # aligned with token_ids (an EOS is not output)
+                self.logprobs.append(offered[i])
             if self._push(int(t)):
                 break
         self.step_times.append((now, taken))
@@ -187,4 +202,5 @@ class OutputStream:
             "finish_reason": self.finish_reason,
         }
         stats.update(extra or {})
-        return GenerationResult(self.text, list(self.token_ids), self.finish_reason, stats)
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return GenerationResult(self.text, list(self.token_ids), self.finish_reason, stats, logprobs)

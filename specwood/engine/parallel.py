@@ -516,8 +516,8 @@ class ParallelExecutor(Executor):
 
     def _prefill(self, requests: list[Request]) -> None:
         """The target's prompt prefill for every request; each one's first token (TTFT)."""
+        from specwood.engine.step import first_token
         from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
-        from specwood.sampling import next_token
 
         start = 0
         with torch.inference_mode():
@@ -531,7 +531,7 @@ class ParallelExecutor(Executor):
                 for r, logits in zip(chunk, outs):
                     if start + PREFILL_CHUNK >= len(r.prompt_ids) and r.state is State.PREFILL:
                         try:
-                            r.root = int(next_token(logits, r.params, r.target_generator))
+                            r.root = first_token(r, logits)
                             r.state = State.DECODE
                             self._duo[r].worker_len = len(r.prompt_ids)  # what the prefill message gives the worker
                             if r.out.push_step([r.root]):

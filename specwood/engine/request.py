@@ -16,6 +16,7 @@ import torch
 
 from specwood.errors import SpecwoodError
 
+from specwood.constrain.processors import Processors
 from specwood.drafting.base import DraftSource, TreeShape
 from specwood.engine.output import GenerationResult, OutputStream
 from specwood.sampling import SamplingParams
@@ -134,11 +135,13 @@ class Request:
     def __init__(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, drafter: Drafter,
                  out: OutputStream, *, method: str, device: torch.device | str = "cpu",
                  extra_stats: Callable[[], dict[str, Any]] | None = None,
-                 on_finish: Callable[["Request"], None] | None = None, request_id: str | None = None):
+                 on_finish: Callable[["Request"], None] | None = None, request_id: str | None = None,
+                 processors: Processors | None = None):
         self.id = request_id or f"req-{next(_ids)}"
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
         self.params = params
+        self.processors = processors  # per-path logits processors (grammar, bias, penalties), None: none
         self.drafter = drafter
         self.out = out
         self.method = method

@@ -18,15 +18,14 @@ import torch
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.executor import Executor
 from specwood.engine.request import Request, State
-from specwood.engine.step import (StepRecord, commit, draft_trees, hand_prompt_features, hand_tree_features, plain_tree,
-                                  target_forward, tree_rows, verify_tree, wants_features)
+from specwood.engine.step import (StepRecord, commit, draft_trees, first_token, hand_prompt_features, hand_tree_features,
+                                  plain_tree, target_forward, tree_rows, verify_tree, wants_features)
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
 from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
 from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_outputs, prefill_rows_features
 from specwood.models.transformer import Transformer
-from specwood.sampling import next_token
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
@@ -223,7 +222,7 @@ class SequentialExecutor(Executor):
 
     def _first_token(self, req: Request) -> None:
         try:
-            req.root = int(next_token(req.prefill_logits, req.params, req.target_generator))
+            req.root = first_token(req, req.prefill_logits)
             del req.prefill_logits
             req.state = State.DECODE
             if req.out.push_step([req.root]):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specwood.constrain.drafting import processed_drafting, prune_refused
 from specwood.drafting.base import Drafting
 from specwood.drafting.together import draft_together
 from specwood.engine.request import Request
@@ -15,6 +16,7 @@ from specwood.models.transformer import Transformer
 from specwood.sampling import next_token
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict, verify
+from specwood.constrain.logprobs import path_logprobs
 
 
 @dataclass
@@ -54,11 +56,15 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
             if shape is None:
                 trees[req] = plain_tree(req)
                 continue
-            drafts[req] = (shape.draft(req.context, req.root, req.params, req.draft_generator), req.drafter.source)
+            drafting = shape.draft(req.context, req.root, req.params, req.draft_generator)
+            if req.processors is not None:  # draft rows processed per node: every child drawn is allowed
+                drafting = processed_drafting(drafting, req.processors)
+            drafts[req] = (drafting, req.drafter.source)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
             failed[req] = e
     drafted, _ = draft_together(drafts, plain_tree, failed)
-    trees.update(drafted)
+    for req, tree in drafted.items():
+        trees[req] = tree if req.processors is None else prune_refused(tree, req.processors)
     return trees
 
 
@@ -102,15 +108,44 @@ def tree_row(row: int, tree: TokenTree, L: int, features: bool = False) -> RowIn
                     tree.attention_mask(L), torch.arange(n), torch.arange(n) if features else None)
 
 
+def processed(request: Request, tree: TokenTree, logits: torch.Tensor) -> torch.Tensor:
+    """The target's logits after the request's per-path processors at every node (specwood.constrain):
+    what `ar` samples from at each prefix. Unchanged (no work) for a request without processors."""
+    if request.processors is None:
+        return logits
+    return request.processors.tree_rows(tree, logits)
+
+
 def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verdict:
     """Greedy or lossless sampling verification; a lone root is exactly the autoregressive sampler.
-    A shape with `on_root_logits` sees the target's logits after the context (auto's late draft)."""
+    The verifiers see the processed target rows. A shape with `on_root_logits` sees the target's
+    logits after the context (auto's late draft)."""
     watch = getattr(request.drafter.shape, "on_root_logits", None)
     if watch is not None:
         watch(logits[0])
+    logits = processed(request, tree, logits)
     if len(tree) == 1:
-        return Verdict([], int(next_token(logits[0], request.params, request.target_generator)))
-    return verify(tree, logits, request.params, request.target_generator)
+        verdict = Verdict([], int(next_token(logits[0], request.params, request.target_generator)))
+    else:
+        verdict = verify(tree, logits, request.params, request.target_generator)
+    if request.params.logprobs is not None:
+        request.out.offer_logprobs(path_logprobs(logits, [0] + verdict.accepted, verdict.tokens(tree),
+                                                 request.params.logprobs))
+    return verdict
+
+
+def first_token(request: Request, logits: torch.Tensor) -> int:
+    """The token after the prompt (from its last prefill row), through the same processors and
+    sampler as every later one; the processors commit it."""
+    rows = logits.reshape(1, -1)
+    if request.processors is not None:
+        rows = request.processors.rows(rows, [()])
+    token = int(next_token(rows[0], request.params, request.target_generator))
+    if request.params.logprobs is not None:
+        request.out.offer_logprobs(path_logprobs(rows, [0], [token], request.params.logprobs))
+    if request.processors is not None:
+        request.processors.commit([token])
+    return token
 
 
 def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
@@ -131,4 +166,7 @@ def advance(request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecor
     request.drafter.on_step(tree, verdict, cost)
     request.context.extend(tree.tokens[i] for i in path)
     request.root = verdict.next_token
-    return [tree.tokens[i] for i in verdict.accepted] + [verdict.next_token]
+    emitted = [tree.tokens[i] for i in verdict.accepted] + [verdict.next_token]
+    if request.processors is not None:
+        request.processors.commit(emitted)
+    return emitted

@@ -23,10 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from specwood.constrain import grammars
 from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.request import Request
 from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
-from specwood.errors import ContextLengthError, DeadlineExceeded, SamplingParamsError, SpecwoodError
+from specwood.errors import ContextLengthError, DeadlineExceeded, GrammarError, SamplingParamsError, SpecwoodError
 from specwood.serve import protocol as P
 from specwood.serve.background import pause_while_busy
 from specwood.serve.connections import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, uvicorn_limits
@@ -36,6 +37,8 @@ from specwood.serve.openapi import chat_body, completion_body, generation_operat
 from specwood.serve.pipeline_methods import PipelineMethods
 from specwood.serve.prompt_limits import PromptLimit
 from specwood.serve.protocol import GenerationRequest, ProtocolError
+from specwood.serve.structured import (TokenBytes, ToolCallText, answer_text, chat_logprobs,
+                                       completion_logprobs)
 
 RETRY_AFTER_S = 1
 QUEUE_SAMPLE_S = 0.005  # period of the queue-time sampler while requests wait for admission
@@ -109,6 +112,7 @@ class _Job:
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.stream = stream
         self.req: Request | None = None
+        self.logprobs_sent = 0  # entries of req.out.logprobs already put in a chunk
 
     def _put(self, item: tuple[str, Any]) -> None:
         try:
@@ -118,7 +122,17 @@ class _Job:
 
     def on_text(self, delta: str) -> None:  # scheduler thread
         req = self.req
-        self._put(("text", (delta, len(req.out.token_ids) if req is not None else None)))
+        self._put(("text", (delta, len(req.out.token_ids) if req is not None else None, self.new_logprobs())))
+
+    def new_logprobs(self) -> list[Any] | None:
+        """The logprob entries pushed since the last call (read on the scheduler thread while it
+        runs, on the event loop once it is done), or None without logprobs."""
+        entries = self.req.out.logprobs if self.req is not None else None
+        if entries is None:
+            return None
+        new = entries[self.logprobs_sent:]
+        self.logprobs_sent += len(new)
+        return new
 
     def on_finish(self, req: Request) -> None:  # scheduler thread
         self._put(("done", None))
@@ -155,6 +169,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     vocab = int(engine.target_config.vocab_size)
     prompt_limit = PromptLimit(getattr(engine, "tokenizer", None), max_context)
     created = P.now()
+    tool_format = grammars.ToolFormat.of(engine.tokenizer)  # the tool-call tags, as the vocabulary has them
+    token_bytes = TokenBytes(engine.tokenizer)
 
     submitted = asyncio.Event()  # wakes the queue-time sampler (set on the event loop)
 
@@ -281,11 +297,14 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             metrics.request_finished(req, arrival)
             job.on_finish(req)
 
+        extra = g.sampling_options()  # only what is set: a plain request takes the plain path
+        if g.grammar is not None:
+            extra["grammar"] = g.grammar
         try:
             req = scheduler.make_request(engine, prompt_ids, max_tokens=max_tokens, temperature=g.temperature,
                                          top_p=g.top_p, top_k=g.top_k, seed=g.seed, stop=g.stop or None,
                                          method=method_name, raw=g.raw, on_text=job.on_text if g.stream else None,
-                                         prepared=prepared, on_finish=on_finish, request_id=rid)
+                                         prepared=prepared, on_finish=on_finish, request_id=rid, **extra)
         except SpecwoodError as e:
             raise ProtocolError(str(e), param=_param_of(e), code=_code_of(e)) from None
         job.req = req
@@ -301,11 +320,22 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         if g.stream:
             return StreamingResponse(_stream(http, g, kind, rid, req, job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(http, kind, rid, req, job)
+        return await _complete(http, g, kind, rid, req, job)
 
     def _parse(raw: bytes, kind: str) -> tuple[dict[str, Any], GenerationRequest]:
         body = P.parse_json(raw)
-        return body, (P.parse_chat_request(body) if kind == "chat" else P.parse_completion_request(body))
+        g = P.parse_chat_request(body) if kind == "chat" else P.parse_completion_request(body)
+        bad = [t for t in g.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ProtocolError(f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{vocab - 1})",
+                                param="logit_bias")
+        if g.calls_tools:  # the tools' grammar needs the tokenizer's tags: built here, not in protocol
+            try:
+                g.grammar = grammars.tools_grammar(g.tools or [], g.tool_choice, tool_format, g.parallel_tool_calls,
+                                                   content=g.json_schema)
+            except GrammarError as e:
+                raise ProtocolError(f"tools: {e}", param="tools", code="invalid_tools") from None
+        return body, g
 
     def _encode(g: GenerationRequest) -> list[int]:
         if isinstance(g.prompt, list) and (not g.prompt or isinstance(g.prompt[0], int)):
@@ -315,7 +345,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                 raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         else:
             try:
-                ids = engine.encode(g.prompt, raw=g.raw)
+                ids = engine.encode(g.prompt, raw=g.raw, **({"tools": g.tool_specs} if g.tool_specs else {}))
             except SpecwoodError as e:
                 raise ProtocolError(str(e), param="messages" if g.kind == "chat" else "prompt") from None
             except Exception as e:  # noqa: BLE001 - e.g. a chat template that rejects the conversation
@@ -330,7 +360,14 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                                 param=param, code="context_length_exceeded")
         return ids
 
-    async def _complete(http: HTTPRequest, kind: str, rid: str, req: Request, job: _Job) -> Response:
+    def _logprobs(kind: str, entries: list[Any] | None, offset: int = 0) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        return chat_logprobs(entries, token_bytes) if kind == "chat" else completion_logprobs(entries, token_bytes,
+                                                                                             offset)
+
+    async def _complete(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, req: Request,
+                        job: _Job) -> Response:
         finished = asyncio.ensure_future(job.queue.get())  # non-streamed: the only item is "done"
         gone = asyncio.ensure_future(_until_disconnect(http))
         try:
@@ -347,8 +384,16 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             return JSONResponse(P.error_body(req.error, status, code=code), status_code=status)
         res = req.result
         assert res is not None
-        return JSONResponse(P.completion_response(kind, rid, P.now(), name, res.text, res.finish_reason,
-                                                  P.usage(len(req.prompt_ids), len(res.token_ids)), res.stats))
+        text, finish, calls = res.text, res.finish_reason, None
+        if g.calls_tools:
+            text, parsed = ToolCallText(tool_format).finish(answer_text(engine.tokenizer, res.text, res.token_ids,
+                                                                         tool_format))
+            if parsed:  # finish_reason "tool_calls", unless the answer ran out of tokens after them
+                calls, finish = P.tool_call_objects(parsed), "tool_calls" if finish == "stop" else finish
+        return JSONResponse(P.completion_response(kind, rid, P.now(), name, text, finish,
+                                                  P.usage(len(req.prompt_ids), len(res.token_ids)), res.stats,
+                                                  tool_calls=calls,
+                                                  logprobs=_logprobs(kind, res.logprobs)))
 
     async def _stream(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, req: Request,
                       job: _Job) -> AsyncIterator[str]:
@@ -365,6 +410,16 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         # uvicorn); watching here too covers a request still queued on any server
         gone = asyncio.ensure_future(_until_disconnect(http))
         item: asyncio.Future | None = None
+        calls_text = ToolCallText(tool_format) if g.calls_tools else None
+        offset = 0  # characters of the completion's text covered by the logprobs sent (completions)
+
+        def logprobs(entries: list[Any] | None) -> dict[str, Any] | None:
+            nonlocal offset
+            out = _logprobs(kind, entries, offset)
+            if out is not None and kind != "chat":
+                offset += sum(len(t) for t in out["tokens"])
+            return out
+
         try:
             if kind == "chat":
                 yield chunk(role=True, tokens=0)
@@ -377,8 +432,12 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                 what, value = item.result()
                 if what == "done":
                     break
-                delta, n = value
-                yield chunk(text=delta, tokens=n)
+                delta, n, entries = value
+                if calls_text is not None:
+                    delta = calls_text.feed(delta)
+                    if not delta and not entries:
+                        continue
+                yield chunk(text=delta, tokens=n, logprobs=logprobs(entries))
             if req.error is not None:
                 status, code = _failure_status(req)
                 yield P.sse(P.error_body(req.error, status, code=code))
@@ -386,8 +445,16 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                 return
             res = req.result
             assert res is not None
-            yield chunk(text=None if kind == "chat" else "", finish_reason=res.finish_reason,
-                        tokens=len(res.token_ids))
+            finish = res.finish_reason
+            if calls_text is not None:
+                rest, parsed = calls_text.finish(answer_text(engine.tokenizer, res.text, res.token_ids, tool_format))
+                if rest:
+                    yield chunk(text=rest, tokens=len(res.token_ids))
+                if parsed:
+                    yield chunk(tool_calls=P.tool_call_objects(parsed, streamed=True), tokens=len(res.token_ids))
+                    finish = "tool_calls" if finish == "stop" else finish
+            yield chunk(text=None if kind == "chat" else "", finish_reason=finish, tokens=len(res.token_ids),
+                        logprobs=logprobs(job.new_logprobs()))
             if g.include_usage:
                 yield P.sse(P.usage_chunk(kind, rid, t, name, P.usage(prompt_tokens, len(res.token_ids)),
                                           res.stats))
@@ -439,7 +506,8 @@ async def _until_disconnect(http: HTTPRequest) -> None:
 
 def _param_of(e: SpecwoodError) -> str | None:
     msg = str(e)
-    for p in ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "messages"):
+    for p in ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "messages", "logit_bias",
+              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if msg.startswith(p):
             return p
     if isinstance(e, ContextLengthError):

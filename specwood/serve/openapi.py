@@ -14,9 +14,45 @@ from specwood.serve import protocol as P
 _STOP = {"maxLength": P.MAX_STOP_CHARS, "type": "string"}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string", "minLength": 1}, "arguments": {"type": "string", "description": "a JSON object"}}}}}
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"type": "string", "enum": list(P.CHAT_ROLES)},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}}
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant message's calls"},
+    "tool_call_id": {"type": "string", "description": "required in a tool message: the call it answers"}}}
+_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_SCHEMA = {"type": "object", "description": "a JSON schema (llguidance's subset; 400 for what it cannot enforce)"}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _NAME, "description": {"type": "string"}, "parameters": _SCHEMA, "strict": {"type": "boolean"}}}}}
+_RESPONSE_FORMAT = {"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"type": "string", "enum": ["json_schema"]},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"}, "schema": _SCHEMA,
+            "strict": {"type": ["boolean", "null"]}}}}},
+    {"type": "null"}]}
+_TOOL_CHOICE = {"anyOf": [
+    {"type": "string", "enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}}}},
+    {"type": "null"}], "description": "only with tools"}
+_PROCESSORS = {
+    "logit_bias": {"type": ["object", "null"], "description": "token id (a string) -> a bias in [-100, 100]",
+                   "additionalProperties": {"type": "number", "minimum": -P.LOGIT_BIAS_LIMIT,
+                                            "maximum": P.LOGIT_BIAS_LIMIT}},
+    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 100,
+                           "description": "vLLM's extension; 1 = off"},
+    "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1, "description": "vLLM's extension; 0 = off"},
+}
 
 
 def _common(model: str, methods: list[str], max_context: int) -> dict[str, Any]:
@@ -42,7 +78,14 @@ def chat_body(model: str, methods: list[str], max_context: int) -> dict[str, Any
     return {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
         "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": max_context},
-        **_common(model, methods, max_context)}}
+        "response_format": _RESPONSE_FORMAT,
+        "tools": {"type": ["array", "null"], "items": _TOOL},
+        "tool_choice": _TOOL_CHOICE,
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "logprobs": {"type": ["boolean", "null"]},
+        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": P.MAX_TOP_LOGPROBS,
+                         "description": "only with logprobs: true"},
+        **_PROCESSORS, **_common(model, methods, max_context)}}
 
 
 def completion_body(model: str, methods: list[str], vocab_size: int, max_context: int) -> dict[str, Any]:
@@ -52,7 +95,9 @@ def completion_body(model: str, methods: list[str], vocab_size: int, max_context
     return {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"anyOf": [{"type": "string", "minLength": 1}, ids],
                    "description": "a string or the prompt's token ids"},
-        **_common(model, methods, max_context)}}
+        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": P.MAX_TOP_LOGPROBS,
+                     "description": "the emitted tokens' logprobs and this many alternatives each"},
+        **_PROCESSORS, **_common(model, methods, max_context)}}
 
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "properties": {

@@ -2,8 +2,10 @@
 
 Parsing is explicit (not pydantic) so that every mistake in a body becomes one clear 400 with the
 OpenAI error shape and the name of the offending parameter, never a 422 or a 500. Fields the
-engine cannot honour (n > 1, logprobs, tools, penalties, ...) are rejected when set to anything
-but their neutral value; harmless ones (user, metadata, store, ...) and unknown ones are ignored.
+engine cannot honour (n > 1, echo, best_of, ...) are rejected when set to anything but their
+neutral value; harmless ones (user, metadata, store, ...) and unknown ones are ignored. Structured
+output (response_format, tools, tool_choice) becomes a grammar (specwood.constrain.grammars), and
+logprobs, logit_bias, the penalties and min_p go to the engine's sampling parameters.
 """
 from __future__ import annotations
 
@@ -14,17 +16,22 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from specwood.constrain import grammars
+from specwood.errors import GrammarError
 from specwood.sampling import SEED_LIMIT
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                500: "server_error", 503: "service_unavailable_error"}
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of the legacy endpoint
 
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # a request body larger than this is a 413
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat); the completions endpoint takes the same
+LOGIT_BIAS_LIMIT = 100.0  # logit_bias values lie in [-100, 100]
+MAX_LOGIT_BIAS = 1024  # entries in one logit_bias
 
 
 class ProtocolError(Exception):
@@ -81,7 +88,7 @@ class GenerationRequest:
     """One validated request of either endpoint, ready for `Engine.new_request`."""
 
     kind: Literal["chat", "completion"]
-    prompt: list[dict[str, str]] | str | list[int]  # chat messages, raw text or token ids
+    prompt: list[dict[str, Any]] | str | list[int]  # chat messages, raw text or token ids
     model: str | None = None
     max_tokens: int | None = None  # None: the endpoint's default
     temperature: float = 1.0
@@ -93,10 +100,41 @@ class GenerationRequest:
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     method: str | None = None
+    # processors and structured output (the engine's SamplingParams fields of the same names)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None  # None: no logprobs; k: the emitted tokens' and k alternatives each
+    grammar: str | None = None  # from response_format; tools' grammar is built with the tokenizer
+    json_schema: dict[str, Any] | None = None  # the prepared response_format schema (for tools + JSON)
+    tools: list[grammars.Tool] | None = None
+    tool_specs: list[dict[str, Any]] | None = None  # the request's tools as sent, for the chat template
+    tool_choice: str = "auto"  # "none", "auto", "required" or a function's name
+    parallel_tool_calls: bool = True
 
     @property
     def raw(self) -> bool:
         return self.kind == "completion"
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (parsed into tool_calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The processors' options that differ from their neutral values (Engine.new_request's keywords)."""
+        opts: dict[str, Any] = {}
+        if self.logit_bias:
+            opts["logit_bias"] = dict(self.logit_bias)
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("min_p", 0.0)):
+            if getattr(self, name) != neutral:
+                opts[name] = getattr(self, name)
+        if self.logprobs is not None:
+            opts["logprobs"] = self.logprobs
+        return opts
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -119,12 +157,16 @@ def parse_chat_request(body: dict[str, Any]) -> GenerationRequest:
         raise ProtocolError("'messages' is a required property", param="messages", code="missing_required_parameter")
     messages = _parse_messages(body["messages"])
     _check_unsupported(body, CHAT_UNSUPPORTED)
+    req = GenerationRequest("chat", messages)
+    _parse_chat_logprobs(body, req)
+    _parse_structured(body, req)
     max_tokens = _opt_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", minimum=1)
     else:
         _opt_int(body, "max_tokens", minimum=1)  # still type-checked when both are given
-    return _common(body, GenerationRequest("chat", messages, max_tokens=max_tokens))
+    req.max_tokens = max_tokens
+    return _common(body, req)
 
 
 def parse_completion_request(body: dict[str, Any]) -> GenerationRequest:
@@ -133,7 +175,9 @@ def parse_completion_request(body: dict[str, Any]) -> GenerationRequest:
     prompt = _parse_prompt(body["prompt"])
     _check_unsupported(body, COMPLETION_UNSUPPORTED)
     max_tokens = _opt_int(body, "max_tokens", minimum=1)
-    return _common(body, GenerationRequest("completion", prompt, max_tokens=max_tokens))
+    req = GenerationRequest("completion", prompt, max_tokens=max_tokens)
+    req.logprobs = _opt_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    return _common(body, req)
 
 
 def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
@@ -176,10 +220,108 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
         raise ProtocolError(f"method must be a non-empty string naming a decoding method, got {method!r}",
                             param="method")
     req.method = check_text(method, "method").strip() if method is not None else None
+    _parse_processors(body, req)
     return req
 
 
-def _parse_messages(messages: Any) -> list[dict[str, str]]:
+def _parse_processors(body: dict[str, Any], req: GenerationRequest) -> None:
+    """logit_bias, the penalties and min_p (token ids are checked against the vocabulary later,
+    by the server, which knows it)."""
+    for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+        v = _opt_number(body, name)
+        if v is not None:
+            if not lo <= v <= hi:
+                raise ProtocolError(f"{name} must be in [{lo:g}, {hi:g}] (0 = off), got {v:g}", param=name)
+            setattr(req, name, v)
+    v = _opt_number(body, "repetition_penalty")
+    if v is not None:
+        if not 0 < v <= 100:
+            raise ProtocolError(f"repetition_penalty must be in (0, 100] (1 = off), got {v:g}",
+                                param="repetition_penalty")
+        req.repetition_penalty = v
+    v = _opt_number(body, "min_p")
+    if v is not None:
+        if not 0 <= v <= 1:
+            raise ProtocolError(f"min_p must be in [0, 1] (0 = off), got {v:g}", param="min_p")
+        req.min_p = v
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise _type_error("logit_bias", "an object mapping token ids (as strings) to numbers", bias)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ProtocolError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", param="logit_bias")
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.strip().isdigit() and key.strip().isascii()):
+            raise ProtocolError(f"logit_bias keys must be token ids as strings (e.g. \"50256\"), got {_short(key)}",
+                                param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise ProtocolError(f"logit_bias values must be numbers in [-100, 100], got {_short(value)} for token "
+                                f"{key}", param="logit_bias")
+        req.logit_bias[int(key)] = float(value)
+
+
+def _parse_chat_logprobs(body: dict[str, Any], req: GenerationRequest) -> None:
+    lp = body.get("logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise _type_error("logprobs", "a boolean", lp)
+    top = _opt_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top is not None and top > 0 and not lp:
+        raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    req.logprobs = (top or 0) if lp else None
+
+
+def _parse_structured(body: dict[str, Any], req: GenerationRequest) -> None:
+    """response_format, tools, tool_choice and parallel_tool_calls (chat only)."""
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise _type_error("response_format", "an object such as {\"type\": \"json_object\"}", rf)
+        kind = rf.get("type")
+        if kind == "json_object":
+            req.grammar = grammars.json_object_grammar()
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            where = "response_format.json_schema"
+            if not isinstance(spec, dict):
+                raise ProtocolError(f"{where} is required with type json_schema: {{\"name\": ..., \"schema\": {{...}}}}",
+                                    param=where)
+            name = spec.get("name")
+            if name is not None and not isinstance(name, str):
+                raise _type_error(f"{where}.name", "a string", name)
+            strict = spec.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise _type_error(f"{where}.strict", "a boolean", strict)
+            schema = spec.get("schema", {"type": "object"})  # OpenAI: absent = any JSON object
+            try:
+                req.json_schema = grammars.prepare_schema(schema, bool(strict))
+                req.grammar = grammars.json_schema_grammar(schema, bool(strict))
+            except GrammarError as e:
+                raise ProtocolError(f"{where}.schema: {e}", param=f"{where}.schema", code="invalid_schema") from None
+        elif kind != "text":
+            raise ProtocolError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
+                                f"{_short(kind)}", param="response_format.type")
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None and not (isinstance(tools, list) and not tools):  # [] = no tools
+        try:
+            req.tools = grammars.parse_tools(tools)
+            req.tool_specs = [{"type": "function", "function": t["function"]} for t in tools]
+        except GrammarError as e:
+            raise ProtocolError(str(e), param=str(e).split(":", 1)[0], code="invalid_tools") from None
+    if choice is not None:
+        try:
+            req.tool_choice = grammars.parse_tool_choice(choice, req.tools)
+        except GrammarError as e:
+            raise ProtocolError(str(e), param="tool_choice", code="invalid_tool_choice") from None
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise _type_error("parallel_tool_calls", "a boolean", parallel)
+        req.parallel_tool_calls = parallel
+
+
+def _parse_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
         raise _type_error("messages", "an array of message objects", messages)
     if not messages:
@@ -194,16 +336,63 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
             raise ProtocolError(f"{where}.role is required and must be a string", param=f"{where}.role")
         check_text(role, f"{where}.role")
         if role not in CHAT_ROLES:
-            hint = " (tool calling is not supported)" if role in ("tool", "function") else ""
+            hint = " (legacy function calling: use tools and role 'tool')" if role == "function" else ""
             raise ProtocolError(f"{where}.role '{role}' is not supported{hint}; use one of {', '.join(CHAT_ROLES)}",
                                 param=f"{where}.role")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise ProtocolError(f"{where}: tool calls are not supported", param=f"{where}.tool_calls")
+        if m.get("function_call"):
+            raise ProtocolError(f"{where}.function_call: legacy function calls are not supported; use tool_calls",
+                                param=f"{where}.function_call")
         content = m.get("content")
-        if content is None and role != "assistant":
+        calls = m.get("tool_calls")
+        if content is None and not (role == "assistant"):
             raise ProtocolError(f"{where}.content is required", param=f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _message_text(content, f"{where}.content")})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _message_text(content, f"{where}.content")}
+        if calls is not None and calls != []:
+            if role != "assistant":
+                raise ProtocolError(f"{where}.tool_calls: only assistant messages carry tool calls",
+                                    param=f"{where}.tool_calls")
+            msg["tool_calls"] = _parse_message_tool_calls(calls, f"{where}.tool_calls")
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ProtocolError(f"{where}.tool_call_id is required for a tool message (the id of the call it "
+                                    "answers)", param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = call_id
+            name = m.get("name")
+            if isinstance(name, str):
+                msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def _parse_message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls for the chat template: arguments as objects (templates
+    write them with tojson; the wire carries them as JSON strings)."""
+    if not isinstance(calls, list):
+        raise _type_error(where, "an array of tool calls", calls)
+    out = []
+    for j, c in enumerate(calls):
+        w = f"{where}[{j}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ProtocolError(f"{w} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
+                                f"\"arguments\": \"{{...}}\"}}}}", param=w)
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ProtocolError(f"{w}.function.arguments must be a JSON object (as a string), got {_short(args)}",
+                                    param=f"{w}.function.arguments") from None
+        if not isinstance(args, dict):
+            raise ProtocolError(f"{w}.function.arguments must be a JSON object, got {_short(args)}",
+                                param=f"{w}.function.arguments")
+        call_id = c.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise _type_error(f"{w}.id", "a string", call_id)
+        out.append({"id": call_id or f"call_{j}", "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
     return out
 
 
@@ -263,19 +452,10 @@ def _parse_stop(stop: Any) -> list[str]:
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "echo": (False,),
     "suffix": ("",),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none", "auto"),
     "function_call": ("none",),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
-    "min_p": (0,),
     "min_tokens": (0,),
     "ignore_eos": (False,),
     "response_format": ({"type": "text"},),
@@ -287,13 +467,10 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
 }
-CHAT_UNSUPPORTED = ("n", "logprobs", "top_logprobs", "tools", "functions", "tool_choice", "function_call",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-                    "ignore_eos", "response_format", "modalities", "audio", "prediction", "guided_json",
-                    "guided_regex", "guided_choice", "guided_grammar")
-COMPLETION_UNSUPPORTED = ("n", "best_of", "logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
-                          "repetition_penalty", "logit_bias", "min_p", "min_tokens", "ignore_eos", "guided_json",
-                          "guided_regex", "guided_choice", "guided_grammar")
+CHAT_UNSUPPORTED = ("n", "functions", "function_call", "min_tokens", "ignore_eos", "modalities", "audio",
+                    "prediction", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+COMPLETION_UNSUPPORTED = ("n", "best_of", "echo", "suffix", "min_tokens", "ignore_eos", "response_format",
+                          "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def _check_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -392,14 +569,28 @@ def jsonable(v: Any) -> Any:
     return str(v)
 
 
+def tool_call_objects(calls: list[tuple[str, str]], streamed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's tool_calls for parsed (name, arguments JSON) calls; `streamed` adds each one's index."""
+    out = []
+    for i, (name, arguments) in enumerate(calls):
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+        out.append({"index": i, **call} if streamed else call)
+    return out
+
+
 def completion_response(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
-                        usage_: dict[str, int], stats: dict[str, Any]) -> dict[str, Any]:
+                        usage_: dict[str, int], stats: dict[str, Any], *,
+                        tool_calls: list[dict[str, Any]] | None = None,
+                        logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
             "choices": [choice], "usage": usage_, "specwood_stats": jsonable(stats)}
@@ -407,18 +598,22 @@ def completion_response(kind: str, rid: str, created: int, model: str, text: str
 
 def stream_chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = None, role: bool = False,
                  finish_reason: str | None = None, usage_: dict[str, int] | None = None,
-                 with_usage: bool = False) -> dict[str, Any]:
-    """One chunk with one choice: a text delta (or the role, or the finish reason)."""
+                 with_usage: bool = False, tool_calls: list[dict[str, Any]] | None = None,
+                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One chunk with one choice: a text delta (or the role, tool calls, or the finish reason),
+    with the logprobs of the tokens it carries."""
     if kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta = {"role": "assistant", "content": ""}
         elif text is not None:
             delta = {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     chunk = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
              "choices": [choice]}

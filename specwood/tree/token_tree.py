@@ -95,6 +95,10 @@ class TokenTree:
         n = len(self.tokens)
         return torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), self.ancestor_mask()], dim=1)
 
+    def keep(self, nodes: list[int]) -> "TokenTree":
+        """A new tree of `nodes` (ascending, the root first, every kept node's parent kept)."""
+        return self._select(nodes)
+
     def _select(self, order: list[int]) -> "TokenTree":
         """A new tree of the nodes in `order` (parents must precede children; order[0] is the new root)."""
         index = {old: new for new, old in enumerate(order)}

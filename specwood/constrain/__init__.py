@@ -1,0 +1,1 @@
+"""Structured output: grammars (grammars.py) and per-path logits processors (processors.py)."""
