@@ -95,3 +95,70 @@ def test_concurrent_answers_keep_the_cache_consistent():
     docs = [d for d in " ".join(map(str, live)).split("-1") if d.strip()][1:-1]  # the ends may be cut
     for d in docs:
         assert [int(x) for x in d.split()] in [[1, 2, 3, 4, *a] for a in answers]
+
+
+# --- auto with the suffix source -----------------------------------------------------------------
+
+
+@pytest.fixture()
+def private_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))  # plans from a private store
+
+
+@pytest.mark.parametrize("cache_tokens", [None, 40])
+def test_auto_with_suffix_is_greedy_identical_cold_warm_and_evicting(engine, private_cache, cache_tokens):
+    from test_batching import store_auto_plan
+
+    store_auto_plan(engine)
+    cache = suffix_cache_for(engine, cache_tokens)
+    cache.clear()
+    used = {"none": 0, "model": 0, "suffix": 0, "both": 0}
+    for rnd in ("cold", "warm"):
+        for p in PROMPTS:
+            ref = engine.generate(p, max_tokens=40, raw=True).token_ids
+            out = engine.generate(p, max_tokens=40, raw=True, method="auto", progress=False,
+                                  suffix_cache_tokens=cache_tokens)
+            assert out.token_ids == ref, (rnd, p)
+            for k, v in out.stats["auto_sources"].items():
+                used[k] += v
+    assert cache.answers == 2 * len(PROMPTS)
+    if cache_tokens is None:  # the repeats find their answers: the suffix drafts (alone or merged)
+        assert used["suffix"] + used["both"] > 0 and used["model"] + used["both"] > 0, used
+
+
+def test_auto_with_suffix_under_sampling_runs_and_merges(engine, private_cache):
+    from test_batching import store_auto_plan
+
+    store_auto_plan(engine)
+    suffix_cache_for(engine).clear()
+    for _ in range(2):
+        out = engine.generate(PROMPTS[0], max_tokens=40, raw=True, method="auto", progress=False,
+                              temperature=0.7, seed=5)
+        assert len(out.token_ids) == 40 and sum(out.stats["auto_sources"].values()) > 0
+
+
+def test_concurrent_requests_under_the_batched_scheduler_keep_the_cache_whole(engine, private_cache):
+    from specwood.engine.scheduler import Scheduler
+
+    cache = suffix_cache_for(engine, 4096)
+    prepared = engine.prepare("suffix", {"suffix_cache_tokens": 4096})
+    sched = Scheduler(engine.target, max_batch=4)
+    prompts = [engine.encode(p, raw=True) for p in PROMPTS] * 3
+    for rnd in range(2):
+        reqs = [engine.new_request(p, max_tokens=24, method="suffix", scheduler=sched, prepared=prepared)
+                for p in prompts]
+        for r in reqs:
+            sched.submit(r)
+        while not sched.idle:
+            sched.step()
+        for p, r in zip(prompts, reqs):
+            assert r.error is None
+            assert r.result.token_ids == engine.generate(p, max_tokens=24).token_ids
+    index = cache.index
+    live = [index.token_at(q) for q in range(index.base, index.total)]
+    docs = [d for d in " ".join(map(str, live)).split("-1") if d.strip()]
+    answers = {tuple(engine.generate(p, max_tokens=24).token_ids) for p in prompts}
+    assert len(docs) == 2 * len(prompts)
+    for d in docs:  # each document: up to 4 prompt tokens, then one whole answer
+        toks = tuple(int(x) for x in d.split())
+        assert any(toks[-len(a):] == a and len(toks) - len(a) <= 4 for a in answers), toks
