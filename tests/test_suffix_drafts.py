@@ -162,3 +162,48 @@ def test_concurrent_requests_under_the_batched_scheduler_keep_the_cache_whole(en
     for d in docs:  # each document: up to 4 prompt tokens, then one whole answer
         toks = tuple(int(x) for x in d.split())
         assert any(toks[-len(a):] == a and len(toks) - len(a) <= 4 for a in answers), toks
+
+
+def test_the_server_fills_the_cache_from_concurrent_requests_and_reports_it(engine, private_cache):
+    """A real HTTP server (batched scheduler), eight concurrent requests twice: answers equal ar's,
+    the global cache holds whole answers, /metrics reports its size and hit rate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specwood.serve.app import create_app, make_scheduler
+    from test_server import ServerThread
+
+    cache = suffix_cache_for(engine, 4096)
+    cache.clear()
+    refs = {p: engine.generate(p, max_tokens=24, raw=True).text for p in PROMPTS}
+    sched = make_scheduler(engine, max_batch=4, max_queue=32)
+    srv = ServerThread(create_app(engine, sched, method="suffix", options={"suffix_cache_tokens": 4096})).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as http:
+            def ask(p: str) -> str:
+                r = http.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 24,
+                                                       "temperature": 0, "raw": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            for _ in range(2):
+                jobs = PROMPTS * 3
+                with ThreadPoolExecutor(8) as pool:
+                    assert list(pool.map(ask, jobs)) == [refs[p] for p in jobs]
+            r = http.get("/metrics")
+            m = {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    finally:
+        srv.stop()
+    assert m["specwood:suffix_cache_tokens"] == cache.size > 0
+    assert m["specwood:suffix_cache_capacity_tokens"] == 4096
+    assert m["specwood:suffix_cache_answers"] == 18
+    assert 0 < m["specwood:suffix_cache_hit_rate"] <= 1
+    live = [cache.index.token_at(q) for q in range(cache.index.base, cache.index.total)]
+    docs = [d for d in " ".join(map(str, live)).split("-1") if d.strip()]
+    answers = {tuple(engine.generate(p, max_tokens=24, raw=True).token_ids) for p in PROMPTS}
+    assert len(docs) == 18
+    for d in docs:
+        toks = tuple(int(x) for x in d.split())
+        assert any(toks[-len(a):] == a and len(toks) - len(a) <= 4 for a in answers), toks
