@@ -55,12 +55,23 @@ def test_the_global_cache_holds_committed_answers_only(engine):
     assert len(live) - 1 <= len(out.token_ids) + 4
 
 
-def test_suffix_under_sampling_keeps_running_and_seeded_runs_repeat(engine):
+def test_seeded_sampling_repeats_whatever_the_cache_holds(engine, private_cache):
+    """A seeded request drafts from its own text only: the same seed, the same answer, with the
+    global cache cold or warm (filled by the first answer and unseeded ones)."""
+    from test_batching import store_auto_plan
+
+    store_auto_plan(engine)
     cache = suffix_cache_for(engine)
-    cache.clear()
-    a = engine.generate(PROMPTS[0], max_tokens=30, raw=True, method="suffix", temperature=0.8, seed=3)
-    b = engine.generate(PROMPTS[0], max_tokens=30, raw=True, method="ar", temperature=0.8, seed=3)
-    assert len(a.token_ids) == len(b.token_ids) == 30
+    for method in ("suffix", "auto"):
+        cache.clear()
+        first = engine.generate(PROMPTS[0], max_tokens=30, raw=True, method=method, temperature=0.8, seed=3,
+                                progress=False) if method == "auto" else \
+            engine.generate(PROMPTS[0], max_tokens=30, raw=True, method=method, temperature=0.8, seed=3)
+        engine.generate(PROMPTS[0], max_tokens=30, raw=True, method="suffix", temperature=0.8)
+        assert cache.answers == 2
+        kw = {"progress": False} if method == "auto" else {}
+        again = engine.generate(PROMPTS[0], max_tokens=30, raw=True, method=method, temperature=0.8, seed=3, **kw)
+        assert again.token_ids == first.token_ids and len(first.token_ids) == 30, method
 
 
 def test_bad_suffix_options_are_one_line_errors(engine):

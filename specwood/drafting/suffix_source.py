@@ -139,7 +139,8 @@ class SuffixSource:
         self.seen = len(context) + 1
         self._context, self._root = context, root
 
-    def propose(self, context: list[int], root: int, budget: int, depth: int, min_prob: float) -> SuffixDraft:
+    def propose(self, context: list[int], root: int, budget: int, depth: int, min_prob: float,
+                use_global: bool = True) -> SuffixDraft:
         """The better of the local and the global proposal (larger expected accepted length)."""
         self.sync(context, root)
         m = self.local.max_match
@@ -147,7 +148,7 @@ class SuffixSource:
         self.steps += 1
         match, conts = self.local.find(tail, depth)
         best = continuation_tree(root, conts, budget, min_prob, match)
-        if self.cache is not None:
+        if self.cache is not None and use_global:
             g_match, g_conts = self.cache.find(tail, depth)
             if g_conts:
                 other = continuation_tree(root, g_conts, budget, min_prob, g_match)
@@ -179,6 +180,13 @@ class SuffixSource:
                 "suffix_global_wins": self.global_wins}
 
 
+def global_allowed(params: SamplingParams) -> bool:
+    """Whether a request may draft from the global cache: a seeded sampled request drafts from
+    its own text only, so the same seed gives the same answer whatever the server answered before
+    (its drafts change which random draws verification uses, never the law of the output)."""
+    return params.greedy or params.seed is None
+
+
 class SuffixShape(ShapeBase):
     """`--method suffix`: each step's tree is the suffix source's proposal (no draft forward)."""
 
@@ -193,7 +201,7 @@ class SuffixShape(ShapeBase):
               generator: torch.Generator | None) -> Drafting:
         yield from ()  # no draft calls
         o = self.options
-        self.last = self.source.propose(context, root, o.budget, o.depth, o.min_prob)
+        self.last = self.source.propose(context, root, o.budget, o.depth, o.min_prob, global_allowed(params))
         return self.last.tree
 
     def on_step(self, tree: Any, verdict: Any, cost: Any = None) -> None:

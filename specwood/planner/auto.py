@@ -261,7 +261,6 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     # the suffix source (the request's own text and the server's earlier answers) covers lookup
     suffix_cache = suffix_cache_for(engine, options.get("suffix_cache_tokens")) if (
         lookup and bool(options.get("suffix", True))) else None
-    suffix_trust = SuffixTrust()  # one per server: learnt from every request's suffix steps
     eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
     late_draft = lookup and bool(options.get("late_draft", True))
     late_threshold = float(options.get("late_draft_confidence", LateDraft.THRESHOLD))
@@ -354,7 +353,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
             late, source = None, None
         suffix = SuffixSource(suffix_cache, prompt_len, max_tokens, eos_ids=eos) if suffix_cache is not None else None
         shape = PlannedShape(plan, make_shape, adapt=adapt, lookup=lookup, model=model, draft_costs=draft_costs,
-                             late=late, suffix=suffix, suffix_trust=suffix_trust)
+                             late=late, suffix=suffix)
 
         def stats() -> dict[str, Any]:
             out: dict[str, Any] = {"auto": "sd" if shape.model else "ar",

@@ -4,7 +4,7 @@ width (plus T_d for the model), all from the plan at this context and load.
 
 The suffix proposal's score is its expected accepted length (the path probabilities of its
 nodes, best first); how far to trust it is learned (SuffixTrust: accepted against scored, per
-load, shared by the server's requests, as the draft's batched cost is). A prefix of k nodes of
+load, per request). A prefix of k nodes of
 the proposal is connected (nodes come best first), so the suffix may draft any k: a strong match
 (probabilities near 1 along one path) drafts deep and narrow, up to where T_v(1 + k) stops paying.
 The merged tree's expected tokens treat the two sources as independent: at depth d the model's
@@ -20,7 +20,7 @@ import torch
 
 from specwood.drafting.base import Drafting, ShapeBase
 from specwood.drafting.hybrid import merge_suffix
-from specwood.drafting.suffix_source import SuffixSource
+from specwood.drafting.suffix_source import SuffixSource, global_allowed
 from specwood.drafting.suffix_tree import SuffixDraft
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
@@ -34,7 +34,9 @@ CHOICES = ("none", "model", "suffix", "both")
 
 class SuffixTrust:
     """Accepted suffix tokens over their score (the expected accepted length the counts gave),
-    decayed, per load bucket (alone, 2-4, 5+ requests sharing a step)."""
+    decayed, per load bucket (alone, 2-4, 5+ requests sharing a step). One per request, like the
+    draft's AcceptanceTracker: a request's choices then depend on its own history only, so a
+    seeded request repeats its answer whatever the server served before."""
 
     def __init__(self, decay: float = 0.8, prior: float = 2.0):
         self.decay = decay
@@ -116,7 +118,8 @@ class SuffixOrModelShape(ShapeBase):
 
     def draft(self, context: list[int], root: int, params: SamplingParams,
               generator: torch.Generator | None) -> Drafting:
-        proposal = self.source.propose(context, root, SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB)
+        proposal = self.source.propose(context, root, SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB,
+                                       global_allowed(params))
         self.choice, k = self.weigh(proposal)
         part = cut(proposal, k) if k else None
         self.scored = part.expected if part is not None else 0.0
