@@ -69,7 +69,7 @@ ops = st.lists(st.one_of(st.lists(st.integers(0, 3), min_size=1, max_size=12), s
                min_size=1, max_size=25)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(ops=ops, capacity=st.integers(3, 40), anchor=st.integers(1, 3), max_match=st.integers(3, 8),
        max_occurrences=st.integers(1, 12), tail=st.lists(st.integers(0, 3), min_size=0, max_size=10),
        max_depth=st.integers(0, 6), from_stream=st.booleans())

@@ -5,17 +5,12 @@ The suffix nodes are merged into the model's tree by token: where a suffix path 
 children. Added nodes are deterministic candidates, so a "sampled" tree marks them `selected`:
 the verifier tries them after every sampled sibling with the selected rule, and a sampled child
 is never replaced or reordered (its law as a draw from q stays intact), which keeps sampling
-lossless (tests/test_hybrid_statistics.py). Siblings still carry distinct tokens.
+lossless (tests/test_hybrid_statistics.py). Siblings still carry distinct tokens. `auto` drafts
+such trees (specwood.planner.suffix_choice).
 """
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from specwood.drafting.base import Drafting, ShapeBase
 from specwood.drafting.suffix_tree import SuffixDraft
-from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
 
 
@@ -44,20 +39,3 @@ def merge_suffix(tree: TokenTree, draft: SuffixDraft) -> int:
             added += 1
         where.append(node)
     return added
-
-
-class HybridShape(ShapeBase):
-    """One step's tree from the model's shape (its draft calls answered as usual) with a suffix
-    proposal merged in. The proposal is made before drafting, from the context alone."""
-
-    def __init__(self, model_shape: Any, draft: SuffixDraft):
-        self.model_shape = model_shape
-        self.suffix = draft
-        self.name = f"{getattr(model_shape, 'name', 'model')}+suffix"
-        self.added = 0
-
-    def draft(self, context: list[int], root: int, params: SamplingParams,
-              generator: torch.Generator | None) -> Drafting:
-        tree = yield from self.model_shape.draft(context, root, params, generator)
-        self.added = merge_suffix(tree, self.suffix)
-        return tree

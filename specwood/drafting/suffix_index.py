@@ -55,20 +55,24 @@ class SuffixIndex:
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens to the current document."""
         cap, a, toks, prev, head = self.capacity, self.anchor, self.tokens, self.prev, self.head
+        e = self.total
         for t in tokens:
-            e = self.total
-            toks[e % cap] = t
-            self.total = e + 1
-            prev[e % cap] = -1
-            if t == SEPARATOR or e + 1 < a:
-                continue
-            key = tuple(toks[(e - i) % cap] for i in range(a - 1, -1, -1)) if a > 1 else (t,)
-            if a > 1 and (SEPARATOR in key or e - a + 1 < self.base):
-                continue
-            last = head.get(key)
-            if last is not None and last >= self.base:
-                prev[e % cap] = last
-            head[key] = e
+            slot = e % cap
+            toks[slot] = t
+            prev[slot] = -1
+            base = e + 1 - cap  # the oldest live position once e is written (may be < 0)
+            if t != SEPARATOR and e + 1 >= a and a <= cap:
+                if a == 2:  # the default, spelled out: this loop is the per-prompt cost
+                    key = (toks[(e - 1) % cap], t)
+                else:
+                    key = tuple(toks[(e - i) % cap] for i in range(a - 1, -1, -1))
+                if SEPARATOR not in key:
+                    last = head.get(key)
+                    if last is not None and last >= base:
+                        prev[slot] = last
+                    head[key] = e
+            e += 1
+        self.total = e
         if len(head) > 4 * cap + 1024:  # anchors whose every occurrence was overwritten
             self._forget_stale()
 
@@ -101,7 +105,7 @@ class SuffixIndex:
         limit = min(self.max_match, len(tail))
         best, ends = 0, []
         for _ in range(self.max_occurrences):
-            if pos is None or pos < base:
+            if pos is None or pos - a + 1 < base:  # the anchor's first token was overwritten
                 break
             e = pos
             pos = prev[e % cap]

@@ -125,10 +125,7 @@ class SuffixOrModelShape(ShapeBase):
         self.scored = part.expected if part is not None else 0.0
         if self.choice == "suffix":
             yield from ()
-            tree = part.tree
-            if not params.greedy:
-                tree.child_rule = "selected"
-            return tree
+            return part.tree  # rule "selected": a deterministic draft
         if self.choice == "none":
             yield from ()
             return TokenTree.with_root(root, "selected" if params.greedy else "sampled")
