@@ -225,6 +225,26 @@ register(Method("head", "a feature-level draft head (EAGLE) drafts the tree from
                 backends=("torch",)))
 
 
+def _prepare_suffix(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+    from specwood.drafting.suffix_source import SuffixOptions, SuffixShape, SuffixSource, suffix_cache_for
+
+    cache = suffix_cache_for(engine, options.get("suffix_cache_tokens"))
+    opts = SuffixOptions(**{k: v for k, v in options.items() if k in ("budget", "depth")})
+    eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
+
+    def new_drafter(sources: SourceFactory, prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
+        shape = SuffixShape(SuffixSource(cache, prompt_len, max_tokens, eos_ids=eos), opts)
+        return Drafter(None, shape, extra_stats=shape.source.stats)
+
+    return new_drafter
+
+
+# SuffixDecoding: a tree from suffix matches over the request and every earlier answer (no model);
+# covers pld (a chain copied from the context), which stays for comparison
+register(Method("suffix", "a tree from suffix matches over the request and the server's earlier answers (no model)",
+                False, ("budget", "depth", "suffix_cache_tokens"), _prepare_suffix))
+
+
 def _prepare_duo(engine: Any, options: dict[str, Any]) -> DrafterFactory:
     from specwood.drafting.multi_sequence import make_multi_sequence
 

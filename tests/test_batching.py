@@ -203,9 +203,13 @@ def test_auto_copies_from_the_context_and_stays_lossless(tiny_engine):
     store_auto_plan(engine)
     prompt = [7, 8, 9, 10, 11, 12, 13, 14] * 3 + [30, 31, 32, 33, 7, 8, 9]
     ar = engine.generate(prompt, max_tokens=40, method="ar").token_ids
-    res = engine.generate(prompt, max_tokens=40, method="auto", progress=False)
+    res = engine.generate(prompt, max_tokens=40, method="auto", progress=False, suffix=False)
     assert res.token_ids == ar
     assert res.stats["auto_lookup_steps"] >= 1 and res.stats["mean_accepted_tokens"] > 1
+    # by default the suffix source (which covers the lookup) drafts the copies
+    res = engine.generate(prompt, max_tokens=40, method="auto", progress=False)
+    assert res.token_ids == ar
+    assert res.stats["auto_sources"]["suffix"] + res.stats["auto_sources"]["both"] >= 1
     plain = engine.generate(prompt, max_tokens=40, method="auto", progress=False, lookup=False)
     assert plain.token_ids == ar and "auto_lookup_steps" not in plain.stats
 

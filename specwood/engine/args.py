@@ -14,7 +14,7 @@ from specwood.engine.executors import needs_draft_on
 from specwood.methods import split_executor
 from specwood.models.registry import DEFAULT_TARGET, default_draft_for
 
-METHOD_OPTIONS = ("budget", "depth", "topk", "threshold", "shape")
+METHOD_OPTIONS = ("budget", "depth", "topk", "threshold", "shape", "suffix_cache_tokens")
 
 
 # the bench's baselines (Hugging Face generate, llama.cpp; not engine methods) and whether they draft with a model
@@ -122,7 +122,7 @@ def add_method_args(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--method", default=default,
                    help="auto (default: the planner's choice of AR or dyspec and its tree size for this hardware; "
                         "the first run profiles for a few minutes), ar, chain, static, sequoia, eagle, dyspec, "
-                        "dyspec-threshold, pld, early-exit (experimental: no trained exit adapter, slower than ar), prior, duo")
+                        "dyspec-threshold, pld, suffix, early-exit (experimental: no trained exit adapter, slower than ar), prior, duo")
     add_method_options(p)
 
 
@@ -131,6 +131,9 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=None, help="maximum tree depth")
     p.add_argument("--topk", type=int, default=None, help="branching for top-k shapes (eagle)")
     p.add_argument("--threshold", type=float, default=None, help="dyspec-threshold expansion threshold in (0,1)")
+    p.add_argument("--suffix-cache-tokens", type=int, default=None,
+                   help="bound of the global suffix cache (suffix, auto): the server's earlier answers, oldest "
+                        "overwritten first (default 524288 tokens)")
     p.add_argument("--shape", default=None,
                    help="the tree shape of a method that drafts with any (head, early-exit): chain, eagle, dyspec, ...")
 

@@ -59,9 +59,12 @@ class Drafter:
             hook(tree, verdict)
 
     def close(self) -> None:
-        close = getattr(self.source, "close", None)
-        if close is not None:
-            close()
+        """The request ended: the source gives its rows back, a shape with state (a suffix
+        source's answer for the global cache) closes too."""
+        for part in (self.source, self.shape):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specwood.drafting.model_source import early_exit_model
+from specwood.drafting.suffix_source import SuffixSource, suffix_cache_for
 from specwood.drafting.shapes import make_shape as make_named_shape
 from specwood.engine.request import Drafter
 from specwood.engine.step import StepRecord
@@ -22,6 +23,8 @@ from specwood.planner.build import get_plan, measure_draft_prefill, measure_draf
 from specwood.planner.decision import Decision
 from specwood.planner.prior_tree import PriorScores, analytic_scores, maximal_layout, prior_shape
 from specwood.planner.starter import starter_plan
+from specwood.planner.suffix_choice import CHOICES as SUFFIX_CHOICES
+from specwood.planner.suffix_choice import SuffixOrModelShape, SuffixTrust
 from specwood.planner.store import (
     DEFAULT_METHOD,
     Plan,
@@ -74,8 +77,15 @@ class PlannedShape:
     """
 
     def __init__(self, plan: Plan, make_shape: Callable[[int], Any], adapt: bool = True, lookup: bool = False,
-                 model: bool = True, draft_costs: DraftCostTracker | None = None, late: LateDraft | None = None):
+                 model: bool = True, draft_costs: DraftCostTracker | None = None, late: LateDraft | None = None,
+                 suffix: SuffixSource | None = None, suffix_trust: SuffixTrust | None = None):
         self.plan = plan
+        # with a suffix source, every step weighs model, suffix, both or none (SuffixOrModelShape)
+        # in place of the n-gram lookup
+        self.suffix = suffix
+        self.suffix_trust = suffix_trust or SuffixTrust()
+        self.sources_used = dict.fromkeys(SUFFIX_CHOICES, 0)
+        self._load = 1
         self.late = late if not model else None
         self.name = f"auto:{plan.key.method}"
         self.adapt = adapt
@@ -150,6 +160,8 @@ class PlannedShape:
         self._context_len = context_len
         self._step = None
         self._predicted_draft_s = 0.0
+        if self.suffix is not None:
+            return self._suffix_step(batch_size, context_len, riding)
         if not self.lookup or batch_size > 1 or riding:  # under load the batch fills the forward already (§4f)
             x = self.choose_x(context_len, batch_size, riding)
             self.x_used[x] = self.x_used.get(x, 0) + 1
@@ -176,8 +188,51 @@ class PlannedShape:
         self._step_x = x
         return self._step
 
+    def _suffix_step(self, batch_size: int, context_len: int, riding: int) -> SuffixOrModelShape:
+        """This step's options priced at this context and load: the model's tree of the size the
+        plan picks (none if it decodes plainly or has no draft), the suffix's, both, or none."""
+        x = self.choose_x(context_len, batch_size, riding) if self.model else 1
+        aat = float(self.tracker.scale(self.plan.aat_for(context_len))(x)) if x > 1 else 1.0
+        t_v, t_d = self.plan.step_costs(context_len, batch_size, self.draft_costs.scale(batch_size), riding)
+        if x > 1 and batch_size > 1:
+            self._predicted_draft_s = float(t_d(x))
+        self._load = batch_size if not riding else batch_size + 1
+        price = self.copy_cost.ratio / self.plain_cost.ratio if batch_size == 1 and not riding else 1.0
+        self._step_x = x
+        self._step = SuffixOrModelShape(self.suffix, self._model_shape(x), x, aat, t_v, t_d,
+                                        self.suffix_trust.ratio(self._load), price)
+        return self._step
+
+    def _on_suffix_step(self, step: SuffixOrModelShape, tree: TokenTree, verdict: Verdict,
+                        cost: StepRecord | None) -> None:
+        self.suffix.observe(verdict.next_token)
+        self.sources_used[step.choice] += 1
+        alone = self._load == 1 and cost is not None
+        if step.choice in ("model", "both"):
+            self.x_used[self._step_x] = self.x_used.get(self._step_x, 0) + 1
+            if cost is not None and self._predicted_draft_s:
+                self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s)
+        if step.choice == "suffix":
+            self.suffix_trust.record(self._load, step.scored, len(verdict.accepted))
+            if alone:
+                self.copy_cost.record(float(self.plan.t_v(self._context_len, len(tree))), cost.verify_s)
+        elif step.choice == "none" and alone:
+            self.plain_cost.record(float(self.plan.t_v(self._context_len, 1)), cost.verify_s)
+        if step.choice == "model":
+            self.tracker.record(float(self.plan.aat_for(self._context_len)(len(tree))), len(verdict.accepted) + 1)
+        else:
+            self.tracker.relax()
+            self.copy_cost.relax(self.lookup_tracker.relax_decay)
+
+    def close(self) -> None:
+        if self.suffix is not None:
+            self.suffix.close()
+
     def on_step(self, tree: TokenTree, verdict: Verdict, cost: StepRecord | None = None) -> None:
         step, self._step = self._step, None
+        if isinstance(step, SuffixOrModelShape):
+            self._on_suffix_step(step, tree, verdict, cost)
+            return
         if cost is not None and self._predicted_draft_s and len(tree) > 1:
             self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s)
         if step is not None and step.copied:
@@ -203,6 +258,10 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     base = str(options.get("shape") or DEFAULT_METHOD)
     adapt = bool(options.get("adapt", True))
     lookup = adapt and bool(options.get("lookup", True))
+    # the suffix source (the request's own text and the server's earlier answers) covers lookup
+    suffix_cache = suffix_cache_for(engine, options.get("suffix_cache_tokens")) if (
+        lookup and bool(options.get("suffix", True))) else None
+    eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
     late_draft = lookup and bool(options.get("late_draft", True))
     late_threshold = float(options.get("late_draft_confidence", LateDraft.THRESHOLD))
     if not 0.0 <= late_threshold <= 1.0:
@@ -292,13 +351,17 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         source = sources(draft_model) if ((model or late) and draft_model is not None) else None
         if late is not None and not hasattr(source, "defer"):  # e.g. a llama.cpp draft: it prefills itself
             late, source = None, None
+        suffix = SuffixSource(suffix_cache, prompt_len, max_tokens, eos_ids=eos) if suffix_cache is not None else None
         shape = PlannedShape(plan, make_shape, adapt=adapt, lookup=lookup, model=model, draft_costs=draft_costs,
-                             late=late)
+                             late=late, suffix=suffix)
 
         def stats() -> dict[str, Any]:
             out: dict[str, Any] = {"auto": "sd" if shape.model else "ar",
                                    "auto_x_steps": dict(sorted(shape.x_used.items()))}
-            if lookup:
+            if suffix is not None:
+                out["auto_sources"] = dict(shape.sources_used)
+                out.update(suffix.stats())
+            elif lookup:
                 out["auto_lookup_steps"] = shape.lookup_steps
             if late is not None:
                 out["auto_target_confidence"] = round(late.confidence, 4)
@@ -378,7 +441,8 @@ def _prepare_prior(engine: Any, options: dict[str, Any]) -> Callable[..., Drafte
 
 
 register(Method("auto", "the planner's choice: SD or AR and the tree size per step, per request and per load",
-                False, ("shape", "adapt", "lookup", "late_draft", "late_draft_confidence", "progress"), _prepare_auto,
+                False, ("shape", "adapt", "lookup", "late_draft", "late_draft_confidence", "progress", "suffix",
+                        "suffix_cache_tokens"), _prepare_auto,
                 wants_draft=True, choose_executor=_auto_executor))
 register(Method("prior", "seed-000 prior-score tree (top-x node positions by measured acceptance)", True,
                 ("budget",), _prepare_prior))

@@ -12,6 +12,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from specwood.drafting.suffix_source import suffix_caches
 from specwood.engine.request import Request, State
 from specwood.engine.scheduler import Scheduler
 from specwood.engine.step import StepRecord
@@ -24,6 +25,15 @@ _REQUEST = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
 _TPOT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
          0.4, 0.5, 0.75, 1.0, 2.5)
 THROUGHPUT_WINDOW = 64  # decode steps averaged by the tokens/s gauge
+
+
+def _suffix_total(key: str) -> float:
+    """A global suffix cache statistic summed over the process's caches (one per model)."""
+    stats = [c.stats() for c in suffix_caches()]
+    if key == "hit_rate":
+        queries = sum(s["queries"] for s in stats)
+        return sum(s["hits"] for s in stats) / queries if queries else 0.0
+    return float(sum(s[key] for s in stats))
 
 
 class ServerMetrics:
@@ -83,6 +93,15 @@ class ServerMetrics:
         Gauge(P + "decode_tokens_per_second", f"Decode throughput of all running requests over the last "
               f"{THROUGHPUT_WINDOW} decode steps (tokens emitted / step time); 0 when idle",
               registry=r).set_function(self.decode_tokens_per_second)
+        # the global suffix cache (suffix, auto): the server's earlier answers, read at scrape time
+        for name, doc, key in (("suffix_cache_tokens", "Tokens held by the global suffix cache", "tokens"),
+                               ("suffix_cache_capacity_tokens", "The global suffix cache's bound "
+                                "(--suffix-cache-tokens)", "capacity"),
+                               ("suffix_cache_answers", "Answers added to the global suffix cache", "answers"),
+                               ("suffix_cache_queries", "Lookups in the global suffix cache", "queries"),
+                               ("suffix_cache_hits", "Lookups that found a continuation", "hits"),
+                               ("suffix_cache_hit_rate", "Hits over lookups of the global suffix cache", "hit_rate")):
+            Gauge(P + name, doc, registry=r).set_function(lambda key=key: _suffix_total(key))
         if model_name:
             Gauge(P + "model_info", "The served model", ["model_name"], registry=r).labels(model_name).set(1)
         self._pending: dict[Request, float] = {}  # submitted, not yet seen running -> arrival time

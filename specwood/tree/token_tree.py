@@ -28,6 +28,9 @@ class TokenTree:
     child_dists: dict[int, torch.Tensor] = field(default_factory=dict)
     child_rule: ChildRule = "selected"
     without_replacement: bool = True
+    # nodes verified with the "selected" rule whatever child_rule says: deterministic candidates
+    # (suffix matches) added after a node's sampled children in a hybrid tree
+    selected: set[int] = field(default_factory=set)
 
     @classmethod
     def with_root(cls, token: int, child_rule: ChildRule = "selected", without_replacement: bool = True) -> "TokenTree":
@@ -111,6 +114,7 @@ class TokenTree:
             child_dists={index[i]: d for i, d in self.child_dists.items() if i in index},
             child_rule=self.child_rule,
             without_replacement=self.without_replacement,
+            selected={index[i] for i in self.selected if i in index and index[i] > 0},
         )
 
     def bfs(self) -> tuple["TokenTree", list[int]]:

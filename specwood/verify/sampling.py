@@ -10,6 +10,12 @@ in their drafting order:
 * chosen deterministically ("selected"): q is one-hot on x, so accept with prob r(x); on rejection
   r[x] <- 0 and renormalise.
 
+A node may have both kinds (a hybrid tree: the draft model's sampled children, then suffix
+candidates, `TokenTree.selected`): the selected ones come after every sampled sibling, so each
+sampled child is still a draw from q given the trials before it, and the selected rule holds for
+a candidate of any law (its presence may depend on the sampled draws). An exhausted q then ends
+only the sampled trials.
+
 Accepting moves to that child and repeats; otherwise the correction is drawn from the residual.
 Each trial step, given the candidate's conditional law, emits r exactly, so by induction the
 token after every node is distributed as p, and the emitted sequence as autoregressive sampling.
@@ -85,6 +91,7 @@ def verify_sampling_batch(
     child_rule: ChildRule = "sampled",
     without_replacement: bool = True,
     accept_prob: AcceptProb = min_ratio,
+    selected: torch.Tensor | None = None,
 ) -> BatchVerdict:
     """Verify B trees of n nodes each.
 
@@ -92,6 +99,8 @@ def verify_sampling_batch(
     -1 padded at the end (a node may have fewer children in some trees). target_logits(trials,
     nodes) gives the target logits after those nodes; draft_probs(trials, nodes) the draft
     distribution their children were drawn from (None, or returning None: verify as "selected").
+    selected [B, n] bool: nodes verified with the selected rule whatever `child_rule` says (each
+    after all of its sampled siblings).
     """
     B, n = tokens.shape
     device = tokens.device
@@ -114,6 +123,11 @@ def verify_sampling_batch(
         trying = n_kids > 0
         chosen = torch.full((b,), -1, dtype=torch.long, device=device)
         u = torch.rand(b, width, generator=generator, device=device)
+        forced = None
+        if selected is not None and q is not None:
+            forced = selected[rows.unsqueeze(1), kids.clamp(min=0)] & (kids >= 0)  # [b, C]
+            # a selected child at or after trial j: an exhausted q must not end the trials
+            forced_later = forced.flip(1).cumsum(1).flip(1) > 0
         for j in range(width):
             live = (trying & (n_kids > j)).nonzero().squeeze(1)
             if live.numel() == 0:
@@ -126,6 +140,8 @@ def verify_sampling_batch(
                 q_l = q[live]
                 q_x = q_l.gather(1, x).squeeze(1)
                 drawn = q_x > 0  # else x was not drawn from q: verify it as "selected"
+                if forced is not None:
+                    drawn = drawn & ~forced[live, j]
                 ok = accept_prob(p_x, torch.where(drawn, q_x, torch.ones_like(q_x)))
             else:
                 ok = accept_prob(p_x, torch.ones_like(p_x))
@@ -158,7 +174,10 @@ def verify_sampling_batch(
                 q_mass = q_z.sum(1, keepdim=True)
                 q[lr] = torch.where(dr.unsqueeze(1), q_z / q_mass.clamp(min=_TINY), q_r)
                 # every token q could draw was tried: no further child can be a draw from q
-                trying[lr[dr & (q_mass.squeeze(1) <= 0)]] = False
+                spent = dr & (q_mass.squeeze(1) <= 0)
+                if forced is not None and j + 1 < width:
+                    spent &= ~forced_later[lr, j + 1]
+                trying[lr[spent]] = False
 
         moved = chosen >= 0
         if bool((~moved).any()):
@@ -188,6 +207,10 @@ def verify_sampling(
     tokens = torch.tensor(tree.tokens, dtype=torch.long, device=device).unsqueeze(0)
     children = children_table(tree.parents, device).unsqueeze(0)
     dists = tree.child_dists
+    selected = None
+    if tree.selected:
+        selected = torch.zeros(1, n, dtype=torch.bool, device=device)
+        selected[0, sorted(tree.selected)] = True
 
     def target_rows(_rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         return target_logits.index_select(0, nodes)
@@ -199,6 +222,7 @@ def verify_sampling(
     out = verify_sampling_batch(
         tokens, children, target_rows, draft_rows, params, generator,
         child_rule=tree.child_rule, without_replacement=tree.without_replacement, accept_prob=accept_prob,
+        selected=selected,
     )
     return out.verdict(0)
 

@@ -1,0 +1,211 @@
+"""Model-free drafting from suffix matches (SuffixDecoding): over the request's own prompt and
+output, and over every answer the server gave before (one global index per model and server).
+
+Only committed tokens enter either index: a request's own stream is the context plus its root
+(all verified), and its answer goes into the global index when it ends. The global index starts
+empty, fills from answers given, and holds at most `cache_tokens` tokens (oldest overwritten).
+Each step both are asked; the proposal with the larger expected accepted length drafts. The tree
+is deterministic, so it is verified with the "selected" rule, lossless under sampling.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Container, Sequence
+
+import torch
+
+from specwood.drafting.base import Drafting, ShapeBase
+from specwood.drafting.suffix_index import SuffixIndex
+from specwood.drafting.suffix_tree import SuffixDraft, continuation_tree
+from specwood.errors import SpecwoodError
+from specwood.sampling import SamplingParams
+
+DEFAULT_CACHE_TOKENS = 1 << 19  # the global index's bound: some 40-90 MB of Python lists and anchor dict
+DEFAULT_WINDOW = 1 << 16  # a request's own index: its newest tokens, so a huge context costs no more
+ANSWER_LEAD = 4  # prompt tokens kept before an answer in the global index (the chat template's end)
+
+
+class SuffixCache:
+    """The answers one model gave on this server, in one bounded index (thread-safe: requests
+    end on the scheduler's thread while others draft)."""
+
+    def __init__(self, cache_tokens: int = DEFAULT_CACHE_TOKENS):
+        self.index = SuffixIndex(cache_tokens)
+        self.lock = threading.Lock()
+        self.queries = 0
+        self.hits = 0
+        self.answers = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.index.capacity
+
+    @property
+    def size(self) -> int:
+        return self.index.size
+
+    def add_answer(self, prompt_tail: Sequence[int], output: Sequence[int]) -> None:
+        if not output:
+            return
+        with self.lock:
+            self.index.end_document()
+            self.index.extend([*prompt_tail[-ANSWER_LEAD:], *output])
+            self.index.end_document()
+            self.answers += 1
+
+    def find(self, tail: Sequence[int], max_depth: int) -> tuple[int, list[list[int]]]:
+        with self.lock:
+            match, conts = self.index.find(tail, max_depth)
+            self.queries += 1
+            self.hits += bool(conts)
+        return match, conts
+
+    def clear(self) -> None:
+        with self.lock:
+            self.index.clear()
+            self.queries = self.hits = self.answers = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"tokens": self.size, "capacity": self.capacity, "answers": self.answers,
+                "queries": self.queries, "hits": self.hits,
+                "hit_rate": round(self.hits / self.queries, 4) if self.queries else 0.0}
+
+
+_caches: "weakref.WeakKeyDictionary[Any, SuffixCache]" = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
+
+
+def suffix_cache_for(engine: Any, cache_tokens: int | None = None) -> SuffixCache:
+    """The global suffix cache of `engine`'s target model (one per model per process); a new
+    explicit bound starts it afresh at that size."""
+    if cache_tokens is not None and (not isinstance(cache_tokens, int) or isinstance(cache_tokens, bool)
+                                     or cache_tokens < 1):
+        raise SpecwoodError(f"suffix_cache_tokens must be a positive integer, got {cache_tokens!r}")
+    key = engine.target
+    with _caches_lock:
+        cache = _caches.get(key)
+        if cache is None or (cache_tokens is not None and cache.capacity != cache_tokens):
+            cache = _caches[key] = SuffixCache(cache_tokens or DEFAULT_CACHE_TOKENS)
+        return cache
+
+
+def suffix_caches() -> list[SuffixCache]:
+    """Every live global suffix cache (for /metrics)."""
+    with _caches_lock:
+        return list(_caches.values())
+
+
+@dataclass
+class SuffixOptions:
+    budget: int = 16  # most tree nodes
+    depth: int = 16  # deepest node
+    min_prob: float = 0.1  # a node's path probability must reach this
+
+    def __post_init__(self) -> None:
+        for what, v in (("budget", self.budget), ("depth", self.depth)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SpecwoodError(f"suffix {what} must be a positive integer, got {v!r}")
+        if not isinstance(self.min_prob, (int, float)) or not 0.0 <= self.min_prob <= 1.0:
+            raise SpecwoodError(f"suffix min_prob must be in [0, 1], got {self.min_prob!r}")
+
+
+class SuffixSource:
+    """One request's suffix drafting: its own index over prompt + output, and the global cache."""
+
+    def __init__(self, cache: SuffixCache | None, prompt_len: int, max_tokens: int = 0, window: int = DEFAULT_WINDOW,
+                 eos_ids: Container[int] = ()):
+        self.cache = cache
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.eos_ids = eos_ids
+        self.window = window
+        self.room = max(64, min(window, prompt_len + max_tokens + 2)) if max_tokens else window
+        self.local: SuffixIndex | None = None  # built at the first proposal (sized to the request)
+        self.seen = 0  # tokens of context + root already in `local`
+        self._context: list[int] | None = None
+        self._root: int | None = None
+        self._closed = False
+        self.steps = self.local_wins = self.global_wins = 0
+
+    def sync(self, context: list[int], root: int) -> None:
+        """Bring the local index up to context + [root] (an extension of what it saw)."""
+        if self.local is None:
+            self.local = SuffixIndex(self.room)
+        # tokens that the ring would overwrite before this step ends are never written
+        self.local.extend(context[max(self.seen, len(context) + 1 - self.local.capacity):])
+        self.local.extend([root])
+        self.seen = len(context) + 1
+        self._context, self._root = context, root
+
+    def propose(self, context: list[int], root: int, budget: int, depth: int, min_prob: float,
+                use_global: bool = True) -> SuffixDraft:
+        """The better of the local and the global proposal (larger expected accepted length)."""
+        self.sync(context, root)
+        m = self.local.max_match
+        tail = [*context[-(m - 1):], root] if m > 1 else [root]
+        self.steps += 1
+        match, conts = self.local.find(tail, depth)
+        best = continuation_tree(root, conts, budget, min_prob, match)
+        if self.cache is not None and use_global:
+            g_match, g_conts = self.cache.find(tail, depth)
+            if g_conts:
+                other = continuation_tree(root, g_conts, budget, min_prob, g_match)
+                if other.expected > best.expected:
+                    self.global_wins += 1
+                    return other
+        self.local_wins += best.expected > 0
+        return best
+
+    def observe(self, next_token: int) -> None:
+        self._root = next_token
+
+    def close(self) -> None:
+        """The request ended: its answer (committed tokens only) goes into the global cache."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.cache is not None and self._context is not None:
+            context = self._context
+            answer = [*context[self.prompt_len:], self._root] if self._root is not None else context[self.prompt_len:]
+            # a step's accepted path may run past the end: the answer is what the request emitted
+            answer = answer[:self.max_tokens] if self.max_tokens else answer
+            end = next((i for i, t in enumerate(answer) if t in self.eos_ids), None)
+            answer = answer if end is None else answer[:end + 1]
+            self.cache.add_answer(context[max(0, self.prompt_len - ANSWER_LEAD):self.prompt_len], answer)
+
+    def stats(self) -> dict[str, Any]:
+        return {"suffix_steps": self.steps, "suffix_local_wins": self.local_wins,
+                "suffix_global_wins": self.global_wins}
+
+
+def global_allowed(params: SamplingParams) -> bool:
+    """Whether a request may draft from the global cache: a seeded sampled request drafts from
+    its own text only, so the same seed gives the same answer whatever the server answered before
+    (its drafts change which random draws verification uses, never the law of the output)."""
+    return params.greedy or params.seed is None
+
+
+class SuffixShape(ShapeBase):
+    """`--method suffix`: each step's tree is the suffix source's proposal (no draft forward)."""
+
+    name = "suffix"
+
+    def __init__(self, source: SuffixSource, options: SuffixOptions):
+        self.source = source
+        self.options = options
+        self.last: SuffixDraft | None = None
+
+    def draft(self, context: list[int], root: int, params: SamplingParams,
+              generator: torch.Generator | None) -> Drafting:
+        yield from ()  # no draft calls
+        o = self.options
+        self.last = self.source.propose(context, root, o.budget, o.depth, o.min_prob, global_allowed(params))
+        return self.last.tree
+
+    def on_step(self, tree: Any, verdict: Any, cost: Any = None) -> None:
+        self.source.observe(verdict.next_token)
+
+    def close(self) -> None:
+        self.source.close()

@@ -1,0 +1,135 @@
+"""`auto`'s per-step choice among the draft model's tree, the suffix tree, both merged, or none,
+by expected tokens per second of the step: each option's expected emitted tokens over T_v of its
+width (plus T_d for the model), all from the plan at this context and load.
+
+The suffix proposal's score is its expected accepted length (the path probabilities of its
+nodes, best first); how far to trust it is learned (SuffixTrust: accepted against scored, per
+load, per request). A prefix of k nodes of
+the proposal is connected (nodes come best first), so the suffix may draft any k: a strong match
+(probabilities near 1 along one path) drafts deep and narrow, up to where T_v(1 + k) stops paying.
+The merged tree's expected tokens treat the two sources as independent: at depth d the model's
+chain is reached with alpha^d (alpha from its AAT), so the suffix adds (1 - alpha^d) times its
+own reach there. The choice depends on the context and past verdicts only, never on this step's
+random draws, so sampling stays lossless.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from specwood.drafting.base import Drafting, ShapeBase
+from specwood.drafting.hybrid import merge_suffix
+from specwood.drafting.suffix_source import SuffixSource, global_allowed
+from specwood.drafting.suffix_tree import SuffixDraft
+from specwood.sampling import SamplingParams
+from specwood.tree.token_tree import TokenTree
+
+SUFFIX_NODES = 48  # the largest suffix proposal auto weighs
+SUFFIX_DEPTH = 32
+SUFFIX_MIN_PROB = 0.05
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # suffix prefixes weighed (each costs two T_v reads)
+CHOICES = ("none", "model", "suffix", "both")
+
+
+class SuffixTrust:
+    """Accepted suffix tokens over their score (the expected accepted length the counts gave),
+    decayed, per load bucket (alone, 2-4, 5+ requests sharing a step). One per request, like the
+    draft's AcceptanceTracker: a request's choices then depend on its own history only, so a
+    seeded request repeats its answer whatever the server served before."""
+
+    def __init__(self, decay: float = 0.8, prior: float = 2.0):
+        self.decay = decay
+        self.sums = {b: [prior, prior] for b in (1, 2, 5)}  # bucket -> [accepted, scored]
+
+    @staticmethod
+    def bucket(load: int) -> int:
+        return 1 if load <= 1 else 2 if load <= 4 else 5
+
+    def ratio(self, load: int) -> float:
+        accepted, scored = self.sums[self.bucket(load)]
+        return min(1.5, max(0.05, accepted / scored))
+
+    def record(self, load: int, scored: float, accepted: int) -> None:
+        s = self.sums[self.bucket(load)]
+        s[0] = self.decay * s[0] + accepted
+        s[1] = self.decay * s[1] + max(scored, 1e-3)
+
+
+def cut(draft: SuffixDraft, k: int) -> SuffixDraft:
+    """The proposal's first k nodes (best first, so connected)."""
+    if k >= draft.tree.size:
+        return draft
+    tree = TokenTree.with_root(draft.tree.tokens[0], "selected")
+    for i in range(1, k + 1):
+        tree.add_node(draft.tree.parents[i], draft.tree.tokens[i], draft.tree.probs[i])
+    probs = draft.path_probs[:k + 1]
+    return SuffixDraft(tree, probs, sum(probs[1:]), draft.match)
+
+
+class SuffixOrModelShape(ShapeBase):
+    """One step of `auto` with a suffix source: proposes, weighs the four options, drafts the best.
+
+    `t_v`, `t_d`: this request's share of a step's verify and draft time at its context and load;
+    `model_x`: the model tree's size the plan chose (1: none), `model_aat`: its expected tokens;
+    `price`: this request's measured cost of a wide verify against the plan's."""
+
+    def __init__(self, source: SuffixSource, model_shape: Any | None, model_x: int, model_aat: float,
+                 t_v: Callable[[float], float], t_d: Callable[[float], float], trust: float, price: float = 1.0):
+        self.source = source
+        self.model_shape = model_shape if model_x > 1 else None
+        self.model_x, self.model_aat = model_x, model_aat
+        self.t_v, self.t_d, self.trust, self.price = t_v, t_d, trust, price
+        self.name = "suffix-or-model"
+        self.choice = "none"
+        self.scored = 0.0  # the suffix part's score in the tree drafted (expected accepted tokens)
+        self.rates: dict[str, float] = {}
+
+    def weigh(self, draft: SuffixDraft) -> tuple[str, int]:
+        """The best option and the suffix nodes it uses."""
+        t_v, a, price = self.t_v, self.trust, self.price
+        best = ("none", 0, 1.0 / max(float(t_v(1)), 1e-9))
+        has_model = self.model_shape is not None
+        if has_model:
+            m_cost = float(t_v(self.model_x)) + float(self.t_d(self.model_x))
+            best = max(best, ("model", 0, self.model_aat / max(m_cost, 1e-9)), key=lambda o: o[2])
+            alpha = 1.0 - 1.0 / max(self.model_aat, 1.0)
+        n = draft.tree.size
+        if n:
+            depths, probs = draft.tree.depths, draft.path_probs
+            solo = both = 0.0
+            k = 0
+            for size in SIZES:
+                if size > n:
+                    size = n
+                while k < size:
+                    k += 1
+                    solo += a * probs[k]
+                    if has_model:
+                        both += (1.0 - alpha ** depths[k]) * min(1.0, a * probs[k])
+                rate = (1.0 + solo) / max(float(t_v(1 + k)) * price, 1e-9)
+                best = max(best, ("suffix", k, rate), key=lambda o: o[2])
+                if has_model:
+                    cost = float(t_v(self.model_x + k)) * price + float(self.t_d(self.model_x))
+                    best = max(best, ("both", k, (self.model_aat + both) / max(cost, 1e-9)), key=lambda o: o[2])
+                if k == n:
+                    break
+        return best[0], best[1]
+
+    def draft(self, context: list[int], root: int, params: SamplingParams,
+              generator: torch.Generator | None) -> Drafting:
+        proposal = self.source.propose(context, root, SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB,
+                                       global_allowed(params))
+        self.choice, k = self.weigh(proposal)
+        part = cut(proposal, k) if k else None
+        self.scored = part.expected if part is not None else 0.0
+        if self.choice == "suffix":
+            yield from ()
+            return part.tree  # rule "selected": a deterministic draft
+        if self.choice == "none":
+            yield from ()
+            return TokenTree.with_root(root, "selected" if params.greedy else "sampled")
+        tree = yield from self.model_shape.draft(context, root, params, generator)
+        if self.choice == "both":
+            merge_suffix(tree, part)
+        return tree

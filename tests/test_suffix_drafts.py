@@ -1,0 +1,220 @@
+"""`--method suffix` and the global suffix cache on the tiny models: greedy token-identical to
+`ar` with the cache cold, warm and evicting; only committed answers enter it; bad options."""
+from __future__ import annotations
+
+import pytest
+
+from specwood.drafting.suffix_source import SuffixCache, suffix_cache_for
+from specwood.engine.api import Engine
+from specwood.errors import SpecwoodError
+
+PROMPTS = ["1, 2, 3, 4, 5, 1, 2, 3,", "def add(a, b):", "Once upon a time"]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from conftest import make_tiny_model, perturbed_copy
+
+    target = make_tiny_model(seed=0)
+    return target, perturbed_copy(target, 0.3, seed=1)
+
+
+@pytest.fixture()
+def engine(pair, tiny_tokenizer):
+    return Engine(pair[0], tiny_tokenizer, draft=pair[1], target_name="tiny")
+
+
+@pytest.mark.parametrize("cache_tokens", [None, 40])  # the default bound, and one that evicts at once
+def test_suffix_is_greedy_identical_cold_warm_and_evicting(engine, cache_tokens):
+    cache = suffix_cache_for(engine, cache_tokens)
+    cache.clear()
+    refs = {p: engine.generate(p, max_tokens=40, raw=True).token_ids for p in PROMPTS}
+    aat = {}
+    for rnd in ("cold", "warm"):
+        for p in PROMPTS:
+            out = engine.generate(p, max_tokens=40, raw=True, method="suffix", suffix_cache_tokens=cache_tokens)
+            assert out.token_ids == refs[p], (rnd, p)
+            aat[rnd, p] = out.stats["mean_accepted_tokens"]
+    assert cache.answers == 2 * len(PROMPTS)
+    assert cache.size <= cache.capacity
+    if cache_tokens is None:  # a warm cache holds every earlier answer: the repeats draft them whole
+        assert all(aat["warm", p] > 5 * aat["cold", p] or aat["warm", p] > 10 for p in PROMPTS), aat
+        assert cache.stats()["hit_rate"] > 0
+
+
+def test_the_global_cache_holds_committed_answers_only(engine):
+    cache = suffix_cache_for(engine)
+    cache.clear()
+    out = engine.generate(PROMPTS[1], max_tokens=20, raw=True, method="suffix")
+    # the answer (and a few prompt tokens before it) is in the index, in order, and nothing else
+    live = [cache.index.token_at(p) for p in range(cache.index.base, cache.index.total)]
+    assert live[-1] == -1 and -1 not in live[:-1]  # the answer is one closed document
+    assert live[:-1][-len(out.token_ids):] == out.token_ids
+    assert len(live) - 1 <= len(out.token_ids) + 4
+
+
+def test_seeded_sampling_repeats_whatever_the_cache_holds(engine, private_cache):
+    """A seeded request drafts from its own text only: the same seed, the same answer, with the
+    global cache cold or warm (filled by the first answer and unseeded ones)."""
+    from test_batching import store_auto_plan
+
+    store_auto_plan(engine)
+    cache = suffix_cache_for(engine)
+    for method in ("suffix", "auto"):
+        cache.clear()
+        first = engine.generate(PROMPTS[0], max_tokens=30, raw=True, method=method, temperature=0.8, seed=3,
+                                progress=False) if method == "auto" else \
+            engine.generate(PROMPTS[0], max_tokens=30, raw=True, method=method, temperature=0.8, seed=3)
+        engine.generate(PROMPTS[0], max_tokens=30, raw=True, method="suffix", temperature=0.8)
+        assert cache.answers == 2
+        kw = {"progress": False} if method == "auto" else {}
+        again = engine.generate(PROMPTS[0], max_tokens=30, raw=True, method=method, temperature=0.8, seed=3, **kw)
+        assert again.token_ids == first.token_ids and len(first.token_ids) == 30, method
+
+
+def test_bad_suffix_options_are_one_line_errors(engine):
+    with pytest.raises(SpecwoodError, match="suffix_cache_tokens"):
+        engine.generate(PROMPTS[0], max_tokens=4, raw=True, method="suffix", suffix_cache_tokens=0)
+    with pytest.raises(SpecwoodError, match="budget"):
+        engine.generate(PROMPTS[0], max_tokens=4, raw=True, method="suffix", budget=0)
+    with pytest.raises(SpecwoodError, match="does not use"):
+        engine.generate(PROMPTS[0], max_tokens=4, raw=True, method="suffix", topk=3)
+
+
+def test_concurrent_answers_keep_the_cache_consistent():
+    import threading
+
+    cache = SuffixCache(500)
+    answers = [[(k * 7 + i) % 50 for i in range(30)] for k in range(8)]
+
+    def writer(k: int) -> None:
+        for _ in range(20):
+            cache.add_answer([1, 2, 3, 4], answers[k])
+            cache.find(answers[k][:5], 8)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    index = cache.index
+    assert cache.answers == 160 and index.size == 500
+    # every live document is one whole answer with its lead, never two interleaved
+    live = [index.token_at(p) for p in range(index.base, index.total)]
+    docs = [d for d in " ".join(map(str, live)).split("-1") if d.strip()][1:-1]  # the ends may be cut
+    for d in docs:
+        assert [int(x) for x in d.split()] in [[1, 2, 3, 4, *a] for a in answers]
+
+
+# --- auto with the suffix source -----------------------------------------------------------------
+
+
+@pytest.fixture()
+def private_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))  # plans from a private store
+
+
+@pytest.mark.parametrize("cache_tokens", [None, 40])
+def test_auto_with_suffix_is_greedy_identical_cold_warm_and_evicting(engine, private_cache, cache_tokens):
+    from test_batching import store_auto_plan
+
+    store_auto_plan(engine)
+    cache = suffix_cache_for(engine, cache_tokens)
+    cache.clear()
+    used = {"none": 0, "model": 0, "suffix": 0, "both": 0}
+    for rnd in ("cold", "warm"):
+        for p in PROMPTS:
+            ref = engine.generate(p, max_tokens=40, raw=True).token_ids
+            out = engine.generate(p, max_tokens=40, raw=True, method="auto", progress=False,
+                                  suffix_cache_tokens=cache_tokens)
+            assert out.token_ids == ref, (rnd, p)
+            for k, v in out.stats["auto_sources"].items():
+                used[k] += v
+    assert cache.answers == 2 * len(PROMPTS)
+    if cache_tokens is None:  # the repeats find their answers: the suffix drafts (alone or merged)
+        assert used["suffix"] + used["both"] > 0 and used["model"] + used["both"] > 0, used
+
+
+def test_auto_with_suffix_under_sampling_runs_and_merges(engine, private_cache):
+    from test_batching import store_auto_plan
+
+    store_auto_plan(engine)
+    suffix_cache_for(engine).clear()
+    for _ in range(2):
+        out = engine.generate(PROMPTS[0], max_tokens=40, raw=True, method="auto", progress=False,
+                              temperature=0.7, seed=5)
+        assert len(out.token_ids) == 40 and sum(out.stats["auto_sources"].values()) > 0
+
+
+def test_concurrent_requests_under_the_batched_scheduler_keep_the_cache_whole(engine, private_cache):
+    from specwood.engine.scheduler import Scheduler
+
+    cache = suffix_cache_for(engine, 4096)
+    prepared = engine.prepare("suffix", {"suffix_cache_tokens": 4096})
+    sched = Scheduler(engine.target, max_batch=4)
+    prompts = [engine.encode(p, raw=True) for p in PROMPTS] * 3
+    for rnd in range(2):
+        reqs = [engine.new_request(p, max_tokens=24, method="suffix", scheduler=sched, prepared=prepared)
+                for p in prompts]
+        for r in reqs:
+            sched.submit(r)
+        while not sched.idle:
+            sched.step()
+        for p, r in zip(prompts, reqs):
+            assert r.error is None
+            assert r.result.token_ids == engine.generate(p, max_tokens=24).token_ids
+    index = cache.index
+    live = [index.token_at(q) for q in range(index.base, index.total)]
+    docs = [d for d in " ".join(map(str, live)).split("-1") if d.strip()]
+    answers = {tuple(engine.generate(p, max_tokens=24).token_ids) for p in prompts}
+    assert len(docs) == 2 * len(prompts)
+    for d in docs:  # each document: up to 4 prompt tokens, then one whole answer
+        toks = tuple(int(x) for x in d.split())
+        assert any(toks[-len(a):] == a and len(toks) - len(a) <= 4 for a in answers), toks
+
+
+def test_the_server_fills_the_cache_from_concurrent_requests_and_reports_it(engine, private_cache):
+    """A real HTTP server (batched scheduler), eight concurrent requests twice: answers equal ar's,
+    the global cache holds whole answers, /metrics reports its size and hit rate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specwood.serve.app import create_app, make_scheduler
+    from test_server import ServerThread
+
+    cache = suffix_cache_for(engine, 4096)
+    cache.clear()
+    refs = {p: engine.generate(p, max_tokens=24, raw=True).text for p in PROMPTS}
+    sched = make_scheduler(engine, max_batch=4, max_queue=32)
+    srv = ServerThread(create_app(engine, sched, method="suffix", options={"suffix_cache_tokens": 4096})).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as http:
+            def ask(p: str) -> str:
+                r = http.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 24,
+                                                       "temperature": 0, "raw": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            for _ in range(2):
+                jobs = PROMPTS * 3
+                with ThreadPoolExecutor(8) as pool:
+                    assert list(pool.map(ask, jobs)) == [refs[p] for p in jobs]
+            r = http.get("/metrics")
+            m = {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    finally:
+        srv.stop()
+    assert m["specwood:suffix_cache_tokens"] == cache.size > 0
+    assert m["specwood:suffix_cache_capacity_tokens"] == 4096
+    assert m["specwood:suffix_cache_answers"] == 18
+    assert 0 < m["specwood:suffix_cache_hit_rate"] <= 1
+    live = [cache.index.token_at(q) for q in range(cache.index.base, cache.index.total)]
+    docs = [d for d in " ".join(map(str, live)).split("-1") if d.strip()]
+    answers = {tuple(engine.generate(p, max_tokens=24, raw=True).token_ids) for p in PROMPTS}
+    assert len(docs) == 18
+    for d in docs:
+        toks = tuple(int(x) for x in d.split())
+        assert any(toks[-len(a):] == a and len(toks) - len(a) <= 4 for a in answers), toks
