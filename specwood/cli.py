@@ -20,6 +20,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if plugin.generate_cli is not None:  # the pipeline's ranks start for the one request
         return plugin.generate_cli(args, load_engine)
     options = plugin.cli_options(args)  # checks that need no model first
+    constraints = constraint_options(args)
     engine = load_engine(args, need_draft=needs_draft_on(args.executor, args.method))
     # a name the engine runs itself ("sequential"; None: the method decides, auto follows the plan)
     built = plugin.build(engine, options)
@@ -32,7 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = engine.generate(
             prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, stop=args.stop, method=args.method, raw=args.raw, on_text=stream, executor=executor,
-            **constraint_options(args), **method_options(args),
+            **constraints, **method_options(args),
         )
     finally:
         if built is not None:

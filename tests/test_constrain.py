@@ -47,6 +47,8 @@ def test_constrained_greedy_is_identical_to_ar(tiny_engine, name):
             out = tiny_engine.generate(prompt, max_tokens=60, raw=True, grammar=grammar, method=method)
             assert out.token_ids == ref.token_ids, (method, prompt, out.text, ref.text)
             assert out.finish_reason == "stop"
+            if name == "forced":  # the forced run is verified as free candidates, not drafted
+                assert out.stats["grammar_forced_tokens"] >= 30, (method, out.stats)
 
 
 def _check_text(name: str, text: str) -> None:
@@ -184,8 +186,6 @@ def test_cli_grammar_and_json_schema(tiny_folder, tmp_path):
     from test_cli import assert_one_line_error, run
 
     (tmp_path / "g.lark").write_text('start: "answer: " /[0-9]{1,3}/ "!"\n')
-    (tmp_path / "s.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
-                                                 "required": ["ok"], "additionalProperties": False}))
     base = ("generate", "hi", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--dtype", "fp32", "--raw",
             "--json", "--max-tokens", "40")
     p = run(*base, "--grammar", str(tmp_path / "g.lark"), "--method", "dyspec", "--logprobs", "2", cache=tmp_path)
@@ -193,8 +193,40 @@ def test_cli_grammar_and_json_schema(tiny_folder, tmp_path):
     out = json.loads(p.stdout)
     assert re.fullmatch(r"answer: [0-9]{1,3}!", out["text"]) and out["finish_reason"] == "stop"
     assert len(out["logprobs"]) == len(out["token_ids"])
-    p = run(*base, "--json-schema", str(tmp_path / "s.json"), cache=tmp_path)
-    assert p.returncode == 0, p.stderr
-    assert json.loads(json.loads(p.stdout)["text"]).keys() == {"ok"}
-    (tmp_path / "bad.lark").write_text("start: missing_rule\n")
-    assert_one_line_error(run(*base, "--grammar", str(tmp_path / "bad.lark"), cache=tmp_path), "grammar")
+    (tmp_path / "bad.json").write_text("{not json")
+    assert_one_line_error(run(*base, "--json-schema", str(tmp_path / "bad.json"), cache=tmp_path), "--json-schema")
+
+
+def test_json_schema_argument(tiny_engine):
+    import json
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    for method in ("ar", "dyspec"):
+        out = tiny_engine.generate("x", max_tokens=30, raw=True, json_schema=schema, method=method)
+        assert json.loads(out.text).keys() == {"ok"} and out.finish_reason == "stop"
+    with pytest.raises(SamplingParamsError, match="json_schema"):
+        tiny_engine.generate("x", max_tokens=4, json_schema="not a dict")
+
+
+def test_penalties_follow_openai_and_hf_semantics():
+    """Presence/frequency count generated tokens (committed + path), repetition every token of
+    prompt + output; bias is added first (reference written densely, one row at a time)."""
+    V, prompt = 12, [1, 2, 2, 9]
+    params = SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.6,
+                            logit_bias=((4, 2.0), (5, -1.0)))
+    proc = Processors(params, prompt, V)
+    proc.commit([3, 4, 3])
+    paths = [(), (5,), (5, 3), (1, 1, 7)]
+    logits = torch.randn(len(paths), V, generator=torch.Generator().manual_seed(0)) * 3
+    got = proc.rows(logits, paths)
+    for i, path in enumerate(paths):
+        generated = [3, 4, 3] + list(path)
+        want = logits[i].clone()
+        want[4] += 2.0
+        want[5] -= 1.0
+        for t in set(prompt + generated):
+            want[t] = want[t] / 1.6 if want[t] > 0 else want[t] * 1.6
+        for t in set(generated):
+            want[t] -= 0.7 * generated.count(t) + 0.3
+        torch.testing.assert_close(got[i], want)

@@ -35,6 +35,27 @@ def processed_drafting(drafting: Drafting, processors: Processors) -> Drafting:
         drafting.close()
 
 
+FORCED_MIN = 2  # a shorter forced run is left to the (masked) drafter, which also drafts past it
+FORCED_MAX = 64
+
+
+def forced_tree(root: int, processors: Processors) -> TokenTree | None:
+    """A chain root -> the grammar's forced run, as "selected" candidates (the deterministic rule
+    verifies them: the target may still prefer another tokenisation of the forced text), or None
+    when fewer than FORCED_MIN tokens are forced. It costs no draft forward; the drafter starts
+    from the end of the run at the next step."""
+    run = processors.forced_run(FORCED_MAX)
+    if len(run) < FORCED_MIN:
+        return None
+    tree = TokenTree.with_root(root, "selected")
+    node = 0
+    for token in run:
+        node = tree.add_node(node, token)
+    processors.forced += len(run)
+    processors.forced_tree = tree
+    return tree
+
+
 def prune_refused(tree: TokenTree, processors: Processors) -> TokenTree:
     """The tree without the "selected" nodes whose path the grammar refuses (and their subtrees);
     the same tree when nothing is refused or there is no grammar."""

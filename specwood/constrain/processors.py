@@ -29,6 +29,14 @@ Path = tuple[int, ...]  # drafted tokens after the committed state (root exclude
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
+def _tally(path: Path, V: int) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for t in path:
+        if t < V:
+            counts[t] = counts.get(t, 0) + 1
+    return counts
+
+
 def tree_paths(tree: TokenTree, nodes: Sequence[int] | None = None) -> list[Path]:
     """The path of every node (or of `nodes`): the tokens from below the root down to it."""
     paths: list[Path] = [()]
@@ -61,6 +69,8 @@ class Processors:
         self._masks: dict[Path, torch.Tensor | None] = {}  # this step's allowed-token rows by path
         self.emitted = 0
         self.pruned = 0  # drafted nodes the grammar refused, removed before the target forward
+        self.forced = 0  # tokens the grammar forced, verified as free candidates
+        self.forced_tree: TokenTree | None = None  # this step's tree, when it is a forced run
 
     # --- grammar ------------------------------------------------------------------------------
 
@@ -99,13 +109,19 @@ class Processors:
             m.rollback(len(stack))
         if m.is_error():
             raise RuntimeError(f"grammar matcher failed while walking a tree: {m.get_error()}")
-        bits = ((bitmask.unsqueeze(-1) >> _BITS) & 1).reshape(len(paths), -1).bool()
-        V = self.vocab_size
-        if bits.shape[1] < V:
-            bits = torch.nn.functional.pad(bits, (0, V - bits.shape[1]))
-        bits = bits[:, :V]
+        bits = self._widen(((bitmask.unsqueeze(-1) >> _BITS) & 1).reshape(len(paths), -1).bool(), self.vocab_size)
         for i, path in enumerate(paths):
             self._masks[path] = bits[i] if valid[i] else None
+
+    def forced_run(self, limit: int) -> list[int]:
+        """The tokens the grammar forces after the committed state (llguidance's fast-forward
+        tokens: canonical, not unique, so they must still be verified), at most `limit`."""
+        m = self.matcher
+        if m is None or m.is_stopped() or limit <= 0:
+            return []
+        run = list(m.compute_ff_tokens())[:limit]
+        ok = self.valid([tuple(run[:i + 1]) for i in range(len(run))])
+        return run[:ok.index(False)] if False in ok else run
 
     def valid(self, paths: Sequence[Path]) -> list[bool]:
         """Whether the grammar accepts each path (always, without a grammar)."""
@@ -118,41 +134,54 @@ class Processors:
     def rows(self, logits: torch.Tensor, paths: Sequence[Path]) -> torch.Tensor:
         """Processed float32 logits [len(paths), V'] (a copy): row i is `logits[i]` after the
         prefix committed + paths[i]. A path the grammar refuses keeps its row unmasked (such a
-        node is unreachable: its token has probability zero at its parent)."""
+        node is unreachable: its token has probability zero at its parent).
+
+        The committed part of the penalties is applied to all rows at once (broadcast over [V]);
+        the few tokens of each path are then corrected one by one, so the cost is O(n V) dense
+        ops plus O(path tokens), not an [n, V] count table per step."""
         out = logits.float().clone()
         n, V = out.shape
         if n == 0:
             return out
+        dev = out.device
         if self.matcher is not None:
-            for i, allowed in enumerate(self.allowed(paths)):
-                if allowed is not None:
-                    keep = allowed[:V] if allowed.shape[0] >= V else torch.nn.functional.pad(allowed, (0, V - allowed.shape[0]))
-                    out[i].masked_fill_(~keep.to(out.device), float("-inf"))
+            every = torch.ones(self.vocab_size, dtype=torch.bool)
+            keep = torch.stack([every if a is None else a for a in self.allowed(paths)])
+            out.masked_fill_(~self._widen(keep, V).to(dev), float("-inf"))
         if self.bias is not None:
-            out[:, :min(V, self.vocab_size)] += self.bias[:V].to(out.device)
+            out += self._widen(self.bias, V).to(dev)
         if self.seen is None and self.counts is None:
             return out
-        r_idx = torch.tensor([i for i, p in enumerate(paths) for _ in p], dtype=torch.long)
-        t_idx = torch.tensor([t for p in paths for t in p], dtype=torch.long)
-        inside = t_idx < V
-        r_idx, t_idx = r_idx[inside], t_idx[inside]
+        per_row = [_tally(p, V) for p in paths]  # {token: count in the path}, per row
         p = self.params
         if self.seen is not None:
-            seen = self._widen(self.seen, V).expand(n, V).clone()
-            seen[r_idx, t_idx] = True
-            seen = seen.to(out.device)
             rp = p.repetition_penalty
-            out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+            seen = self._widen(self.seen, V)
+            out = torch.where(seen.to(dev), torch.where(out > 0, out / rp, out * rp), out)
+            fresh = [(i, t) for i, tally in enumerate(per_row) for t in tally if not seen[t]]
+            if fresh:
+                r, t = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*fresh))
+                v = out[r, t]
+                out[r, t] = torch.where(v > 0, v / rp, v * rp)
         if self.counts is not None:
-            counts = self._widen(self.counts, V).expand(n, V).clone()
-            counts.index_put_((r_idx, t_idx), torch.ones(len(t_idx)), accumulate=True)
-            counts = counts.to(out.device)
-            out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            base = self._widen(self.counts, V)
+            out -= (p.frequency_penalty * base + p.presence_penalty * (base > 0).float()).to(dev)
+            pairs = [(i, t, c) for i, tally in enumerate(per_row) for t, c in tally.items()]
+            if pairs:
+                r, t, c = zip(*pairs)
+                r, t = torch.tensor(r, dtype=torch.long), torch.tensor(t, dtype=torch.long)
+                extra = p.frequency_penalty * torch.tensor(c, dtype=torch.float32) \
+                    + p.presence_penalty * (base[t] == 0).float()  # the path makes the token present
+                out.index_put_((r.to(dev), t.to(dev)), -extra.to(dev), accumulate=True)
         return out
 
     @staticmethod
     def _widen(t: torch.Tensor, V: int) -> torch.Tensor:
-        return t[:V] if t.shape[0] >= V else torch.nn.functional.pad(t, (0, V - t.shape[0]))
+        """`t` cut or zero-padded to V entries in its last dimension (a draft's vocabulary may differ)."""
+        if t.shape[-1] >= V:
+            return t[..., :V]
+        pad = torch.zeros(*t.shape[:-1], V - t.shape[-1], dtype=t.dtype)
+        return torch.cat([t, pad], -1)
 
     def tree_rows(self, tree: TokenTree, logits: torch.Tensor, nodes: Sequence[int] | None = None) -> torch.Tensor:
         """`rows` for the nodes of a tree (all of them, or `nodes`; logits row i <-> node i)."""
@@ -164,6 +193,7 @@ class Processors:
         """The request emitted `tokens` (in order, the new root last): the committed state moves
         on. Nothing after an EOS is output, so it stops there."""
         self._masks.clear()
+        self.forced_tree = None
         taken: list[int] = []
         for t in tokens:
             taken.append(int(t))

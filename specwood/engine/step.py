@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specwood.constrain.drafting import processed_drafting, prune_refused
+from specwood.constrain.drafting import forced_tree, processed_drafting, prune_refused
 from specwood.drafting.base import Drafting
 from specwood.drafting.together import draft_together
 from specwood.engine.request import Request
@@ -52,6 +52,10 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
     drafts: dict[Request, tuple[Drafting, object]] = {}
     for req in requests:
         try:
+            forced = forced_tree(req.root, req.processors) if req.processors is not None and req.drafter.shape else None
+            if forced is not None:  # the grammar's forced run: free candidates, no draft forward
+                trees[req] = forced
+                continue
             shape = req.drafter.shape_for_step(batch_size, len(req.context) + 1, riding)
             if shape is None:
                 trees[req] = plain_tree(req)
@@ -161,9 +165,12 @@ def advance(request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecor
     path = [0] + verdict.accepted
     if request.drafter.source is not None:
         request.drafter.source.commit(tree, verdict.accepted, verdict.next_token)
-    if len(tree) > 1 or request.drafter.shape is not None:
+    # a tree of the grammar's forced run is no draft: neither the stats nor `auto` count it as one
+    forced = request.processors is not None and request.processors.forced_tree is tree
+    if (len(tree) > 1 or request.drafter.shape is not None) and not forced:
         request.stats.record(tree, len(verdict.accepted), cost.draft_s, cost.verify_s)
-    request.drafter.on_step(tree, verdict, cost)
+    if not forced:
+        request.drafter.on_step(tree, verdict, cost)
     request.context.extend(tree.tokens[i] for i in path)
     request.root = verdict.next_token
     emitted = [tree.tokens[i] for i in verdict.accepted] + [verdict.next_token]
