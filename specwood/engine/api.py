@@ -257,15 +257,8 @@ class Engine:
             raise SamplingParamsError("pass grammar or json_schema, not both")
         if not isinstance(json_schema, dict):
             raise SamplingParamsError("json_schema must be a JSON schema object (a dict)")
-        try:
-            from specwood.constrain.grammars import json_schema_grammar  # the HTTP side's compiler
-        except ImportError:  # (before grammars.py lands: llguidance's own compiler)
-            import llguidance
+        from specwood.constrain.grammars import json_schema_grammar  # limits and one-line errors
 
-            try:
-                return llguidance.LLMatcher.grammar_from_json_schema(json_schema)
-            except ValueError as e:
-                raise SamplingParamsError(f"json_schema: {e}") from None
         return json_schema_grammar(json_schema)
 
     def processors_for(self, params: SamplingParams, prompt_ids: list[int]) -> Any:
