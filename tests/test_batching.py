@@ -38,6 +38,7 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
     "dyspec": {"budget": 6},
     "dyspec-threshold": {"budget": 6, "threshold": 0.05},
     "pld": {"budget": 4},
+    "suffix": {"budget": 6},
     "early-exit": {"budget": 4},
     "head": {"budget": 6, "depth": 3, "topk": 2},
     "auto": {"progress": False},

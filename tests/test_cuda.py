@@ -125,3 +125,21 @@ def test_pipeline_stages_on_cuda_match_ar(cuda_engine):
         got = [r.token_ids for r in ex.generate_many(prompts, max_tokens=20)]
         single = ex.generate(prompts[0], max_tokens=20).token_ids
     assert got == want and single == want[0]
+
+
+def test_constrained_and_suffix_methods_on_cuda_equal_ar(cuda_engine):
+    """Grammar masks, penalties and bias (specwood.constrain) on CUDA logits, and the suffix drafts:
+    every method's greedy output equals `ar`'s on the same GPU."""
+    from test_constrain import GRAMMARS, SHAPING
+
+    store_auto_plan(cuda_engine)
+    prompt = "def add(a, b):"
+    for extra in ({"grammar": GRAMMARS["json"]}, {"grammar": GRAMMARS["forced"]}, SHAPING[0], SHAPING[1]):
+        ref = cuda_engine.generate(prompt, max_tokens=40, raw=True, **extra)
+        for method in ("chain", "dyspec", "eagle", "pld", "suffix", "auto"):
+            out = cuda_engine.generate(prompt, max_tokens=40, raw=True, method=method, **extra)
+            assert out.token_ids == ref.token_ids, (method, sorted(extra))
+    ref = cuda_engine.generate("1, 2, 3, 1, 2, 3, 1, 2,", max_tokens=32, raw=True)
+    for _ in range(2):  # the second run drafts from the first's answer in the global suffix cache
+        out = cuda_engine.generate("1, 2, 3, 1, 2, 3, 1, 2,", max_tokens=32, raw=True, method="suffix")
+        assert out.token_ids == ref.token_ids
