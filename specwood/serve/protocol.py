@@ -2,7 +2,7 @@
 
 Parsing is explicit (not pydantic) so that every mistake in a body becomes one clear 400 with the
 OpenAI error shape and the name of the offending parameter, never a 422 or a 500. Fields the
-engine cannot honour (n > 1, logprobs, tools, penalties, ...) are rejected when set to anything
+engine cannot honour (best_of > 1, logprobs, tools, penalties, ...) are rejected when set to anything
 but their neutral value; harmless ones (user, metadata, store, ...) and unknown ones are ignored.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inval
                500: "server_error", 503: "service_unavailable_error"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of the legacy endpoint
+MAX_CHOICES = 8  # the most choices (`n`) one request may ask for
 
 
 MAX_STOP_STRINGS = 16
@@ -70,6 +71,7 @@ class GenerationRequest:
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     method: str | None = None
+    n: int = 1  # choices: requests of their own, seeded seed + i, sharing the prompt's prefill
 
     @property
     def raw(self) -> bool:
@@ -153,6 +155,10 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
         raise ProtocolError(f"method must be a non-empty string naming a decoding method, got {method!r}",
                             param="method")
     req.method = method.strip() if method is not None else None
+    n = _opt_int(body, "n", minimum=1)
+    if n is not None and n > MAX_CHOICES:
+        raise ProtocolError(f"n must be <= {MAX_CHOICES} (choices per request), got {n}", param="n")
+    req.n = n or 1
     return req
 
 
@@ -261,11 +267,11 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
 }
-CHAT_UNSUPPORTED = ("n", "logprobs", "top_logprobs", "tools", "functions", "tool_choice", "function_call",
+CHAT_UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "tool_choice", "function_call",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
                     "ignore_eos", "response_format", "modalities", "audio", "prediction", "guided_json",
                     "guided_regex", "guided_choice", "guided_grammar")
-COMPLETION_UNSUPPORTED = ("n", "best_of", "logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
+COMPLETION_UNSUPPORTED = ("best_of", "logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
                           "repetition_penalty", "logit_bias", "min_p", "min_tokens", "ignore_eos", "guided_json",
                           "guided_regex", "guided_choice", "guided_grammar")
 
@@ -348,9 +354,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: prompt tokens whose K/V came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def jsonable(v: Any) -> Any:
