@@ -31,7 +31,7 @@ def token_array(tokens: Sequence[int]) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int64)
 
 
-@dataclass
+@dataclass(eq=False)  # entries are compared by identity (list.remove)
 class Entry:
     """One cached prefix: its token ids and their K/V [layers, H_kv, n, D] from one pool."""
 
