@@ -237,3 +237,16 @@ def test_n_choices_are_each_distributed_as_a_request_alone(tiny_engine):
     first = law.sum(axis=1)
     expected_same = float((first ** 2).sum())  # two independent first tokens agree this often
     assert abs(same / trials - expected_same) < 5 * np.sqrt(expected_same * (1 - expected_same) / trials) + 0.02
+
+
+def test_kv_memory_sizes_and_the_warning_past_the_machines_ram():
+    from specwood.errors import SpecwoodError
+    from specwood.serve.kv_memory import budget_warning, machine_ram, parse_size
+
+    assert parse_size("123") == 123 and parse_size("512M") == 512 << 20 and parse_size("1.5GiB") == 3 << 29
+    with pytest.raises(SpecwoodError, match="--kv-memory"):
+        parse_size("lots")
+    ram = machine_ram()
+    assert ram and budget_warning(ram // 2) is None
+    line = budget_warning(2 * ram)
+    assert line is not None and "\n" not in line and str(ram) in line and str(2 * ram) in line

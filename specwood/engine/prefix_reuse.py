@@ -72,12 +72,16 @@ class PrefixReuse:
             self.running.remove(req)
 
     def keep(self, req: Request, target: KVCache) -> None:
-        """A request that finished: its committed tokens (the context before the root) as entries."""
+        """A request that finished: its committed tokens (the context before the root) as entries,
+        up to its last emitted token: a last step may commit tokens past max_tokens or a stop
+        string, which no next turn's prompt holds (entries that end there would never be
+        extended by the next turn's, and both would be kept)."""
+        tokens = req.context[:len(req.prompt_ids) + len(req.out.token_ids)]
         if req.row is not None and target_reusable(req):
-            self.cache.store(target, req.row, req.context)
+            self.cache.store(target, req.row, tokens)
         if draft_reusable(req):
             src = req.drafter.source
-            self.cache.store(src.cache, src.row, req.context)
+            self.cache.store(src.cache, src.row, tokens)
 
     # --- newcomers prefilling together ----------------------------------------------------------
 

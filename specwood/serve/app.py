@@ -517,7 +517,7 @@ def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64,
                                       max_queue=max_queue, kv_memory=None if kv_memory == 0 else kv_memory or 0)
     reuse = getattr(scheduler.executor, "reuse", None)
     if kv_memory is None and reuse is not None:
-        reuse.cache.budget_bytes = default_kv_memory()  # measured after the rows are allocated
+        reuse.cache.budget_bytes = default_kv_memory(scheduler.executor.cache.k.device)  # after the rows
     return scheduler
 
 

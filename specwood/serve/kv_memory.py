@@ -1,13 +1,15 @@
 """`--kv-memory`: how many bytes of finished requests' K/V the server keeps for reuse.
 
 A size is bytes, or a number with a binary suffix (K, M, G, T; "2G" = 2 GiB). Without the flag the
-budget is half the memory the machine has available once the model and the cache rows are in
-place; 0 turns prefix reuse off.
+budget is half the memory available (on the cache's device) once the model and the cache rows
+are in place; 0 turns prefix reuse off.
 """
 from __future__ import annotations
 
 import os
 import re
+
+import torch
 
 from specwood.errors import SpecwoodError
 
@@ -45,8 +47,13 @@ def machine_ram() -> int | None:
     return total
 
 
-def default_kv_memory() -> int:
-    """Half the memory available now (1 GiB where it cannot be read)."""
+def default_kv_memory(device: torch.device | str = "cpu") -> int:
+    """Half the memory available now on `device` (the entries live beside the cache rows; 1 GiB
+    where it cannot be read)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_SHARE)
     available = _meminfo("MemAvailable")
     return int(available * DEFAULT_SHARE) if available is not None else 1 << 30
 
