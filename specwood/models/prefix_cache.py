@@ -117,7 +117,7 @@ class PrefixCache:
         want = token_array(tokens[:limit])
         best, source = start, None
         for other, held in live:
-            if other != row and cache.lengths[other] > best:
+            if other != row and cache.lengths[other] > best and start < len(want) and held[start] == want[start]:
                 m = common_prefix(token_array(held[:cache.lengths[other]]), want)
                 if m > best:
                     best, source = m, other
