@@ -109,6 +109,7 @@ def access_of(args: argparse.Namespace) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specwood.serve.app import DEFAULT_MAX_CONTEXT, bind_socket, serve
+    from specwood.serve.kv_memory import parse_size
 
     # cheap checks first, so a typo or a busy port fails before the model load
     check_backend_args(args)
@@ -126,6 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         ("--max-body-bytes", args.max_body_bytes), ("--max-connections", args.max_connections)):
         if value < 1:
             raise SpecwoodError(f"{flag} must be >= 1, got {value}")
+    kv_memory = parse_size(args.kv_memory) if args.kv_memory is not None else None
     if args.max_context is None:
         args.max_context = DEFAULT_MAX_CONTEXT
     elif args.max_context < 2:
@@ -141,7 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor,
               background=planner, max_body_bytes=args.max_body_bytes, access=access, drain_timeout=args.drain_timeout,
               request_timeout=args.request_timeout, read_timeout=args.read_timeout,
-              max_connections=args.max_connections)
+              max_connections=args.max_connections, kv_memory=kv_memory)
     finally:
         sock.close()
         if planner is not None and planner.poll() is None:
@@ -244,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they end (streams with "
                         "an error event and [DONE]); a second signal ends at once (default 30)")
+    s.add_argument("--kv-memory", default=None,
+                   help="bytes (or 512M, 4G, ...) of finished requests' K/V kept so that a request sharing their "
+                        "prefix (the next turn of a chat, a common system prompt) prefills only the rest; "
+                        "default: half the memory available at start-up; 0: no reuse")
     s.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413 (default 2 MiB)")
     s.add_argument("--read-timeout", type=float, default=30.0,

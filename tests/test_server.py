@@ -425,7 +425,7 @@ BAD_INPUTS = [
     ("chat", {"messages": CHATS[0], "temperature": 1000}, "temperature"),
     ("chat", {"messages": CHATS[0], "top_p": 0}, "top_p"),
     ("chat", {"messages": CHATS[0], "top_p": 1.5}, "top_p"),
-    ("chat", {"messages": CHATS[0], "n": 2}, "n"),
+    ("chat", {"messages": CHATS[0], "n": 9}, "n"),
     ("chat", {"messages": CHATS[0], "logprobs": "yes"}, "logprobs"),
     ("chat", {"messages": CHATS[0], "tools": [{"type": "function", "function": {"name": "a b"}}]},
      "tools[0].function.name"),
@@ -434,7 +434,7 @@ BAD_INPUTS = [
     ("completion", {"prompt": "hi", "best_of": 2}, "best_of"),
     ("completion", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("completion", {"prompt": "hi", "echo": True}, "echo"),
-    ("completion", {"prompt": "hi", "n": 3}, "n"),
+    ("completion", {"prompt": "hi", "n": 0}, "n"),
     ("chat", {"messages": CHATS[0], "method": "nope"}, "method"),
     ("chat", {"messages": CHATS[0], "method": 3}, "method"),
     ("chat", {"messages": CHATS[0], "method": "early-exit", "stream": True, "user": "u"}, "OK"),  # a control
@@ -518,7 +518,7 @@ def test_health_answers_while_a_prompt_is_being_tokenised(server, engine, monkey
 
 def test_bad_input_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=CHATS[0], n=2)
+        client.chat.completions.create(model="tiny", messages=CHATS[0], n=9)
     assert e.value.status_code == 400 and "n" == e.value.body["param"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="other-model", prompt="x")

@@ -20,6 +20,7 @@ from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
 from specwood.models.config import ModelConfig
 from specwood.models.linears import int4_available
+from specwood.models.prefix_cache import PrefixCache
 from specwood.models.transformer import Transformer, build_model
 from specwood.sampling import SamplingParams
 
@@ -145,15 +146,18 @@ class Engine:
         return self._scheduler
 
     def make_scheduler(self, *, max_batch: int = 8, row_len: int | None = None, max_queue: int = 64,
-                       growable: bool = False) -> Scheduler:
+                       growable: bool = False, kv_memory: int | None = None) -> Scheduler:
         """A scheduler for this engine's target: continuous batching on torch; on a runner-backed
-        target (llama.cpp: one KV sequence) requests take turns, whatever `max_batch` says."""
+        target (llama.cpp: one KV sequence) requests take turns, whatever `max_batch` says (and
+        nothing is reused across requests). `kv_memory`: bytes of finished requests' K/V kept for
+        newcomers that share their prefix (specwood.models.prefix_cache); None keeps none."""
         runner = getattr(self.target, "runner", None)
         if runner is not None:
             return Scheduler(RunnerExecutor(runner), max_batch=1, max_queue=max_queue)
         drafts = tuple(m for m in (self.draft_model, self.draft_head) if m is not None)
+        prefix = PrefixCache(kv_memory) if kv_memory is not None else None
         return Scheduler(self.target, max_batch=max_batch, row_len=row_len, max_queue=max_queue, growable=growable,
-                         drafts=drafts)
+                         drafts=drafts, prefix_cache=prefix)
 
     def prepare(self, method: str, options: dict[str, Any] | None = None) -> "DrafterFactory":
         """Validate a method and its options once (`auto` loads its plan here)."""

@@ -158,6 +158,7 @@ class Request:
         self.t_admitted: float | None = None  # when it left the queue
         self.row: int | None = None  # target cache row
         self.prefilled = 0  # prompt tokens in the target cache
+        self.cached_tokens = 0  # of those, how many came from the prefix cache (not computed for it)
         self.draft_prefilled = 0
         self.root: int | None = None  # newest token: emitted, not yet in the target cache
         self.context: list[int] = list(prompt_ids)  # every token before the root

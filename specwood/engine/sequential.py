@@ -17,6 +17,8 @@ import torch
 
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.executor import Executor
+from specwood.engine.output import GenerationResult
+from specwood.engine.prefix_reuse import PrefixReuse
 from specwood.engine.request import Request, State
 from specwood.engine.step import (StepRecord, commit, draft_trees, first_token, hand_prompt_features, hand_tree_features,
                                   plain_tree, target_forward, tree_rows, verify_tree, wants_features)
@@ -25,6 +27,7 @@ from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
 from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
 from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_outputs, prefill_rows_features
+from specwood.models.prefix_cache import PrefixCache
 from specwood.models.transformer import Transformer
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
@@ -36,10 +39,12 @@ class SequentialExecutor(Executor):
     """Batched steps in this process: `max_batch` cache rows, continuous batching (see the module)."""
 
     name = "sequential"
+    reuse: PrefixReuse | None = None  # prefix reuse across requests (specwood.engine.prefix_reuse)
 
     def __init__(self, target: Transformer, *, max_batch: int = 8, row_len: int | None = None,
                  prefill_chunk_tokens: int = 64, growable: bool = False, tree_room: int = TREE_ROOM,
-                 cuda_graphs: bool | None = None, drafts: tuple[Any, ...] = ()):
+                 cuda_graphs: bool | None = None, drafts: tuple[Any, ...] = (),
+                 prefix_cache: PrefixCache | None = None):
         if max_batch < 1:
             raise SpecwoodError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
@@ -56,6 +61,8 @@ class SequentialExecutor(Executor):
         # every decode step is ~30% slower on 2 cores (BENCHMARKS.md §9d).
         self._draft_pools: dict[int, tuple[Transformer, KVCache]] = {
             id(m): (m, self._pool(m)) for m in drafts if isinstance(m, Transformer)}
+        # finished requests' committed K/V, and running ones' prefixes, for newcomers to start from
+        self.reuse = PrefixReuse(prefix_cache) if prefix_cache is not None else None
 
     # --- pools --------------------------------------------------------------------------------
 
@@ -89,6 +96,8 @@ class SequentialExecutor(Executor):
         self.row_len = -(-needed // 256) * 256
         self.cache = self._pool(self.target)
         self._draft_pools = {k: (m, self._pool(m)) for k, (m, _) in self._draft_pools.items()}
+        if self.reuse is not None:  # entries name the pools they came from
+            self.reuse.cache.clear()
 
     # --- admission and release ----------------------------------------------------------------
 
@@ -99,8 +108,17 @@ class SequentialExecutor(Executor):
         req.row = self.cache.allocate()
         if req.uses_draft_model:
             req.attach_draft()
+        if self.reuse is not None:
+            self.reuse.admitted(req, self.cache)
+
+    def finish(self, req: Request, result: GenerationResult | None = None) -> None:
+        if self.reuse is not None:  # before the scheduler releases its rows
+            self.reuse.keep(req, self.cache)
+        super().finish(req, result)
 
     def release(self, req: Request) -> None:
+        if self.reuse is not None:
+            self.reuse.released(req)
         if req.row is not None:
             self.cache.release(req.row)
             req.row = None
@@ -144,14 +162,18 @@ class SequentialExecutor(Executor):
         """Split the step's prefill into chunks (request, start, end) per model, the target's and
         the draft's side by side (the draft's prefill is part of the time to first token); run
         the draft models' chunks (one forward per draft pool) and return the target's."""
-        each, in_all = self.prefill_share(len(requests), decoding)
+        waiting: dict[bool, set[Request]] = {False: set(), True: set()}
+        if self.reuse is not None:  # shared prompt tokens: computed by one newcomer, copied by the others
+            self.reuse.catch_up(requests, self.cache)
+            waiting = {draft: self.reuse.followers(requests, draft) for draft in (False, True)}
+        each, in_all = self.prefill_share(max(1, len(requests) - len(waiting[False])), decoding)
         target_chunks, draft_chunks = [], []
         left = {False: in_all, True: in_all}
         for req in requests:
             n = len(req.prompt_ids)
             sides = ((False, req.prefilled, target_chunks), (True, req.draft_prefilled, draft_chunks))
             for draft, done, chunks in sides:
-                if draft and not req.uses_draft_model:
+                if draft and not req.uses_draft_model or req in waiting[draft]:
                     continue
                 take = min(n - done, each, left[draft])
                 if take > 0:

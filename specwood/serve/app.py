@@ -28,10 +28,12 @@ from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.request import Request
 from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
 from specwood.errors import ContextLengthError, DeadlineExceeded, GrammarError, SamplingParamsError, SpecwoodError
+from specwood.sampling import SEED_LIMIT
 from specwood.serve import protocol as P
 from specwood.serve.background import pause_while_busy
 from specwood.serve.connections import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, uvicorn_limits
 from specwood.serve.guard import Access, guard_app
+from specwood.serve.kv_memory import budget_warning, default_kv_memory
 from specwood.serve.metrics import ServerMetrics
 from specwood.serve.openapi import chat_body, completion_body, generation_operation
 from specwood.serve.pipeline_methods import PipelineMethods
@@ -105,18 +107,19 @@ class _Methods:
 
 
 class _Job:
-    """One request's bridge from the scheduler thread into the event loop."""
+    """One request's bridge from the scheduler thread into the event loop: its items go to a
+    queue that the `n` choices of one HTTP request share, tagged with the choice's index."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool):
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int = 0):
         self.loop = loop
-        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.stream = stream
+        self.queue = queue
+        self.index = index
         self.req: Request | None = None
         self.logprobs_sent = 0  # entries of req.out.logprobs already put in a chunk
 
     def _put(self, item: tuple[str, Any]) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (*item, self.index))
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
@@ -136,6 +139,12 @@ class _Job:
 
     def on_finish(self, req: Request) -> None:  # scheduler thread
         self._put(("done", None))
+
+
+def _usage(reqs: list[Request], completion_tokens: int) -> dict[str, Any]:
+    """The usage of the choices of one request (the prompt counted once): prompt tokens that none
+    of them computed (the prefix cache's) as OpenAI's cached_tokens."""
+    return P.usage(len(reqs[0].prompt_ids), completion_tokens, min(getattr(r, "cached_tokens", 0) for r in reqs))
 
 
 def _failure_status(req: Request) -> tuple[int, str]:
@@ -290,9 +299,25 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                                 f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} to "
                                 f"generate): lower {field} or shorten the prompt", param=field,
                                 code="context_length_exceeded")
-        job = _Job(asyncio.get_running_loop(), g.stream)
-        rid = P.new_id(kind)
+        loop, queue, rid = asyncio.get_running_loop(), asyncio.Queue(), P.new_id(kind)
+        jobs: list[_Job] = []  # the n choices: requests of their own, sharing the prompt's prefill
+        for i in range(g.n):
+            job = _Job(loop, queue, i)
+            try:
+                _submit(g, prompt_ids, max_tokens, method_name, prepared, job, arrival, rid if g.n == 1 else f"{rid}-{i}")
+            except BaseException:
+                for queued in jobs:  # the choices already queued end with the one refused
+                    queued.req.cancel()
+                raise
+            jobs.append(job)
+        if g.stream:
+            return StreamingResponse(_stream(http, g, kind, rid, jobs, queue), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _complete(http, g, kind, rid, [job.req for job in jobs], queue)
 
+    def _submit(g: GenerationRequest, prompt_ids: list[int], max_tokens: int, method_name: str, prepared: Any,
+                job: _Job, arrival: float, request_id: str) -> Request:
+        """One choice as a request in the scheduler's queue (choice i seeded seed + i)."""
         def on_finish(req: Request) -> None:  # scheduler thread
             metrics.request_finished(req, arrival)
             job.on_finish(req)
@@ -300,11 +325,12 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         extra = g.sampling_options()  # only what is set: a plain request takes the plain path
         if g.grammar is not None:
             extra["grammar"] = g.grammar
+        seed = None if g.seed is None else (g.seed + job.index) % SEED_LIMIT
         try:
             req = scheduler.make_request(engine, prompt_ids, max_tokens=max_tokens, temperature=g.temperature,
-                                         top_p=g.top_p, top_k=g.top_k, seed=g.seed, stop=g.stop or None,
+                                         top_p=g.top_p, top_k=g.top_k, seed=seed, stop=g.stop or None,
                                          method=method_name, raw=g.raw, on_text=job.on_text if g.stream else None,
-                                         prepared=prepared, on_finish=on_finish, request_id=rid, **extra)
+                                         prepared=prepared, on_finish=on_finish, request_id=request_id, **extra)
         except SpecwoodError as e:
             raise ProtocolError(str(e), param=_param_of(e), code=_code_of(e)) from None
         job.req = req
@@ -317,10 +343,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             req.drafter.close()
             raise ProtocolError(str(e), code="queue_full", status=503,
                                 headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        if g.stream:
-            return StreamingResponse(_stream(http, g, kind, rid, req, job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(http, g, kind, rid, req, job)
+        return req
 
     def _parse(raw: bytes, kind: str) -> tuple[dict[str, Any], GenerationRequest]:
         body = P.parse_json(raw)
@@ -366,105 +389,133 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         return chat_logprobs(entries, token_bytes) if kind == "chat" else completion_logprobs(entries, token_bytes,
                                                                                              offset)
 
-    async def _complete(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, req: Request,
-                        job: _Job) -> Response:
-        finished = asyncio.ensure_future(job.queue.get())  # non-streamed: the only item is "done"
-        gone = asyncio.ensure_future(_until_disconnect(http))
-        try:
-            await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not finished.done():
-                finished.cancel()
-                req.cancel()  # the client went away (or the server is stopping)
-        if not req.done.is_set():
-            return Response(status_code=499)  # nobody is listening
-        if req.error is not None:
-            status, code = _failure_status(req)
-            return JSONResponse(P.error_body(req.error, status, code=code), status_code=status)
-        res = req.result
-        assert res is not None
+    def _answer(g: GenerationRequest, res: Any) -> tuple[str, str, list[Any] | None]:
+        """A finished choice's text, finish reason and parsed tool calls (finish_reason "tool_calls",
+        unless the answer ran out of tokens after them)."""
         text, finish, calls = res.text, res.finish_reason, None
         if g.calls_tools:
             text, parsed = ToolCallText(tool_format).finish(answer_text(engine.tokenizer, res.text, res.token_ids,
                                                                          tool_format))
-            if parsed:  # finish_reason "tool_calls", unless the answer ran out of tokens after them
+            if parsed:
                 calls, finish = P.tool_call_objects(parsed), "tool_calls" if finish == "stop" else finish
-        return JSONResponse(P.completion_response(kind, rid, P.now(), name, text, finish,
-                                                  P.usage(len(req.prompt_ids), len(res.token_ids)), res.stats,
-                                                  tool_calls=calls,
-                                                  logprobs=_logprobs(kind, res.logprobs)))
+        return text, finish, calls
 
-    async def _stream(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, req: Request,
-                      job: _Job) -> AsyncIterator[str]:
+    async def _complete(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, reqs: list[Request],
+                        queue: asyncio.Queue) -> Response:
+        left = len(reqs)  # non-streamed: the only items are each choice's "done"
+        gone = asyncio.ensure_future(_until_disconnect(http))
+        item: asyncio.Future | None = None
+        try:
+            while left:
+                item = asyncio.ensure_future(queue.get())
+                await asyncio.wait({item, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not item.done():
+                    break
+                left -= 1
+        finally:
+            gone.cancel()
+            if item is not None and not item.done():
+                item.cancel()
+            for req in reqs:
+                if not req.done.is_set():
+                    req.cancel()  # the client went away (or the server is stopping)
+        if not all(req.done.is_set() for req in reqs):
+            return Response(status_code=499)  # nobody is listening
+        failed = next((req for req in reqs if req.error is not None), None)
+        if failed is not None:
+            status, code = _failure_status(failed)
+            return JSONResponse(P.error_body(failed.error, status, code=code), status_code=status)
+        results = [req.result for req in reqs]
+        usage = _usage(reqs, sum(len(res.token_ids) for res in results))
+        body: dict[str, Any] = {}
+        for i, res in enumerate(results):
+            text, finish, calls = _answer(g, res)
+            one = P.completion_response(kind, rid, P.now(), name, text, finish, usage, res.stats if i == 0 else {},
+                                        tool_calls=calls, logprobs=_logprobs(kind, res.logprobs))
+            if i == 0:
+                body = one
+            else:
+                body["choices"].append({**one["choices"][0], "index": i})
+        return JSONResponse(body)
+
+    async def _stream(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, jobs: list[_Job],
+                      queue: asyncio.Queue) -> AsyncIterator[str]:
         t = P.now()
-        prompt_tokens = len(req.prompt_ids)
+        reqs = [job.req for job in jobs]
         with_usage = g.include_usage or g.continuous_usage
 
-        def chunk(**kw: Any) -> str:
+        def chunk(index: int, **kw: Any) -> str:
             n = kw.pop("tokens", None)
-            u = P.usage(prompt_tokens, n) if g.continuous_usage and n is not None else None
-            return P.sse(P.stream_chunk(kind, rid, t, name, usage_=u, with_usage=with_usage, **kw))
+            u = _usage([reqs[index]], n) if g.continuous_usage and n is not None else None
+            body = P.stream_chunk(kind, rid, t, name, usage_=u, with_usage=with_usage, **kw)
+            body["choices"][0]["index"] = index
+            return P.sse(body)
 
         # starlette also cancels this generator when the client goes (ASGI < 2.4 servers such as
         # uvicorn); watching here too covers a request still queued on any server
         gone = asyncio.ensure_future(_until_disconnect(http))
         item: asyncio.Future | None = None
-        calls_text = ToolCallText(tool_format) if g.calls_tools else None
-        offset = 0  # characters of the completion's text covered by the logprobs sent (completions)
+        calls_texts = [ToolCallText(tool_format) if g.calls_tools else None for _ in jobs]
+        offsets = [0] * len(jobs)  # per choice: characters of its text covered by the logprobs sent (completions)
 
-        def logprobs(entries: list[Any] | None) -> dict[str, Any] | None:
-            nonlocal offset
-            out = _logprobs(kind, entries, offset)
+        def logprobs(i: int, entries: list[Any] | None) -> dict[str, Any] | None:
+            out = _logprobs(kind, entries, offsets[i])
             if out is not None and kind != "chat":
-                offset += sum(len(t) for t in out["tokens"])
+                offsets[i] += sum(len(t) for t in out["tokens"])
             return out
 
         try:
             if kind == "chat":
-                yield chunk(role=True, tokens=0)
-            while True:
-                item = asyncio.ensure_future(job.queue.get())
+                for i in range(len(reqs)):
+                    yield chunk(i, role=True, tokens=0)
+            left = len(reqs)
+            while left:
+                item = asyncio.ensure_future(queue.get())
                 await asyncio.wait({item, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not item.done():
                     item.cancel()
                     return
-                what, value = item.result()
-                if what == "done":
-                    break
-                delta, n, entries = value
+                what, value, i = item.result()
+                calls_text = calls_texts[i]
+                if what == "text":
+                    delta, n, entries = value
+                    if calls_text is not None:
+                        delta = calls_text.feed(delta)
+                        if not delta and not entries:
+                            continue
+                    yield chunk(i, text=delta, tokens=n, logprobs=logprobs(i, entries))
+                    continue
+                left -= 1
+                req = reqs[i]
+                if req.error is not None:
+                    status, code = _failure_status(req)
+                    yield P.sse(P.error_body(req.error, status, code=code))
+                    yield P.sse("[DONE]")
+                    return
+                res = req.result
+                assert res is not None
+                finish = res.finish_reason
                 if calls_text is not None:
-                    delta = calls_text.feed(delta)
-                    if not delta and not entries:
-                        continue
-                yield chunk(text=delta, tokens=n, logprobs=logprobs(entries))
-            if req.error is not None:
-                status, code = _failure_status(req)
-                yield P.sse(P.error_body(req.error, status, code=code))
-                yield P.sse("[DONE]")
-                return
-            res = req.result
-            assert res is not None
-            finish = res.finish_reason
-            if calls_text is not None:
-                rest, parsed = calls_text.finish(answer_text(engine.tokenizer, res.text, res.token_ids, tool_format))
-                if rest:
-                    yield chunk(text=rest, tokens=len(res.token_ids))
-                if parsed:
-                    yield chunk(tool_calls=P.tool_call_objects(parsed, streamed=True), tokens=len(res.token_ids))
-                    finish = "tool_calls" if finish == "stop" else finish
-            yield chunk(text=None if kind == "chat" else "", finish_reason=finish, tokens=len(res.token_ids),
-                        logprobs=logprobs(job.new_logprobs()))
+                    rest, parsed = calls_text.finish(answer_text(engine.tokenizer, res.text, res.token_ids,
+                                                                 tool_format))
+                    if rest:
+                        yield chunk(i, text=rest, tokens=len(res.token_ids))
+                    if parsed:
+                        yield chunk(i, tool_calls=P.tool_call_objects(parsed, streamed=True), tokens=len(res.token_ids))
+                        finish = "tool_calls" if finish == "stop" else finish
+                yield chunk(i, text=None if kind == "chat" else "", finish_reason=finish, tokens=len(res.token_ids),
+                            logprobs=logprobs(i, jobs[i].new_logprobs()))
             if g.include_usage:
-                yield P.sse(P.usage_chunk(kind, rid, t, name, P.usage(prompt_tokens, len(res.token_ids)),
-                                          res.stats))
+                total = sum(len(req.result.token_ids) for req in reqs)
+                yield P.sse(P.usage_chunk(kind, rid, t, name, _usage(reqs, total), reqs[0].result.stats))
             yield P.sse("[DONE]")
         finally:
             gone.cancel()
             if item is not None and not item.done():
                 item.cancel()
-            if not req.done.is_set():
-                req.cancel()  # the client went away (or the server is stopping)
+            for req in reqs:
+                if not req.done.is_set():
+                    req.cancel()  # the client went away (or the server is stopping)
 
     return guard_app(app, access)
 
@@ -550,14 +601,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64) -> Scheduler:
-    """The server's scheduler: `max_batch` cache rows of the engine's whole context (plus tree room)."""
+def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64,
+                   kv_memory: int | None = None) -> Scheduler:
+    """The server's scheduler: `max_batch` cache rows of the engine's whole context (plus tree room),
+    and a prefix cache of `kv_memory` bytes (None: half the memory available once the rows are in
+    place; 0: no reuse across requests)."""
     if max_batch < 1:
         raise SpecwoodError(f"--max-batch must be >= 1, got {max_batch}")
     if max_queue < 1:
         raise SpecwoodError(f"--max-queue must be >= 1, got {max_queue}")
-    return engine.make_scheduler(max_batch=max_batch, row_len=int(engine.max_context) + TREE_ROOM,
-                                 max_queue=max_queue)
+    if kv_memory is not None and kv_memory < 0:
+        raise SpecwoodError(f"--kv-memory must be >= 0 bytes, got {kv_memory}")
+    scheduler = engine.make_scheduler(max_batch=max_batch, row_len=int(engine.max_context) + TREE_ROOM,
+                                      max_queue=max_queue, kv_memory=None if kv_memory == 0 else kv_memory or 0)
+    reuse = getattr(scheduler.executor, "reuse", None)
+    if kv_memory is None and reuse is not None:
+        reuse.cache.budget_bytes = default_kv_memory(scheduler.executor.cache.k.device)  # after the rows
+    return scheduler
 
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
@@ -565,7 +625,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
           sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None,
           background: Any = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
           drain_timeout: float = DEFAULT_DRAIN_S, request_timeout: float | None = None,
-          read_timeout: float = DEFAULT_READ_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+          read_timeout: float = DEFAULT_READ_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+          kv_memory: int | None = None) -> None:
     """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line. On the
     signal it stops accepting requests and drains: running requests get `drain_timeout` seconds
     to finish, then end (streams with an error event and [DONE]); a second signal ends at once.
@@ -574,14 +635,20 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
     continuous-batching scheduler. background: a child process (group leader) that may only
     run while the server is idle (the plan measured in the background; `pause_while_busy`).
     read_timeout: seconds a request's headers, and then its body, may take to arrive;
-    max_connections: open connections served, requests on more get 503 (connections.py)."""
+    max_connections: open connections served, requests on more get 503 (connections.py);
+    kv_memory: bytes of finished requests' K/V kept for reuse (`make_scheduler`; the other
+    executors reuse nothing)."""
     import uvicorn
 
     sock = sock or bind_socket(host, port)
     if executor is not None:  # DuoDecoding's worker or SpecPipe's ranks (specwood.engine.executor)
         scheduler = Scheduler(executor, max_batch=max_batch, max_queue=max_queue)
     else:
-        scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+        scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue, kv_memory=kv_memory)
+    reuse = getattr(scheduler.executor, "reuse", None)
+    warning = budget_warning(reuse.cache.budget_bytes) if reuse is not None else None
+    if warning:
+        _log(warning)
     scheduler.request_timeout_s = request_timeout
     app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes,
                      access=access.for_bind(str(sock.getsockname()[0])), read_timeout=read_timeout)

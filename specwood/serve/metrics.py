@@ -11,6 +11,7 @@ import threading
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specwood.drafting.suffix_source import suffix_caches
 from specwood.engine.request import Request, State
@@ -102,6 +103,7 @@ class ServerMetrics:
                                ("suffix_cache_hits", "Lookups that found a continuation", "hits"),
                                ("suffix_cache_hit_rate", "Hits over lookups of the global suffix cache", "hit_rate")):
             Gauge(P + name, doc, registry=r).set_function(lambda key=key: _suffix_total(key))
+        r.register(PrefixCacheCollector(scheduler))
         if model_name:
             Gauge(P + "model_info", "The served model", ["model_name"], registry=r).labels(model_name).set(1)
         self._pending: dict[Request, float] = {}  # submitted, not yet seen running -> arrival time
@@ -206,3 +208,34 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCollector:
+    """The prefix cache's counts at scrape time (specwood.models.prefix_cache; zeros where the
+    executor reuses nothing): tokens looked up and found per model, bytes held, evictions."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        reuse = getattr(self.scheduler.executor, "reuse", None)
+        cache = reuse.cache if reuse is not None else None
+        queries = CounterMetricFamily(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels=["model"])
+        hits = CounterMetricFamily(P + "prefix_cache_hits", "Prompt tokens whose K/V came from the prefix cache "
+                                   "(a finished request's entry or a running request's row) instead of a prefill",
+                                   labels=["model"])
+        evictions = CounterMetricFamily(P + "prefix_cache_evictions", "Prefix cache entries evicted to fit the "
+                                        "budget (least recently used first)")
+        held = GaugeMetricFamily(P + "prefix_cache_bytes", "Bytes of K/V held by prefix cache entries")
+        budget = GaugeMetricFamily(P + "prefix_cache_budget_bytes", "The prefix cache's budget (--kv-memory)")
+        tokens = GaugeMetricFamily(P + "prefix_cache_tokens", "Tokens held by prefix cache entries (all models)")
+        for model in ("target", "draft"):
+            stats = cache.stats if cache is not None else None
+            queries.add_metric([model], stats.query_tokens.get(model, 0) if stats else 0)
+            hits.add_metric([model], stats.hit_tokens.get(model, 0) if stats else 0)
+        evictions.add_metric([], cache.stats.evictions if cache is not None else 0)
+        held.add_metric([], cache.nbytes if cache is not None else 0)
+        budget.add_metric([], cache.budget_bytes if cache is not None else 0)
+        tokens.add_metric([], cache.cached_tokens if cache is not None else 0)
+        return [queries, hits, evictions, held, budget, tokens]

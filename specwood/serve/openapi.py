@@ -68,6 +68,8 @@ def _common(model: str, methods: list[str], max_context: int) -> dict[str, Any]:
         "stream": {"type": ["boolean", "null"]},
         "stream_options": {"type": ["object", "null"], "description": "only with stream: true", "properties": {
             "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}},
+        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": P.MAX_CHOICES,
+              "description": "choices, each its own request seeded seed + i; the prompt is prefilled once"},
         "method": {"type": "string", "enum": methods,
                    "description": "specwood's extension: the decoding method (default: the server's)"},
     }

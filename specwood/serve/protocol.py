@@ -2,10 +2,11 @@
 
 Parsing is explicit (not pydantic) so that every mistake in a body becomes one clear 400 with the
 OpenAI error shape and the name of the offending parameter, never a 422 or a 500. Fields the
-engine cannot honour (n > 1, echo, best_of, ...) are rejected when set to anything but their
-neutral value; harmless ones (user, metadata, store, ...) and unknown ones are ignored. Structured
-output (response_format, tools, tool_choice) becomes a grammar (specwood.constrain.grammars), and
-logprobs, logit_bias, the penalties and min_p go to the engine's sampling parameters.
+engine cannot honour (echo, best_of, ...) are rejected when set to anything but their neutral value;
+harmless ones (user, metadata, store, ...) and unknown ones are ignored. Structured output
+(response_format, tools, tool_choice) becomes a grammar (specwood.constrain.grammars), and
+logprobs, logit_bias, the penalties and min_p go to the engine's sampling parameters; `n` choices
+are requests of their own.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inval
                500: "server_error", 503: "service_unavailable_error"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of the legacy endpoint
+MAX_CHOICES = 8  # the most choices (`n`) one request may ask for
 
 
 MAX_STOP_STRINGS = 16
@@ -113,6 +115,7 @@ class GenerationRequest:
     tool_specs: list[dict[str, Any]] | None = None  # the request's tools as sent, for the chat template
     tool_choice: str = "auto"  # "none", "auto", "required" or a function's name
     parallel_tool_calls: bool = True
+    n: int = 1  # choices: requests of their own, seeded seed + i, sharing the prompt's prefill
 
     @property
     def raw(self) -> bool:
@@ -220,6 +223,10 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
         raise ProtocolError(f"method must be a non-empty string naming a decoding method, got {method!r}",
                             param="method")
     req.method = check_text(method, "method").strip() if method is not None else None
+    n = _opt_int(body, "n", minimum=1)
+    if n is not None and n > MAX_CHOICES:
+        raise ProtocolError(f"n must be <= {MAX_CHOICES} (choices per request), got {n}", param="n")
+    req.n = n or 1
     _parse_processors(body, req)
     return req
 
@@ -450,7 +457,6 @@ def _parse_stop(stop: Any) -> list[str]:
 
 # name -> the neutral values it may take (anything else is a 400: the engine cannot honour it)
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
@@ -467,9 +473,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
 }
-CHAT_UNSUPPORTED = ("n", "functions", "function_call", "min_tokens", "ignore_eos", "modalities", "audio",
+CHAT_UNSUPPORTED = ("functions", "function_call", "min_tokens", "ignore_eos", "modalities", "audio",
                     "prediction", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-COMPLETION_UNSUPPORTED = ("n", "best_of", "echo", "suffix", "min_tokens", "ignore_eos", "response_format",
+COMPLETION_UNSUPPORTED = ("best_of", "echo", "suffix", "min_tokens", "ignore_eos", "response_format",
                           "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -478,7 +484,7 @@ def _check_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
         v = body.get(name)
         if v is None or any(_same(v, ok) for ok in _NEUTRAL[name]):
             continue
-        if name in ("n", "best_of") and isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+        if name == "best_of" and isinstance(v, int) and not isinstance(v, bool) and v >= 1:
             raise ProtocolError(f"{name} = {v} is not supported: this server returns one choice per request "
                                 f"({name} must be 1)", param=name, code="unsupported_parameter")
         raise ProtocolError(f"'{name}' is not supported by this server (got {_short(v)})", param=name,
@@ -551,9 +557,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: prompt tokens whose K/V came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def jsonable(v: Any) -> Any:

@@ -1,0 +1,121 @@
+"""Prefix reuse on the sequential executor: where a request's rows start (specwood.models.prefix_cache).
+
+At admission a request's target row and its draft model's row start from the longest prefix of
+its prompt held by a cached entry or by a running request on the same pool; it prefills only the
+rest. While newcomers prefill together, one that shares its next prompt tokens with another
+waits a step and copies them (`followers`, `catch_up`): a system prompt common to concurrent
+requests, or the prompt of `n` choices, is computed once. At a normal finish the committed
+tokens of both rows are kept (`keep`); a cancelled or failed request leaves nothing behind.
+
+Where it applies: the target on our torch runtime, unless the request's draft head reads the
+target's features (it must see every prompt token's); a draft model on a shared pool
+(`ModelDraftSource`). Other sources (n-gram lookup, llama.cpp drafts, draft heads) prefill as
+before.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from specwood.drafting.model_source import ModelDraftSource
+from specwood.engine.request import Request
+from specwood.engine.step import wants_features
+from specwood.models.cache import KVCache
+from specwood.models.prefix_cache import PrefixCache, common_prefix, token_array
+
+
+def target_reusable(req: Request) -> bool:
+    return not wants_features(req)
+
+
+def draft_reusable(req: Request) -> bool:
+    src = req.drafter.source
+    return type(src) is ModelDraftSource and src.pool is not None and src.row is not None
+
+
+class PrefixReuse:
+    """The sequential executor's use of one PrefixCache for its target pool and draft pools."""
+
+    def __init__(self, cache: PrefixCache):
+        self.cache = cache
+        self.running: list[Request] = []  # admitted, not yet released
+
+    # --- the rows running requests hold -------------------------------------------------------
+
+    def _live_target(self) -> list[tuple[int, Sequence[int]]]:
+        return [(r.row, r.context) for r in self.running if r.row is not None and target_reusable(r)]
+
+    def _live_draft(self, pool: KVCache) -> list[tuple[int, Sequence[int]]]:
+        return [(r.drafter.source.row, r.context) for r in self.running
+                if draft_reusable(r) and r.drafter.source.cache is pool]
+
+    # --- admission, progress, the end ---------------------------------------------------------
+
+    def admitted(self, req: Request, target: KVCache) -> None:
+        """Start `req`'s rows from the longest prefix held (its rows are allocated, the draft's
+        attached). The target keeps the prompt's last token to compute: its logits give the
+        first token."""
+        n = len(req.prompt_ids)
+        if target_reusable(req):
+            req.prefilled = self.cache.restore(target, req.row, req.prompt_ids, n - 1, self._live_target(), "target")
+            req.cached_tokens = req.prefilled
+        if draft_reusable(req):
+            src = req.drafter.source
+            got = self.cache.restore(src.cache, src.row, req.prompt_ids, n, self._live_draft(src.cache), "draft")
+            if src.pending:  # a deferred draft prefill: what is left waits for its first forward
+                src.pending = list(req.prompt_ids[got:])
+            else:
+                req.draft_prefilled = got
+        self.running.append(req)
+
+    def released(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+
+    def keep(self, req: Request, target: KVCache) -> None:
+        """A request that finished: its committed tokens (the context before the root) as entries,
+        up to its last emitted token: a last step may commit tokens past max_tokens or a stop
+        string, which no next turn's prompt holds (entries that end there would never be
+        extended by the next turn's, and both would be kept)."""
+        tokens = req.context[:len(req.prompt_ids) + len(req.out.token_ids)]
+        if req.row is not None and target_reusable(req):
+            self.cache.store(target, req.row, tokens)
+        if draft_reusable(req):
+            src = req.drafter.source
+            self.cache.store(src.cache, src.row, tokens)
+
+    # --- newcomers prefilling together ----------------------------------------------------------
+
+    def catch_up(self, requests: list[Request], target: KVCache) -> None:
+        """Carry each newcomer's rows along its prompt as far as a running row's committed prefix
+        goes (copies instead of a prefill)."""
+        for req in requests:
+            n = len(req.prompt_ids)
+            if target_reusable(req) and req.prefilled == target.lengths[req.row]:
+                before = req.prefilled
+                req.prefilled = self.cache.extend(target, req.row, req.prompt_ids, n - 1, self._live_target())
+                req.cached_tokens += req.prefilled - before
+            src = req.drafter.source
+            if draft_reusable(req) and not src.pending and req.draft_prefilled == src.length:
+                req.draft_prefilled = self.cache.extend(src.cache, src.row, req.prompt_ids, n,
+                                                        self._live_draft(src.cache), "draft")
+
+    @staticmethod
+    def followers(requests: list[Request], draft: bool) -> set[Request]:
+        """Newcomers whose next prompt tokens an earlier newcomer computes this step (at the same
+        place, the same tokens): they wait a step and copy them (`catch_up`)."""
+        def done(r: Request) -> int:
+            return r.draft_prefilled if draft else r.prefilled
+
+        usable = draft_reusable if draft else target_reusable
+        leaders: list[tuple[Request, object]] = []
+        out: set[Request] = set()
+        for req in requests:
+            if not usable(req):
+                continue
+            ids = token_array(req.prompt_ids)
+            here = done(req)
+            if any(done(lead) == here and common_prefix(lead_ids, ids) > here + 1 for lead, lead_ids in leaders):
+                out.add(req)
+            else:
+                leaders.append((req, ids))
+        return out

@@ -1,0 +1,252 @@
+"""Prefix reuse across requests (issue 42): a request starts from the longest cached prefix of its
+prompt (a finished request's committed tokens, or a running request's row) and prefills only the
+rest, for the target and the draft model.
+
+* greedy output with reuse is token-identical to the same request on a fresh scheduler, for every
+  method, over multi-turn conversations, after evictions, and with concurrent requests sharing a
+  prefix (tiny models, fp32);
+* evicting an entry a running request matched does not change its output; the entries never hold
+  more than the budget; a prompt differing only in its last token never gets the wrong prefix;
+* the n choices of one request are each distributed as a request alone (G-test).
+"""
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
+from conftest import exact_first_two_law, g_test
+from specwood.engine.api import Engine
+from specwood.engine.scheduler import TREE_ROOM, Scheduler
+from specwood.models.prefix_cache import PrefixCache, kv_bytes_per_token
+from specwood.sampling import SamplingParams
+
+# small trees: cheap steps, and every shape still branches
+OPTIONS = {"ar": {}, "chain": {"budget": 4}, "dyspec": {"budget": 6}, "eagle": {"budget": 8, "depth": 3, "topk": 3},
+           "pld": {"budget": 4}, "early-exit": {"budget": 4}, "head": {"budget": 6, "depth": 3, "topk": 2},
+           "sequoia": {"budget": 8}, "auto": {"progress": False}}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_private_cache(monkeypatch, tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
+    yield
+    torch.set_num_threads(threads)
+
+
+def scheduler(engine: Engine, budget: int | None = 10 ** 8, max_batch: int = 4) -> Scheduler:
+    """A scheduler like the server's (draft pools up front), with a prefix cache of `budget` bytes
+    (None: none, a fresh scheduler's behaviour)."""
+    prefix = PrefixCache(budget) if budget is not None else None
+    drafts = tuple(m for m in (engine.draft_model, engine.draft_head) if m is not None)
+    return Scheduler(engine.target, max_batch=max_batch, row_len=256 + TREE_ROOM, drafts=drafts, prefix_cache=prefix)
+
+
+_FACTORIES: dict[tuple[int, str], object] = {}
+
+
+def prepared(engine: Engine, method: str):
+    """The method prepared once per engine, as the server does (early-exit's draft model, and so
+    its cache pool, is made at preparation)."""
+    key = (id(engine), method)
+    if key not in _FACTORIES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _FACTORIES[key] = engine.prepare(method, OPTIONS[method])
+    return _FACTORIES[key]
+
+
+def run(engine: Engine, sched: Scheduler, prompts: list[list[int]], method: str, max_tokens: int = 16,
+        **params) -> list:
+    """Submit every prompt at once and step until all are done; the finished requests."""
+    factory = prepared(engine, method)
+    reqs = [engine.new_request(p, max_tokens=max_tokens, method=method, scheduler=sched, prepared=factory, **params)
+            for p in prompts]
+    for r in reqs:
+        sched.submit(r)
+    sched.run_until_done(reqs)
+    for r in reqs:
+        assert r.error is None, (method, r.error)
+    return reqs
+
+
+def fresh(engine: Engine, prompt: list[int], method: str, max_tokens: int = 16) -> list[int]:
+    return run(engine, scheduler(engine, budget=None, max_batch=1), [prompt], method, max_tokens)[0].result.token_ids
+
+
+def words(rnd: random.Random, n: int) -> list[int]:
+    return [rnd.randrange(32, 127) for _ in range(n)]
+
+
+def store_auto_plan(engine: Engine) -> None:
+    from test_batching import store_auto_plan as store
+
+    store(engine)
+
+
+@pytest.mark.parametrize("method", list(OPTIONS))
+def test_multi_turn_with_reuse_equals_a_fresh_scheduler(tiny_engine, method):
+    """Three turns, each prompt the last one + its answer + a new message: the same tokens as a
+    scheduler that never saw the conversation, with most of each later prompt found cached (for
+    the draft model too)."""
+    if method == "auto":
+        store_auto_plan(tiny_engine)
+    rnd = random.Random(7)
+    sched = scheduler(tiny_engine)
+    history = words(rnd, 30)
+    for turn in range(3):
+        req = run(tiny_engine, sched, [history], method)[0]
+        assert req.result.token_ids == fresh(tiny_engine, history, method), (method, turn)
+        if turn and method == "head":  # its draft head reads the target's features of every prompt token
+            assert req.cached_tokens == 0
+        elif turn:
+            assert req.cached_tokens >= len(history) - 12, (turn, req.cached_tokens, len(history))
+        history = history + req.result.token_ids + words(rnd, 8)
+    stats = sched.reuse.cache.stats
+    if method in ("chain", "dyspec", "eagle", "sequoia", "early-exit"):  # a draft model with a pool row
+        assert stats.hit_tokens["draft"] > 0
+    assert not sched.running and sched.cache.free_rows == sched.max_batch
+
+
+def test_concurrent_requests_sharing_a_prompt_compute_it_once(tiny_engine):
+    """Four requests with a common 96-token system prompt arrive together: one computes it, the
+    others copy it (for the target and the draft), and each answers as it would alone."""
+    rnd = random.Random(3)
+    system = words(rnd, 96)
+    prompts = [system + words(rnd, 5) for _ in range(4)]
+    for method in ("ar", "chain"):
+        sched = scheduler(tiny_engine)
+        reqs = run(tiny_engine, sched, prompts, method)
+        for p, r in zip(prompts, reqs):
+            assert r.result.token_ids == fresh(tiny_engine, p, method), method
+        assert sorted(r.cached_tokens for r in reqs)[1:] == [96] * 3, [r.cached_tokens for r in reqs]
+        stats = sched.reuse.cache.stats
+        assert stats.hit_tokens["target"] == 3 * 96
+        if method == "chain":
+            assert stats.hit_tokens["draft"] >= 3 * 96
+
+
+def test_evictions_under_a_tiny_budget_never_exceed_it_nor_change_outputs(tiny_engine):
+    """A budget of about 90 tokens: conversations evict each other (LRU); the entries stay within
+    the budget after every request, and every answer equals a fresh scheduler's."""
+    sched = scheduler(tiny_engine)
+    per_token = kv_bytes_per_token(sched.cache) + kv_bytes_per_token(next(iter(sched._draft_pools.values()))[1])
+    cache = sched.reuse.cache
+    cache.budget_bytes = 90 * per_token // 2  # target and draft entries share it
+    rnd = random.Random(11)
+    histories = [words(rnd, 20 + 7 * i) for i in range(3)]
+    for turn in range(3):
+        for i, method in enumerate(("chain", "ar", "dyspec")):
+            req = run(tiny_engine, sched, [histories[i]], method)[0]
+            assert cache.nbytes <= cache.budget_bytes
+            assert cache.nbytes == sum(e.nbytes for e in cache.entries)
+            assert req.result.token_ids == fresh(tiny_engine, histories[i], method), (turn, i)
+            histories[i] = histories[i] + req.result.token_ids + words(rnd, 6)
+    assert cache.stats.evictions > 0
+    run(tiny_engine, sched, [words(rnd, 150)], "ar")  # larger than the budget: not kept
+    assert cache.nbytes <= cache.budget_bytes
+
+
+def test_an_entry_evicted_while_its_request_runs_does_not_change_it(tiny_engine):
+    sched = scheduler(tiny_engine)
+    rnd = random.Random(5)
+    first = words(rnd, 40)
+    answer = run(tiny_engine, sched, [first], "chain", max_tokens=12)[0].result.token_ids
+    follow = first + answer + words(rnd, 6)
+    req = tiny_engine.new_request(follow, max_tokens=24, method="chain", scheduler=sched,
+                                  prepared=prepared(tiny_engine, "chain"))
+    sched.submit(req)
+    sched.step()  # admitted: its rows start from the cached entry
+    assert req.cached_tokens > 40
+    with torch.inference_mode():
+        for entry in list(sched.reuse.cache.entries):  # evicted, and the memory written over
+            entry.k.fill_(1e4)
+            entry.v.fill_(-1e4)
+    sched.reuse.cache.clear()
+    sched.run_until_done([req])
+    assert req.result.token_ids == fresh(tiny_engine, follow, "chain", max_tokens=24)
+
+
+def test_a_prompt_differing_in_its_last_token_never_gets_the_wrong_prefix(tiny_engine):
+    sched = scheduler(tiny_engine)
+    rnd = random.Random(9)
+    base = words(rnd, 50)
+    for method in ("ar", "chain"):
+        a, b = base + [65], base + [66]
+        first = run(tiny_engine, sched, [a], method)[0]
+        second = run(tiny_engine, sched, [b], method)[0]
+        assert second.cached_tokens <= len(base)  # never the entry's token 65
+        assert second.result.token_ids == fresh(tiny_engine, b, method)
+        again = run(tiny_engine, sched, [a], method)[0]
+        assert again.cached_tokens == len(a) - 1  # the last prompt token is computed: its logits start the answer
+        assert again.result.token_ids == first.result.token_ids
+
+
+def test_a_request_cancelled_mid_prefill_frees_its_rows_and_leaves_nothing_cached(tiny_engine):
+    sched = scheduler(tiny_engine)
+    rnd = random.Random(1)
+    other = tiny_engine.new_request(words(rnd, 10), max_tokens=30, scheduler=sched)
+    sched.submit(other)
+    sched.step()
+    sched.step()  # decoding: a newcomer's prompt now rides in chunks of prefill_chunk_tokens
+    req = tiny_engine.new_request(words(rnd, 200), max_tokens=8, scheduler=sched)
+    sched.submit(req)
+    sched.step()
+    assert 0 < req.prefilled < 200
+    req.cancel()
+    sched.run_until_done([req, other])
+    assert req.result.finish_reason == "cancelled"
+    assert [len(e.tokens) for e in sched.reuse.cache.entries] == [len(other.context)]  # only the finished one
+    assert sched.cache.free_rows == sched.max_batch and sched.reuse.running == []
+
+
+def test_n_choices_are_each_distributed_as_a_request_alone(tiny_engine):
+    """Four choices of one prompt (seeds seed + i, the prompt computed once and copied): every
+    choice's (first, second) tokens follow the target's exact law (G-test), and the choices are
+    independent draws (they differ about as often as two independent draws do)."""
+    engine = tiny_engine
+    sched = scheduler(engine, max_batch=8)
+    prompt = [72, 101, 108, 108, 111, 32]
+    params = SamplingParams(temperature=1.0)
+    law = exact_first_two_law(engine, prompt, params)
+    V = engine.target.config.vocab_size
+    counts = np.zeros((V + 1, V + 1))
+    same, trials, n = 0, 600, 4
+    factory = prepared(engine, "ar")
+    for t in range(trials):
+        reqs = [engine.new_request(prompt, max_tokens=2, temperature=1.0, seed=t * n + i, scheduler=sched,
+                                   prepared=factory) for i in range(n)]
+        for r in reqs:
+            sched.submit(r)
+        sched.run_until_done(reqs)
+        pairs = []
+        for r in reqs:
+            ids = r.result.token_ids  # an EOS ends the request unseen: outcome V
+            a, b = ids[0] if ids else V, ids[1] if len(ids) > 1 else V
+            counts[a, b] += 1
+            pairs.append(a)
+        same += pairs[0] == pairs[1]
+    assert sched.reuse.cache.stats.hit_tokens["target"] > 0  # the choices shared the prompt
+    assert g_test(counts, law) > 1e-3
+    first = law.sum(axis=1)
+    expected_same = float((first ** 2).sum())  # two independent first tokens agree this often
+    assert abs(same / trials - expected_same) < 5 * np.sqrt(expected_same * (1 - expected_same) / trials) + 0.02
+
+
+def test_kv_memory_sizes_and_the_warning_past_the_machines_ram():
+    from specwood.errors import SpecwoodError
+    from specwood.serve.kv_memory import budget_warning, machine_ram, parse_size
+
+    assert parse_size("123") == 123 and parse_size("512M") == 512 << 20 and parse_size("1.5GiB") == 3 << 29
+    with pytest.raises(SpecwoodError, match="--kv-memory"):
+        parse_size("lots")
+    ram = machine_ram()
+    assert ram and budget_warning(ram // 2) is None
+    line = budget_warning(2 * ram)
+    assert line is not None and "\n" not in line and str(ram) in line and str(2 * ram) in line
