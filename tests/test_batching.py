@@ -647,13 +647,14 @@ def test_bad_input_is_a_specwood_error(tiny_engine, kwargs, error, match):
     assert_pools_free(tiny_engine.scheduler)
 
 
-@pytest.mark.parametrize("method", [m for m in method_names() if m not in ("ar", "pld", "early-exit", "auto", "head")])
+@pytest.mark.parametrize("method", [m for m in method_names()
+                                    if m not in ("ar", "pld", "suffix", "early-exit", "auto", "head")])
 def test_methods_that_need_a_draft_refuse_without_one(tiny_pair, tiny_tokenizer, method):
     engine = Engine(tiny_pair.target, tiny_tokenizer)
     with pytest.raises(SpecwoodError, match="needs a draft model"):
         engine.generate([1, 2, 3], max_tokens=4, method=method)
-    # auto without a draft decodes plainly (its base shape cannot draft); ar, pld, early-exit need none
-    for other in ("ar", "pld", "early-exit", "auto"):
+    # auto without a draft decodes plainly (its base shape cannot draft); ar, pld, suffix, early-exit need none
+    for other in ("ar", "pld", "suffix", "early-exit", "auto"):
         out = engine.generate([1, 2, 3], max_tokens=4, method=other, **({"progress": False} if other == "auto" else {}))
         assert len(out.token_ids) == 4 or out.finish_reason == "stop"
 

@@ -43,6 +43,20 @@ class LlamaCppBaseline:
         return {"llama_cpp_python": self.version, "gguf": str(self.path), "n_threads": self.n_threads,
                 "n_ctx": self.n_ctx, "decoding": "Llama.generate (llama.cpp sampler chain), no prompt cache"}
 
+    def _without_padding(self) -> Any:
+        """A logits processor that never lets llama.cpp choose the ids past the tokenizer's
+        (`engine.emit_limit`), as our sampler and the HF baseline do, so `= ar` compares like with
+        like; None when the vocabulary has no padding."""
+        limit = getattr(self.engine, "emit_limit", None)
+        if limit is None:
+            return None
+
+        def mask(_ids: Any, scores: Any) -> Any:
+            scores[limit:] = -float("inf")
+            return scores
+
+        return import_llama_cpp().LogitsProcessorList([mask])
+
     def generate(self, method: str, content: Any, raw: bool, max_tokens: int,
                  sampling: dict[str, Any]) -> dict[str, Any]:
         if method not in LLAMACPP_METHODS:
@@ -59,7 +73,7 @@ class LlamaCppBaseline:
         self.llm.reset()  # n_tokens = 0: the whole prompt is evaluated again, as the engine does
         gen = self.llm.generate(ids, temp=temperature, top_k=int(sampling.get("top_k") or 0),
                                 top_p=float(sampling.get("top_p") or 1.0), min_p=0.0, typical_p=1.0,
-                                repeat_penalty=1.0, reset=True)
+                                repeat_penalty=1.0, reset=True, logits_processor=self._without_padding())
         try:
             for token in gen:
                 if out.push_step([int(token)]):
