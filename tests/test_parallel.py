@@ -306,7 +306,8 @@ def test_draft_rollback_keeps_an_exact_kv_cache(engine, params):
     checked = {"trees": 0, "rollbacks": 0, "catchups": 0}
     draft = engine.draft_model
     original = DraftWorker._draft
-    sampling = SamplingParams(temperature=params.get("temperature", 0.0))
+    # the worker drafts from the request's params: padding ids past the tokenizer's never drafted
+    sampling = SamplingParams(temperature=params.get("temperature", 0.0), emit_limit=engine.emit_limit)
 
     def checked_draft(self, budgets):
         trees, rounds = original(self, budgets)
