@@ -67,8 +67,13 @@ def ar_ids(engine: Engine, prompt_ids: list[int], n: int) -> list[int]:
     return engine.generate(prompt_ids, max_tokens=n, method="ar").token_ids
 
 
+def greedy(engine: Engine) -> SamplingParams:
+    """Greedy params as the engine makes them: padding ids past the tokenizer's never emitted."""
+    return SamplingParams(emit_limit=engine.emit_limit)
+
+
 def jobs_for(engine: Engine, mode: str, w: int, k: int, n: int = 40) -> list[tuple[Job, None]]:
-    return [(Job(engine.encode(p, raw=True), n, SamplingParams(), mode, w, k), None) for p in PROMPTS]
+    return [(Job(engine.encode(p, raw=True), n, greedy(engine), mode, w, k), None) for p in PROMPTS]
 
 
 # ------------------------------------------------------------------------------ in-process
@@ -101,7 +106,7 @@ DB_LENGTHS = [40, 9, 27, 3, 33]  # requests of different lengths: some leave ear
 @pytest.mark.parametrize("mode,w,k", [("specpipe", 4, 4), ("specpipe", 2, 1), ("pp", 1, 1), ("specinfer", 1, 1)])
 def test_local_db_concurrent_requests_match_ar(pair, stages, mode, w, k):
     """SpecPipe-DB: five requests, at most three in flight: each one's output = its own `ar`."""
-    jobs = [(Job(pair.encode(p, raw=True), n, SamplingParams(), mode, w, k, tree={"name": "static"},
+    jobs = [(Job(pair.encode(p, raw=True), n, greedy(pair), mode, w, k, tree={"name": "static"},
                  tree_nodes=tree_nodes({"name": "static"})), None) for p, n in zip(DB_PROMPTS, DB_LENGTHS)]
     in_flight = []
 
@@ -129,7 +134,7 @@ def test_local_db_concurrent_requests_match_ar(pair, stages, mode, w, k):
 def test_local_db_cancel_in_flight(pair):
     """A request cancelled mid-flight leaves at the next step with what it had; the others go on."""
     ids = [pair.encode(p, raw=True) for p in PROMPTS[:2]]
-    jobs = [(Job(x, 40, SamplingParams(), "specpipe", 4, 4), None) for x in ids]
+    jobs = [(Job(x, 40, greedy(pair), "specpipe", 4, 4), None) for x in ids]
 
     def on_step(rank, step):
         if rank.rank == 0 and step == 8:
@@ -146,15 +151,15 @@ def test_local_db_cancel_in_flight(pair):
 SPECINFER_TREES = [{"name": "static"}, {"name": "chain", "budget": 4}, {"name": "dyspec", "budget": 8}]
 
 
-def specinfer_job(prompt: list[int], n: int, tree: dict, params: SamplingParams | None = None) -> Job:
-    return Job(prompt, n, params or SamplingParams(), "specinfer", tree=tree, tree_nodes=tree_nodes(tree))
+def specinfer_job(prompt: list[int], n: int, tree: dict, params: SamplingParams) -> Job:
+    return Job(prompt, n, params, "specinfer", tree=tree, tree_nodes=tree_nodes(tree))
 
 
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("tree", SPECINFER_TREES, ids=lambda t: t["name"])
 def test_local_specinfer_greedy_matches_ar(pair, stages, tree):
     """PP + SpecInfer: a whole tree per full pass (m steps), verified at the last stage."""
-    jobs = [(specinfer_job(pair.encode(p, raw=True), 40, tree), None) for p in PROMPTS]
+    jobs = [(specinfer_job(pair.encode(p, raw=True), 40, tree, greedy(pair)), None) for p in PROMPTS]
     results, _ = run_local(pair.target, pair.draft_model, pair.tokenizer, pair.eos_token_ids, jobs, stages)
     for (job, _), res in zip(jobs, results):
         assert res.token_ids == ar_ids(pair, job.prompt, job.max_tokens)
@@ -168,7 +173,7 @@ def test_local_specinfer_greedy_matches_ar(pair, stages, tree):
 
 def test_specinfer_with_the_target_as_draft_accepts_whole_chains(pair):
     tree = {"name": "chain", "budget": 5}
-    jobs = [(specinfer_job(pair.encode(PROMPTS[0], raw=True), 37, tree), None)]
+    jobs = [(specinfer_job(pair.encode(PROMPTS[0], raw=True), 37, tree, greedy(pair)), None)]
     results, _ = run_local(pair.target, pair.target, pair.tokenizer, pair.eos_token_ids, jobs, 2)
     s = results[0].stats
     assert results[0].token_ids == ar_ids(pair, jobs[0][0].prompt, 37)
@@ -221,8 +226,8 @@ def test_pruning_keeps_each_stage_cache_exact(pair, stages, w, k, lanes):
                               kv.cache.k[:, kv.row, :, :n].clone(), kv.cache.v[:, kv.row, :, :n].clone()))
 
     prompts = [pair.encode(p, raw=True) for p in PROMPTS[:lanes]]
-    jobs = [(specinfer_job(prompt, 24, {"name": "static"}) if tree_mode else
-             Job(prompt, 24, SamplingParams(), "specpipe", w, k), None) for prompt in prompts]
+    jobs = [(specinfer_job(prompt, 24, {"name": "static"}, greedy(pair)) if tree_mode else
+             Job(prompt, 24, greedy(pair), "specpipe", w, k), None) for prompt in prompts]
     results, _ = run_local(pair.target, pair.draft_model, pair.tokenizer, pair.eos_token_ids, jobs, stages,
                            on_step=on_step, concurrent=lanes)
     seqs = [prompt + res.token_ids for prompt, res in zip(prompts, results)]

@@ -17,11 +17,13 @@ class FixedWidthSource:
     """One request's token source. `kv`: its row of the draft's cache (`KVPool.acquire`), or a
     private cache of `max_len` slots."""
 
-    def __init__(self, model: torch.nn.Module, width: int, topk: int, max_len: int, kv: StageKV | None = None):
+    def __init__(self, model: torch.nn.Module, width: int, topk: int, max_len: int, kv: StageKV | None = None,
+                 emit_limit: int | None = None):
         if width < 1 or topk < 1:
             raise ValueError(f"tree width and top-k must be >= 1, got w={width}, k={topk}")
         self.kv = kv if kv is not None else StageKV.alone(model, max_len)
         self.width, self.topk = width, topk
+        self.emit_limit = emit_limit  # ids at or past it (padding past the tokenizer's) are never drafted
         self.cands: dict[int, tuple[list[int], list[float]]] = {}  # node -> its top-k (tokens, log-probs)
         self.cum: dict[int, float] = {}  # node -> log-prob of its path below the verified root
 
@@ -36,7 +38,11 @@ class FixedWidthSource:
 
     def absorb(self, level: Level, logits: torch.Tensor) -> None:
         """Keep the top-k of the draft's logits over `level` (last node of a verified chain, else every node)."""
-        top = logits.float().log_softmax(-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
+        logits = logits.float()
+        if self.emit_limit is not None and self.emit_limit < logits.shape[-1]:
+            logits = logits.clone()
+            logits[..., self.emit_limit:] = float("-inf")
+        top = logits.log_softmax(-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
         nodes = level.ids[-1:] if level.verified else level.ids
         for x, toks, lps in zip(nodes, top.indices.tolist(), top.values.tolist()):
             self.cands[x] = (toks, lps)

@@ -262,7 +262,8 @@ class PipelineRank:
         lane.kv = self.pool.acquire(job.cache_len(self.world))
         if r == 0 and job.mode == "specpipe":
             lane.draft = FixedWidthSource(self.draft_model, job.width, job.topk, 0,
-                                          kv=self.draft_pool.acquire(job.cache_len(self.world)))
+                                          kv=self.draft_pool.acquire(job.cache_len(self.world)),
+                                          emit_limit=job.params.emit_limit)
         if r == 0 and job.mode == "specinfer":
             lane.trees = self._tree_drafter(job)
         if r == self.last and not job.params.greedy:
