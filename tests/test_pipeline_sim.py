@@ -83,14 +83,14 @@ def tiny():
 def test_hit_rate_emulation(tiny):
     prompt = tiny.encode("def add(a, b):", raw=True)
     ref = tiny.generate(prompt, max_tokens=24, method="ar").token_ids
-    same = sim.emulate_specpipe(tiny.target, prompt, ref, 2, 1, 3)  # the target drafting itself
+    same = sim.emulate_specpipe(tiny.target, prompt, ref, 2, 1, 3, tiny.emit_limit)  # the target drafting itself
     assert same["misses"] == 0 and same["hits"] == len(ref)  # the first token too: the prompt root has children
     # the token after the prompt is verified at once; the first level then needs m - 1 = 2 steps to
     # reach the last stage, after which every step verifies a token
     assert same["steps"] == same["tokens"] + 1
     p = sim.measure_hit_rates(tiny, [1, 8], 4, 2, prompts=[prompt], tokens=24)
     assert 0.0 < p[1] <= p[8] <= 1.0
-    pp = sim.emulate_specpipe(tiny.draft_model, prompt, ref, 4, 4, 3)
+    pp = sim.emulate_specpipe(tiny.draft_model, prompt, ref, 4, 4, 3, tiny.emit_limit)
     assert pp["steps"] >= pp["tokens"] + 2 * pp["misses"]  # every miss stalls m - 1 steps
 
 

@@ -13,7 +13,7 @@ from specwood.engine.request import Request
 from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
 from specwood.models.transformer import Transformer
-from specwood.sampling import next_token
+from specwood.sampling import next_token, without_padding
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict, verify
 from specwood.constrain.logprobs import path_logprobs
@@ -123,11 +123,12 @@ def processed(request: Request, tree: TokenTree, logits: torch.Tensor) -> torch.
 def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verdict:
     """Greedy or lossless sampling verification; a lone root is exactly the autoregressive sampler.
     The verifiers see the processed target rows. A shape with `on_root_logits` sees the target's
-    logits after the context (auto's late draft)."""
+    processed logits after the context, padding ids masked: what the sampler chooses from (auto's
+    late draft)."""
+    logits = processed(request, tree, logits)
     watch = getattr(request.drafter.shape, "on_root_logits", None)
     if watch is not None:
-        watch(logits[0])
-    logits = processed(request, tree, logits)
+        watch(without_padding(logits[0], request.params))
     if len(tree) == 1:
         verdict = Verdict([], int(next_token(logits[0], request.params, request.target_generator)))
     else:

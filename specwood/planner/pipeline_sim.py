@@ -274,17 +274,18 @@ def _time_level(model: Any, ctx: int, w: int, reps: int, rows: str | None) -> fl
 
 
 def emulate_specpipe(draft: Any, prompt: list[int], reference: list[int], width: int, topk: int,
-                     m: int) -> dict[str, int]:
+                     m: int, emit_limit: int | None = None) -> dict[str, int]:
     """SpecPipe's tree dynamics with the draft alone: the real `FixedWidthSource` grows one level
     per step from the live tree's bottom, a verified node reaches the last stage m − 1 steps after
     it entered, and the verdict there is read off `reference` (the target's greedy continuation of
     `prompt`): HIT if the next token is one of the verified node's drafted children (the tree is
-    pruned to its subtree), else MISS (the pipeline refills from that token)."""
+    pruned to its subtree), else MISS (the pipeline refills from that token). `emit_limit`: the
+    engine's, so the draft never proposes a padding id the target would never emit."""
     from specwood.engine.specpipe.draft import FixedWidthSource
     from specwood.engine.specpipe.state import EMPTY, HIT, MISS, Level, TreeMirror, Verdict
 
     seq = list(prompt) + list(reference)
-    src = FixedWidthSource(draft, width, topk, len(seq) + (width + 1) * (m + 2) + 8)
+    src = FixedWidthSource(draft, width, topk, len(seq) + (width + 1) * (m + 2) + 8, emit_limit=emit_limit)
     mirror = TreeMirror()
     first = Level(list(range(len(prompt))), [-1] * len(prompt), list(prompt), 0, True)
     entry: dict[int, int] = {}
@@ -345,7 +346,7 @@ def measure_hit_rates(engine: Any, widths: Iterable[int], topk: int, m: int, pro
     for w in widths:
         hits = total = 0
         for p, ref in zip(prompts, refs):
-            r = emulate_specpipe(engine.draft_model, list(p), ref, w, topk, m)
+            r = emulate_specpipe(engine.draft_model, list(p), ref, w, topk, m, getattr(engine, "emit_limit", None))
             hits, total = hits + r["hits"], total + r["tokens"]
         out[int(w)] = hits / max(1, total)
     return out
