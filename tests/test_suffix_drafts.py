@@ -137,6 +137,24 @@ def test_auto_with_suffix_is_greedy_identical_cold_warm_and_evicting(engine, pri
         assert used["suffix"] + used["both"] > 0 and used["model"] + used["both"] > 0, used
 
 
+def test_auto_without_a_draft_model_drafts_from_suffixes(pair, tiny_tokenizer, private_cache):
+    """No draft model loaded: auto still drafts from the suffix source (it costs no forward), and
+    stays greedy-identical to ar; without the suffix source it decodes plainly."""
+    engine = Engine(pair[0], tiny_tokenizer, target_name="tiny-alone")
+    suffix_cache_for(engine).clear()
+    used = {"none": 0, "model": 0, "suffix": 0, "both": 0}
+    for _ in range(2):  # the second pass finds the first pass's answers in the global cache
+        for p in PROMPTS:
+            ref = engine.generate(p, max_tokens=40, raw=True).token_ids
+            out = engine.generate(p, max_tokens=40, raw=True, method="auto", progress=False)
+            assert out.token_ids == ref, p
+            for k, v in out.stats["auto_sources"].items():
+                used[k] += v
+    assert used["suffix"] > 0 and used["model"] == used["both"] == 0, used
+    plain = engine.generate(PROMPTS[0], max_tokens=8, raw=True, method="auto", progress=False, suffix=False)
+    assert plain.stats["auto"] == "ar" and "auto_sources" not in plain.stats
+
+
 def test_auto_with_suffix_under_sampling_runs_and_merges(engine, private_cache):
     from test_batching import store_auto_plan
 

@@ -270,11 +270,16 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     base_method = get_method(base)
     if base_method.name in ("auto", "ar"):
         raise SpecwoodError(f"auto's base shape must be a tree method, not '{base}'")
-    if base_method.needs_draft and engine.draft_model is None:
+    # without a draft model, auto still drafts from suffix matches (they cost no forward)
+    no_draft = base_method.needs_draft and engine.draft_model is None
+    if no_draft and suffix_cache is None:
         if progress:
             print(f"[plan] method auto: no draft model loaded, so '{base}' cannot draft; decoding "
-                  "autoregressively (load a draft, or use --method pld)", file=sys.stderr)
+                  "autoregressively (load a draft, or use --method suffix)", file=sys.stderr)
         return lambda sources, prompt_len, max_tokens, load=1: Drafter(extra_stats=lambda: {"auto": "ar"})
+    if no_draft and progress:
+        print("[plan] method auto: no draft model loaded: drafting from suffix matches (the request's text and "
+              "the server's earlier answers) where they pay, else decoding plainly", file=sys.stderr)
     plan = get_plan(engine, base, build_if_missing=False, progress=progress)
     current = {"plan": plan, "checked": time.monotonic()}
     if plan is None:
@@ -332,9 +337,9 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
 
     def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
         plan = latest_plan()
-        model = plan.speculation_pays(prompt_len, max_tokens, load, draft_costs.scale(load)) and not (
+        model = not no_draft and plan.speculation_pays(prompt_len, max_tokens, load, draft_costs.scale(load)) and not (
             all(c.method == "ar" for c in plan.choices) and plan.source == "measured")
-        if not model:
+        if not model and not no_draft:
             if progress and not told:  # once: a server would print it for every short request
                 told.append(True)
                 why = ("the plan decodes plainly at this context" if plan.choice_for(prompt_len).method == "ar" else
