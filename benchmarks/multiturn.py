@@ -100,7 +100,9 @@ def chat_turn(client: httpx.Client, messages: list[dict[str, str]], max_tokens: 
 def run_conversations(base: str, convs: Sequence[tuple[str, list[str]]], doc: str, a: argparse.Namespace,
                       method: str | None) -> list[dict[str, Any]]:
     records = []
-    with httpx.Client(base_url=base, trust_env=False) as client:
+    # a connection per turn: llama-server closes kept-alive connections after a few requests, and
+    # a turn sent on one it is closing fails (RemoteProtocolError); localhost connects in ~1 ms
+    with httpx.Client(base_url=base, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         chat_turn(client, [{"role": "user", "content": "Say hi."}], 8, method, a.request_timeout)  # warm-up
         for name, turns in convs:
             messages: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
@@ -199,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             records = run_conversations(base, convs, doc, a, method)
             result["servers"][label] = {"command": shlex.join(cmd), "records": records,
                                         "summary": summarize(records), "metrics": metrics_of(base)}
+        (out / "results.json").write_text(json.dumps(result, indent=1))  # kept if a later server fails
     if a.llama_server:
         from specwood.models.registry import DEFAULT_TARGET, resolve_model
 

@@ -72,7 +72,9 @@ async def run_pass(base: str, items: Sequence[dict[str, Any]], method: str | Non
     records: list[dict[str, Any]] = []
     todo = iter(items)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), trust_env=False,
-                                 limits=httpx.Limits(max_connections=c + 2)) as client:
+                                 # a connection per request: llama-server closes kept-alive ones
+                                 # after a few requests, and one sent on a closing one fails
+                                 limits=httpx.Limits(max_connections=c + 2, max_keepalive_connections=0)) as client:
         async def one(item: dict[str, Any], messages: list[dict[str, str]], turn: int) -> dict[str, Any]:
             r = await stream_request(client, base, None, method, max_tokens, timeout, None, messages=messages)
             r.update(id=item["id"], category=item["category"], turn=turn)
