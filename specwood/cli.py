@@ -9,6 +9,7 @@ from typing import Any
 
 from specwood.engine.args import (add_executor_args, add_method_args, add_model_args, add_sampling_args,
                                   check_backend_args, load_engine, method_options)
+from specwood.engine.executor import executor_name
 from specwood.engine.executors import needs_draft_on, plugin_for
 from specwood.errors import SpecwoodError
 
@@ -129,7 +130,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise SpecwoodError(f"{flag} must be >= 1, got {value}")
     kv_memory = parse_size(args.kv_memory) if args.kv_memory is not None else None
     if args.max_context is None:
-        args.max_context = DEFAULT_MAX_CONTEXT
+        # the sequential torch executor's rows grow within --kv-memory: the model's whole context;
+        # the other executors and llama.cpp hold static rows of DEFAULT_MAX_CONTEXT
+        grows = executor_name(args.executor) == "sequential" and args.backend == "torch"
+        args.max_context = None if grows else DEFAULT_MAX_CONTEXT
     elif args.max_context < 2:
         raise SpecwoodError(f"--max-context must be >= 2, got {args.max_context}")
     sock = bind_socket(args.host, args.port)
@@ -221,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="OpenAI-compatible server: POST /v1/chat/completions, /v1/completions; GET "
                                    "/v1/models, /health, /metrics. Requests are batched continuously; a request "
                                    "may pick another method with the body field \"method\". --max-context "
-                                   "defaults to 4096 here (the KV cache holds --max-batch rows of it).")
+                                   "defaults to the model's whole context; the KV cache's --max-batch rows grow "
+                                   "with the longest request within --kv-memory (the parallel and pipeline "
+                                   "executors and llama.cpp targets: static rows of 4096).")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     add_model_args(s)
@@ -247,9 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they end (streams with "
                         "an error event and [DONE]); a second signal ends at once (default 30)")
     s.add_argument("--kv-memory", default=None,
-                   help="bytes (or 512M, 4G, ...) of finished requests' K/V kept so that a request sharing their "
-                        "prefix (the next turn of a chat, a common system prompt) prefills only the rest; "
-                        "default: half the memory available at start-up; 0: no reuse")
+                   help="bytes (or 512M, 4G, ...) of K/V the server holds: the cache rows of running requests "
+                        "(they grow with the longest one, up to the model's context) and, in what they leave, "
+                        "finished requests' K/V, so that a request sharing their prefix (the next turn of a chat, "
+                        "a common system prompt) prefills only the rest; default: half the memory available at "
+                        "start-up; 0: the default budget, but no reuse across requests")
     s.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413 (default 2 MiB)")
     s.add_argument("--read-timeout", type=float, default=30.0,

@@ -18,6 +18,7 @@ that node invalid instead of putting the matcher in its (sticky) error state.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import torch
@@ -71,6 +72,7 @@ class Processors:
         self.pruned = 0  # drafted nodes the grammar refused, removed before the target forward
         self.forced = 0  # tokens the grammar forced, verified as free candidates
         self.forced_tree: TokenTree | None = None  # this step's tree, when it is a forced run
+        self.mask_s = 0.0  # time in the grammar matcher (masks, forced runs, commits), for the stats
 
     # --- grammar ------------------------------------------------------------------------------
 
@@ -84,6 +86,13 @@ class Processors:
         return [self._masks[p] for p in paths]
 
     def _walk(self, paths: list[Path]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._walk_paths(paths)
+        finally:
+            self.mask_s += time.perf_counter() - t0
+
+    def _walk_paths(self, paths: list[Path]) -> None:
         m = self.matcher
         bitmask = torch.zeros(len(paths), (self.vocab_size + 31) // 32, dtype=torch.int32)
         stack: list[int] = []  # tokens consumed beyond the committed state
@@ -119,7 +128,9 @@ class Processors:
         m = self.matcher
         if m is None or m.is_stopped() or limit <= 0:
             return []
+        t0 = time.perf_counter()
         run = list(m.compute_ff_tokens())[:limit]
+        self.mask_s += time.perf_counter() - t0
         ok = self.valid([tuple(run[:i + 1]) for i in range(len(run))])
         return run[:ok.index(False)] if False in ok else run
 
@@ -200,6 +211,7 @@ class Processors:
             if t in self.eos_ids:
                 break
         if self.matcher is not None and taken:
+            t0 = time.perf_counter()
             m = self.matcher
             ok = m.validate_tokens(taken)  # never put an unvalidated token into the matcher
             if ok < len(taken) and not (ok == len(taken) - 1 and taken[-1] in self.eos_ids):
@@ -207,6 +219,7 @@ class Processors:
                 raise RuntimeError(f"the grammar refuses emitted token {taken[ok]} (a processing bug)")
             if ok and not m.consume_tokens(taken[:ok]):
                 raise RuntimeError(f"grammar matcher failed: {m.get_error()}")
+            self.mask_s += time.perf_counter() - t0
         for t in taken:
             if t < self.vocab_size:
                 if self.counts is not None:

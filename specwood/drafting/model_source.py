@@ -64,8 +64,8 @@ class ModelDraftSource:
             if self.cache is None or self.cache.max_len < need:
                 self.cache = self.model.new_cache(need)
             self.row = 0
-        else:
-            self.cache.check_room(need)
+        else:  # the pool's owner keeps its rows long enough as the request goes on (they may grow)
+            self.cache.check_room(prompt_len + self.extra_slots)
             if self.row is None:
                 self.row = self.cache.allocate()
         self.cache.lengths[self.row] = 0

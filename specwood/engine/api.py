@@ -146,18 +146,22 @@ class Engine:
         return self._scheduler
 
     def make_scheduler(self, *, max_batch: int = 8, row_len: int | None = None, max_queue: int = 64,
-                       growable: bool = False, kv_memory: int | None = None) -> Scheduler:
+                       growable: bool = False, kv_memory: int | None = None,
+                       kv_budget: int | None = None) -> Scheduler:
         """A scheduler for this engine's target: continuous batching on torch; on a runner-backed
         target (llama.cpp: one KV sequence) requests take turns, whatever `max_batch` says (and
         nothing is reused across requests). `kv_memory`: bytes of finished requests' K/V kept for
-        newcomers that share their prefix (specwood.models.prefix_cache); None keeps none."""
+        newcomers that share their prefix (specwood.models.prefix_cache); None keeps none.
+        `kv_budget`: bytes for the rows and those entries together: rows start short and grow
+        with the longest request up to `row_len` (or the model's context) as the budget allows,
+        and the prefix cache keeps what they leave (specwood.engine.sequential)."""
         runner = getattr(self.target, "runner", None)
         if runner is not None:
             return Scheduler(RunnerExecutor(runner), max_batch=1, max_queue=max_queue)
         drafts = tuple(m for m in (self.draft_model, self.draft_head) if m is not None)
         prefix = PrefixCache(kv_memory) if kv_memory is not None else None
         return Scheduler(self.target, max_batch=max_batch, row_len=row_len, max_queue=max_queue, growable=growable,
-                         drafts=drafts, prefix_cache=prefix)
+                         drafts=drafts, prefix_cache=prefix, kv_budget=kv_budget)
 
     def prepare(self, method: str, options: dict[str, Any] | None = None) -> "DrafterFactory":
         """Validate a method and its options once (`auto` loads its plan here)."""

@@ -56,7 +56,13 @@ class Executor(ABC):
 
     name: str = ""
     tree_room: int = 0  # cache slots a request keeps beyond prompt + new tokens for a tree
-    row_len: int = 0  # the longest request (in cache slots) it can hold
+    row_len: int = 0  # the longest request (in cache slots) it can hold now
+
+    @property
+    def max_row_len(self) -> int:
+        """The longest request (in cache slots) it can ever hold (rows that grow: more than row_len)."""
+        return self.row_len
+
     # steps in the scheduler's own thread (the server's main thread): False for an executor whose
     # work runs in other processes and whose step mostly waits (signals reach only the main thread)
     steps_in_caller: bool = True

@@ -199,7 +199,8 @@ class Request:
     def stats_dict(self) -> dict[str, Any]:
         extra = self.stats.as_dict() if self.stats.steps else {}
         if self.processors is not None and self.processors.matcher is not None:
-            extra.update(grammar_forced_tokens=self.processors.forced, grammar_pruned_nodes=self.processors.pruned)
+            extra.update(grammar_forced_tokens=self.processors.forced, grammar_pruned_nodes=self.processors.pruned,
+                         grammar_mask_s=round(self.processors.mask_s, 4))
         if self.extra_stats is not None:
             extra.update(self.extra_stats())
         return extra

@@ -33,6 +33,8 @@ from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
 TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
+BASE_ROW_LEN = 4096 + TREE_ROOM  # rows under a KV budget start at this length (or the budget's cap)
+GROW_AHEAD = 512  # a row grown for a newcomer also holds this many of its new tokens
 
 
 class SequentialExecutor(Executor):
@@ -44,9 +46,14 @@ class SequentialExecutor(Executor):
     def __init__(self, target: Transformer, *, max_batch: int = 8, row_len: int | None = None,
                  prefill_chunk_tokens: int = 64, growable: bool = False, tree_room: int = TREE_ROOM,
                  cuda_graphs: bool | None = None, drafts: tuple[Any, ...] = (),
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, kv_budget: int | None = None,
+                 base_row_len: int = BASE_ROW_LEN):
         if max_batch < 1:
             raise SpecwoodError(f"max_batch must be >= 1, got {max_batch}")
+        row_cap = None
+        if kv_budget is not None:  # rows start short and grow on demand up to what the budget holds
+            row_cap = budget_row_cap(target, drafts, max_batch, kv_budget, tree_room, row_len)
+            row_len = min(row_cap, base_row_len)
         self.max_batch = max_batch
         self.target = target
         self.cuda_graphs = cuda_graphs_wanted() if cuda_graphs is None else cuda_graphs
@@ -63,6 +70,49 @@ class SequentialExecutor(Executor):
             id(m): (m, self._pool(m)) for m in drafts if isinstance(m, Transformer)}
         # finished requests' committed K/V, and running ones' prefixes, for newcomers to start from
         self.reuse = PrefixReuse(prefix_cache) if prefix_cache is not None else None
+        # under a KV budget: rows start short and grow (all together: one tensor) to the longest
+        # request running, up to `_row_cap`; the prefix cache holds what the rows leave
+        self.kv_budget = kv_budget
+        self._row_cap = row_cap or self.row_len
+        self._base_row_len = min(self._row_cap, base_row_len)
+        if kv_budget is not None and self.reuse is not None:
+            self.reuse.cache.set_budget(kv_budget - self.rows_bytes())
+
+    # --- rows under a KV budget -----------------------------------------------------------------
+
+    @property
+    def max_row_len(self) -> int:
+        return self._row_cap if self.kv_budget is not None else self.row_len
+
+    def _pools(self) -> list[tuple[Any, KVCache]]:
+        return [(self.target, self.cache), *self._draft_pools.values()]
+
+    def rows_bytes(self) -> int:
+        """Bytes the K/V rows of every pool take now."""
+        return sum(pool.nbytes for _, pool in self._pools())
+
+    def _resize_rows(self, row_len: int) -> None:
+        """Every pool's rows to `row_len` slots in place (grow: entries kept; shrink: idle pools
+        only); the prefix cache gets the budget the rows leave."""
+        for _, pool in self._pools():
+            pool.resize(row_len)
+            if getattr(pool, "graphs", None) is not None:  # captured on the old tensors
+                pool.graphs = GraphedForward(pool.graphs.model, pool)
+        self.row_len = row_len
+        if self.reuse is not None and self.kv_budget is not None:
+            self.reuse.cache.set_budget(self.kv_budget - self.rows_bytes())
+
+    def _fit_rows(self, needed: int, idle: bool) -> None:
+        """Rows long enough for `needed` slots (scheduler thread only: torch ops on another thread
+        would start a second OpenMP team): doubled up to the cap, so a long request grows them a
+        few times, not every step; back to the base length when the pool is idle."""
+        if self.kv_budget is None:
+            return
+        base = self._base_row_len
+        if idle and self.row_len > base and needed <= base:
+            self._resize_rows(base)
+        elif needed > self.row_len:
+            self._resize_rows(min(self._row_cap, max(-(-needed // 64) * 64, 2 * self.row_len)))
 
     # --- pools --------------------------------------------------------------------------------
 
@@ -86,7 +136,16 @@ class SequentialExecutor(Executor):
         return source_class(model, extra_slots=self.tree_room, pool=self._draft_pools[id(model)][1])
 
     def ensure_room(self, needed: int, idle: bool = True) -> None:
-        """Grow the pools of an idle private scheduler; a clear error otherwise."""
+        """Grow the pools of an idle private scheduler; a clear error otherwise. Under a KV
+        budget, only checks: rows grow at admission and as requests go on (`_fit_rows`)."""
+        if self.kv_budget is not None:
+            if needed > self._row_cap:
+                raise ContextLengthError(
+                    f"the request needs {needed - self.tree_room} context tokens but the KV budget of "
+                    f"{self.kv_budget} bytes (--kv-memory) holds {self._row_cap - self.tree_room} for each of "
+                    f"{self.max_batch} rows; shorten the prompt or lower max_tokens (or raise --kv-memory, "
+                    "or lower --max-batch)")
+            return
         if needed <= self.row_len:
             return
         if not self.growable or not idle:
@@ -105,6 +164,9 @@ class SequentialExecutor(Executor):
         return self.cache.free_rows
 
     def admit(self, req: Request) -> None:
+        if self.kv_budget is not None:  # room for the prompt, a tree and some new tokens
+            self._fit_rows(self.room_for(len(req.prompt_ids), min(req.max_tokens, GROW_AHEAD)),
+                           idle=self.cache.free_rows == self.cache.rows)
         req.row = self.cache.allocate()
         if req.uses_draft_model:
             req.attach_draft()
@@ -129,6 +191,8 @@ class SequentialExecutor(Executor):
     def step(self, running: list[Request]) -> StepRecord | None:
         """Prefill a chunk of the newcomers' prompts and decode one step of the others (the
         chunks ride in its target forward); a prefill-only step when nobody decodes."""
+        if self.kv_budget is not None:  # every row holds its context and a whole tree
+            self._fit_rows(max(len(r.context) + 1 + self.tree_room for r in running), idle=False)
         decoding = [r for r in running if r.state is State.DECODE]
         prefilling = [r for r in running if r.state is State.PREFILL]
         if prefilling and not decoding:
@@ -330,3 +394,20 @@ class SequentialExecutor(Executor):
         hand_prompt_features(chunks, features[len(live):])
         self._prefilled(chunks, prefill_outputs(self.cache, prompt_chunks, outs[len(live):]), draft=False)
         return outs[:len(live)]
+
+
+def budget_row_cap(target: Transformer, drafts: tuple[Any, ...], rows: int, kv_budget: int, tree_room: int,
+                   row_len: int | None = None) -> int:
+    """The longest row (slots) `rows` rows of every pool (the target's and each torch draft's)
+    may reach within `kv_budget` bytes, at most the model's context plus tree room (or
+    `row_len`). A budget that cannot hold a tree and a few tokens per row is a clear error."""
+    per_slot = sum(2 * len(m.layers) * m.config.n_kv_heads * m.config.head_dim * m.dtype.itemsize
+                   for m in (target, *drafts) if isinstance(m, Transformer))
+    cap = min(row_len or target.max_positions + tree_room, target.max_positions + tree_room)
+    fits = kv_budget // (rows * per_slot) - 1  # each row keeps a scratch slot
+    if fits < tree_room + 64:
+        raise SpecwoodError(
+            f"a KV budget of {kv_budget} bytes (--kv-memory) holds {max(fits, 0)} slots for each of {rows} rows "
+            f"({per_slot} bytes a slot), less than one tree ({tree_room} slots) and 64 tokens; give at least "
+            f"{rows * per_slot * (tree_room + 65)} bytes or lower --max-batch")
+    return min(cap, fits)

@@ -80,6 +80,33 @@ class KVCache:
         self.lengths += [0] * (rows - B)
         self.rows, self.max_len, self.scratch_slot = rows, max_len, max_len
 
+    def resize(self, max_len: int) -> None:
+        """Rows of `max_len` slots, in place (the same object, so holders of row numbers stay
+        valid). Growing keeps every slot of every row (tree slots past a row's length included);
+        shrinking is for a pool with no row in use, whose entries are not kept."""
+        if max_len == self.max_len:
+            return
+        shrink = max_len < self.max_len
+        if shrink and self.free_rows != self.rows:
+            raise RuntimeError("a KV pool with rows in use can only grow")
+        L, B, H, _, D = self.k.shape
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            if shrink:  # nothing to keep: free the old rows first
+                setattr(self, name, None)
+                dtype, device = old.dtype, old.device
+                del old
+                setattr(self, name, torch.zeros((L, B, H, max_len + 1, D), dtype=dtype, device=device))
+                continue
+            new = torch.zeros((L, B, H, max_len + 1, D), dtype=old.dtype, device=old.device)
+            new[:, :, :, :self.max_len] = old[:, :, :, :self.max_len]
+            setattr(self, name, new)
+        self.max_len, self.scratch_slot = max_len, max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
     def check_room(self, needed: int) -> None:
         """Raise a clear error if `needed` slots exceed a row."""
         if needed > self.max_len:

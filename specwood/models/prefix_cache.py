@@ -156,6 +156,14 @@ class PrefixCache:
         self.nbytes += size
         self.stats.stored += 1
 
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new bound (the server's KV budget less its rows, which grew or shrank): the least
+        recently used entries go until the rest fits."""
+        self.budget_bytes = max(0, int(budget_bytes))
+        while self.entries and self.nbytes > self.budget_bytes:
+            self._drop(min(self.entries, key=lambda e: e.used))
+            self.stats.evictions += 1
+
     def _drop(self, entry: Entry) -> None:
         self.entries.remove(entry)
         self.nbytes -= entry.nbytes

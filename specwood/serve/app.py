@@ -44,7 +44,7 @@ from specwood.serve.structured import (TokenBytes, ToolCallText, answer_text, ch
 
 RETRY_AFTER_S = 1
 QUEUE_SAMPLE_S = 0.005  # period of the queue-time sampler while requests wait for admission
-DEFAULT_MAX_CONTEXT = 4096  # `specwood serve` without --max-context: the cache holds max_batch rows of it
+DEFAULT_MAX_CONTEXT = 4096  # `specwood serve --executor parallel|pipeline` or on llama.cpp without --max-context
 EXECUTOR_POLL_S = 0.5  # how often the server looks whether its executor went down
 DEFAULT_DRAIN_S = 30.0  # on SIGTERM, how long running requests may take to finish
 logger = logging.getLogger("specwood.serve")
@@ -165,7 +165,11 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     key, origins, Host names: specwood.serve.guard). Raises SpecwoodError for a bad default method."""
     # the context a request may use: the engine's, or less where the scheduler's rows are shorter
     tree_room = scheduler.tree_room
-    max_context = min(int(engine.max_context), int(scheduler.row_len) - tree_room)
+    max_context = min(int(engine.max_context), int(scheduler.executor.max_row_len) - tree_room)
+    budget = getattr(scheduler.executor, "kv_budget", None)
+    why = (f" (the KV budget of {budget} bytes, --kv-memory, holds {max_context} in each of {scheduler.max_batch} "
+           f"cache rows; the model's own context is {int(engine.max_context)})"
+           if budget is not None and max_context < int(engine.max_context) else "")
     if max_context < 2:
         raise SpecwoodError(f"the scheduler's cache rows ({scheduler.row_len} slots, {tree_room} kept for trees) "
                             "leave no room for a request; build it with row_len = max_context + TREE_ROOM")
@@ -176,7 +180,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     metrics = ServerMetrics(scheduler, name)
     scheduler.observers.append(metrics.observe_step)
     vocab = int(engine.target_config.vocab_size)
-    prompt_limit = PromptLimit(getattr(engine, "tokenizer", None), max_context)
+    prompt_limit = PromptLimit(getattr(engine, "tokenizer", None), max_context, why)
     created = P.now()
     tool_format = grammars.ToolFormat.of(engine.tokenizer)  # the tool-call tags, as the vocabulary has them
     token_bytes = TokenBytes(engine.tokenizer)
@@ -295,7 +299,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         elif max_tokens > room:
             field = "max_completion_tokens" if "max_completion_tokens" in body and body["max_completion_tokens"] \
                 is not None else "max_tokens"
-            raise ProtocolError(f"this model's maximum context length is {max_context} tokens; you requested "
+            raise ProtocolError(f"this model's maximum context length is {max_context} tokens{why}; you requested "
                                 f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} to "
                                 f"generate): lower {field} or shorten the prompt", param=field,
                                 code="context_length_exceeded")
@@ -379,7 +383,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             raise ProtocolError("the prompt is empty", param=param)
         if len(ids) >= max_context:
             raise ProtocolError(f"the prompt has {len(ids)} tokens but this model's maximum context length is "
-                                f"{max_context} tokens (the prompt and at least one new token); shorten the prompt",
+                                f"{max_context} tokens{why} (the prompt and at least one new token); shorten the "
+                                "prompt",
                                 param=param, code="context_length_exceeded")
         return ids
 
@@ -603,21 +608,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64,
                    kv_memory: int | None = None) -> Scheduler:
-    """The server's scheduler: `max_batch` cache rows of the engine's whole context (plus tree room),
-    and a prefix cache of `kv_memory` bytes (None: half the memory available once the rows are in
-    place; 0: no reuse across requests)."""
+    """The server's scheduler: `max_batch` cache rows that grow with the longest request up to the
+    engine's whole context (plus tree room) within a KV budget of `kv_memory` bytes (None: half
+    the memory available now), the rows and the prefix cache together: the prefix cache keeps
+    what the rows leave. 0: no reuse across requests (the rows then take the default budget)."""
     if max_batch < 1:
         raise SpecwoodError(f"--max-batch must be >= 1, got {max_batch}")
     if max_queue < 1:
         raise SpecwoodError(f"--max-queue must be >= 1, got {max_queue}")
     if kv_memory is not None and kv_memory < 0:
         raise SpecwoodError(f"--kv-memory must be >= 0 bytes, got {kv_memory}")
-    scheduler = engine.make_scheduler(max_batch=max_batch, row_len=int(engine.max_context) + TREE_ROOM,
-                                      max_queue=max_queue, kv_memory=None if kv_memory == 0 else kv_memory or 0)
-    reuse = getattr(scheduler.executor, "reuse", None)
-    if kv_memory is None and reuse is not None:
-        reuse.cache.budget_bytes = default_kv_memory(scheduler.executor.cache.k.device)  # after the rows
-    return scheduler
+    runner = getattr(engine.target, "runner", None) is not None  # llama.cpp holds its own KV
+    budget = kv_memory or (None if runner else default_kv_memory(engine.target.device))
+    return engine.make_scheduler(max_batch=max_batch, row_len=int(engine.max_context) + TREE_ROOM,
+                                 max_queue=max_queue, kv_memory=None if kv_memory == 0 else budget or 0,
+                                 kv_budget=budget)
 
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
@@ -645,8 +650,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
         scheduler = Scheduler(executor, max_batch=max_batch, max_queue=max_queue)
     else:
         scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue, kv_memory=kv_memory)
-    reuse = getattr(scheduler.executor, "reuse", None)
-    warning = budget_warning(reuse.cache.budget_bytes) if reuse is not None else None
+    warning = budget_warning(kv_memory) if kv_memory else None
     if warning:
         _log(warning)
     scheduler.request_timeout_s = request_timeout

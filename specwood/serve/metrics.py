@@ -228,7 +228,11 @@ class PrefixCacheCollector:
         evictions = CounterMetricFamily(P + "prefix_cache_evictions", "Prefix cache entries evicted to fit the "
                                         "budget (least recently used first)")
         held = GaugeMetricFamily(P + "prefix_cache_bytes", "Bytes of K/V held by prefix cache entries")
-        budget = GaugeMetricFamily(P + "prefix_cache_budget_bytes", "The prefix cache's budget (--kv-memory)")
+        budget = GaugeMetricFamily(P + "prefix_cache_budget_bytes", "The prefix cache's budget (--kv-memory less "
+                                   "the cache rows)")
+        rows = GaugeMetricFamily(P + "kv_rows_bytes", "Bytes of the cache rows of every model (they grow with the "
+                                 "longest running request within --kv-memory)")
+        row_len = GaugeMetricFamily(P + "kv_row_slots", "Slots of each cache row now")
         tokens = GaugeMetricFamily(P + "prefix_cache_tokens", "Tokens held by prefix cache entries (all models)")
         for model in ("target", "draft"):
             stats = cache.stats if cache is not None else None
@@ -238,4 +242,7 @@ class PrefixCacheCollector:
         held.add_metric([], cache.nbytes if cache is not None else 0)
         budget.add_metric([], cache.budget_bytes if cache is not None else 0)
         tokens.add_metric([], cache.cached_tokens if cache is not None else 0)
-        return [queries, hits, evictions, held, budget, tokens]
+        executor = self.scheduler.executor
+        rows.add_metric([], executor.rows_bytes() if hasattr(executor, "rows_bytes") else 0)
+        row_len.add_metric([], executor.row_len)
+        return [queries, hits, evictions, held, budget, tokens, rows, row_len]

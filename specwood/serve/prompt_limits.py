@@ -86,8 +86,9 @@ class PromptLimit:
     """Refuses a prompt that cannot fit in `max_context` tokens before tokenizing it, and runs the
     tokenization of large ones on their own thread (`run`)."""
 
-    def __init__(self, tokenizer: Any, max_context: int):
+    def __init__(self, tokenizer: Any, max_context: int, why: str = ""):
         self.max_context = max_context
+        self.why = why  # what sets the limit, where it is not the model (the KV budget)
         self.longest_token = longest_token(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._normalizer = getattr(backend, "normalizer", None)
@@ -114,8 +115,8 @@ class PromptLimit:
         if chars > budget:
             param = "messages" if g.kind == "chat" else "prompt"
             raise ProtocolError(f"the prompt has {chars} characters, at least {math.ceil(chars / per)} tokens, but "
-                                f"this model's maximum context length is {self.max_context} tokens (the prompt and "
-                                "at least one new token); shorten the prompt", param=param,
+                                f"this model's maximum context length is {self.max_context} tokens{self.why} (the "
+                                "prompt and at least one new token); shorten the prompt", param=param,
                                 code="context_length_exceeded")
 
     async def run(self, g: GenerationRequest, encode: Callable[[GenerationRequest], T]) -> T:
