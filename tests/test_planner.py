@@ -428,7 +428,7 @@ def test_batched_drafting_grows_as_the_draft_does():
 def test_shared_steps_learn_what_drafting_costs():
     """Each request in a shared step records its share of the step's drafting against the plan's
     price; when drafting costs 3x the price, shared steps stop speculating (or shrink their trees)
-    and a request alone decides as before."""
+    and a request alone decides as before, until steps alone teach their own part."""
     from specwood.engine.step import StepRecord
     from specwood.tree.token_tree import TokenTree
     from specwood.verify import Verdict
@@ -451,8 +451,10 @@ def test_shared_steps_learn_what_drafting_costs():
     assert costs.scale(1) == 1.0 and shape.choose_x(128, 1) == plan.decide(128).x  # alone: as measured
     shape.for_batch(1, 128)
     learnt = costs.ratio
-    shape.on_step(tree, Verdict([1], 3), StepRecord(1, 2, draft_s=100.0, verify_s=0.1, drafting=1))  # alone: not counted
-    assert costs.ratio == learnt
+    assert shape._predicted_draft_s > 0  # alone, the plan drafts here too
+    shape.on_step(tree, Verdict([1], 3), StepRecord(1, 2, draft_s=100.0, verify_s=0.1, drafting=1))  # alone
+    assert costs.ratio == learnt and costs.scale(1) > 1.2  # its own part, not the shared steps'
+    assert costs.scale(4) == learnt
 
 
 def test_learnt_drafting_price_is_kept_for_the_next_server(tmp_path):
@@ -468,7 +470,11 @@ def test_learnt_drafting_price_is_kept_for_the_next_server(tmp_path):
     path.write_text("{not json")
     assert DraftCostTracker(path=path).ratio == 1.0
     path.write_text('{"ratio": 99}')
-    assert DraftCostTracker(path=path).ratio == 4.0
+    assert DraftCostTracker(path=path).ratio == 4.0 and DraftCostTracker(path=path).scale(1) == 1.0
+    alone = DraftCostTracker(path=path)
+    for _ in range(DraftCostTracker.SAVE_EVERY):
+        alone.record(0.01, 0.03, batch=1)
+    assert DraftCostTracker(path=path).scale(1) == pytest.approx(alone.scale(1)) and alone.scale(1) > 1.5
 
 
 def test_shared_steps_speculate_only_by_a_margin():

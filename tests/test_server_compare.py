@@ -82,7 +82,7 @@ def test_llama_command_slots_context_and_speculation(tmp_path):
 def test_plan_state_and_spec_lengths_from_logs(tmp_path):
     sc = _compare_module()
     log = tmp_path / "s.log"
-    log.write_text("[plan] no measured plan for 'dyspec' on this device yet: starting from an analytic estimate\n")
+    log.write_text("[plan] no measured plan for 'dyspec' on this device yet: starting from T_v and T_d timed now\n")
     assert sc._plan_state(log)["plan"] == "starter"
     log.write_text("specwood: listening on http://127.0.0.1:1 (model m, method auto, max batch 8)\n")
     assert sc._plan_state(log)["plan"] == "measured"

@@ -98,7 +98,8 @@ class PlannedShape:
         # measured against predicted verify time, this request's copy steps and its plain steps
         self.copy_cost, self.plain_cost = CostRatio(decay=0.7), CostRatio(decay=0.7)
         self.draft_costs = draft_costs or DraftCostTracker()
-        self._predicted_draft_s = 0.0  # the plan's price of this step's drafting, in a shared step
+        self._predicted_draft_s = 0.0  # the plan's price of this step's drafting (DraftCostTracker)
+        self._batch = 1  # requests sharing this step
         self._context_len = 0
         self._step: LookupOrModelShape | None = None
         self._step_x = 1  # the model's x behind self._step
@@ -160,12 +161,13 @@ class PlannedShape:
         self._context_len = context_len
         self._step = None
         self._predicted_draft_s = 0.0
+        self._batch = batch_size if not riding else batch_size + 1
         if self.suffix is not None:
             return self._suffix_step(batch_size, context_len, riding)
         if not self.lookup or batch_size > 1 or riding:  # under load the batch fills the forward already (§4f)
             x = self.choose_x(context_len, batch_size, riding)
             self.x_used[x] = self.x_used.get(x, 0) + 1
-            if x > 1 and batch_size > 1:
+            if x > 1:
                 self._predicted_draft_s = float(self.plan.step_costs(context_len, batch_size)[1](x))
             return self._model_shape(x)
         if self.model:
@@ -194,8 +196,8 @@ class PlannedShape:
         x = self.choose_x(context_len, batch_size, riding) if self.model else 1
         aat = float(self.tracker.scale(self.plan.aat_for(context_len))(x)) if x > 1 else 1.0
         t_v, t_d = self.plan.step_costs(context_len, batch_size, self.draft_costs.scale(batch_size), riding)
-        if x > 1 and batch_size > 1:
-            self._predicted_draft_s = float(t_d(x))
+        if x > 1:  # the plan's own price, before the learnt scale
+            self._predicted_draft_s = float(t_d(x)) / self.draft_costs.scale(batch_size)
         self._load = batch_size if not riding else batch_size + 1
         price = self.copy_cost.ratio / self.plain_cost.ratio if batch_size == 1 and not riding else 1.0
         self._step_x = x
@@ -211,7 +213,7 @@ class PlannedShape:
         if step.choice in ("model", "both"):
             self.x_used[self._step_x] = self.x_used.get(self._step_x, 0) + 1
             if cost is not None and self._predicted_draft_s:
-                self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s)
+                self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._batch)
         if step.choice == "suffix":
             self.suffix_trust.record(self._load, step.scored, len(verdict.accepted))
             if alone:
@@ -234,7 +236,7 @@ class PlannedShape:
             self._on_suffix_step(step, tree, verdict, cost)
             return
         if cost is not None and self._predicted_draft_s and len(tree) > 1:
-            self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s)
+            self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._batch)
         if step is not None and step.copied:
             self.lookup_steps += 1
             self.lookup_tracker.record(step.copied, len(verdict.accepted))
@@ -288,8 +290,9 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                 print(f"[plan] method auto on a {engine.backend} target: planning from T_v and T_d timed at start",
                       file=sys.stderr)
             else:
-                print(f"[plan] no measured plan for '{base}' on this device yet: starting from an analytic estimate "
-                      f"(run `specwood plan --method {base}` once, ~6 min, to measure one)", file=sys.stderr)
+                print(f"[plan] no measured plan for '{base}' on this device yet: starting from T_v and T_d timed "
+                      f"now, a few seconds (run `specwood plan --method {base}` once, ~6 min, to measure one)",
+                      file=sys.stderr)
         plan = current["plan"] = starter_plan(engine, base)
     if all(c.method == "ar" for c in plan.choices) and plan.source == "measured" and not lookup:
         return lambda sources, prompt_len, max_tokens, load=1: Drafter(extra_stats=lambda: {"auto": "ar"})

@@ -15,14 +15,47 @@ from specwood.planner.store import _DTYPE_NAMES, Plan, PlanKey, plan_key_for
 
 
 def starter_plan(engine: Any, method: str) -> Plan:
-    """A plan that needs no profiling, for a device without a measured one: the analytic model of
-    this CPU (seconds to measure) with the stored or default AAT curve, trees capped at 8 tokens
-    (where the analytic T_v is least wrong). Each request still adapts AAT to what it sees."""
-    if getattr(engine.target, "runner", None) is not None:
-        key = plan_key_for(engine, method)
-        if key not in _RUNNER_PLANS:  # timed once per process and models
-            _RUNNER_PLANS[key] = runner_starter_plan(engine, method)
-        return _RUNNER_PLANS[key]
+    """A plan that needs no calibration, for a device without a measured one: T_v(x) and T_d(x)
+    timed here at start (seconds; `torch_starter_plan`, `runner_starter_plan` on llama.cpp) with
+    the stored or default AAT curve, once per process and models. Each request still adapts AAT
+    to what it sees. The analytic model of the hardware (`analytic_starter_plan`) is not used
+    for this: on the 2-core CPU it put T_v(48) at 1.03 T_v(1) where the q4 kernels measured 11.7
+    (BENCHMARKS.md §18), so `auto` verified trees that cost more than they gave."""
+    key = plan_key_for(engine, method)
+    if key not in _STARTER_PLANS:
+        runner = getattr(engine.target, "runner", None) is not None
+        _STARTER_PLANS[key] = runner_starter_plan(engine, method) if runner else torch_starter_plan(engine, method)
+    return _STARTER_PLANS[key]
+
+
+TORCH_XS = (1, 2, 4, 8, 16, 32, 48)  # 48: the largest suffix proposal auto weighs, plus the root
+TORCH_CONTEXTS = (128, 1024)
+TORCH_X_CAP = 16  # the model's trees; the suffix source may add more nodes where T_v(x) says they pay
+
+
+def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
+    """A starter plan for a target on our torch runtime: T_v(x, ctx) timed on the target at two
+    contexts, T_d(x) with the method's real drafting, the draft's prefill per token, AAT(x) from a
+    stored plan of the pair or the default curve (`timed_plan`). About 5 s for the default pair
+    on a 2-core CPU."""
+    from specwood.planner.build import measure_draft_prefill
+    from specwood.planner.profiler import measure_verify_times
+
+    tv = measure_verify_times(engine.target, TORCH_XS, TORCH_CONTEXTS, repeats, refine=False, progress=False)
+    draft_xs = [x for x in TORCH_XS if x <= TORCH_X_CAP]
+    td = ({c: {x: 0.0 for x in draft_xs} for c in tv} if engine.draft_model is None else
+          measure_draft_times(engine, [method], xs=draft_xs, contexts=(min(tv),), repeats=repeats,
+                              progress=False)[method])
+    plan = timed_plan(engine, method, tv, td, draft_prefill_s=measure_draft_prefill(engine) or 0.0,
+                      note="starter plan: T_v and T_d timed at start")
+    plan.x_cap = TORCH_X_CAP
+    plan.source = "starter"
+    return plan.refresh()
+
+
+def analytic_starter_plan(engine: Any, method: str) -> Plan:
+    """The analytic model of this hardware with the stored or default AAT curve, trees capped at
+    8 tokens (where the analytic T_v is least wrong): nothing timed."""
     device = "local-cpu" if engine.device.type == "cpu" else "h100"
     plan = build_analytic_plan(device, str(engine.target_name), str(engine.draft_name or "none"), method=method,
                                dtype=_DTYPE_NAMES.get(str(engine.dtype), "bf16"), contexts=(128, 512, 2048),
@@ -34,7 +67,7 @@ def starter_plan(engine: Any, method: str) -> Plan:
 
 
 RUNNER_XS = (1, 2, 4, 8, 16)
-_RUNNER_PLANS: dict[PlanKey, Plan] = {}
+_STARTER_PLANS: dict[PlanKey, Plan] = {}
 
 
 def runner_starter_plan(engine: Any, method: str, ctx: int = 128, repeats: int = 3) -> Plan:

@@ -86,55 +86,68 @@ class CostRatio:
 
 
 class DraftCostTracker(CostRatio):
-    """What drafting in shared steps really costs against the plan's batch model, shared by all
-    requests one prepared `auto` serves (a property of the machine and the batching, not of a
-    request).
+    """What drafting really costs against the plan's price, shared by all requests one prepared
+    `auto` serves (a property of the machine and the batching, not of a request), in two parts:
+    steps of one request alone (`alone`) and shared steps (`ratio`).
 
-    The plan times one draft forward per row count, one row per request. In a real shared step a
-    request's draft call also carries the tokens it accepted last step, and the batch's draft
-    rounds wait for its deepest tree: at c = 8 drafting cost 1.6x the prediction (§4g). Each
-    drafting request records its fair share of the step's drafting against what the plan
-    predicted for it; T_d in shared steps is scaled by the decayed ratio. Steps of one request
-    are not counted: the plan's T_d was measured that way.
+    The plan times a draft of x tokens with nothing accepted, one row per request. In a real step
+    the draft also reads the tokens it accepted last step, and a tree of confident drafts is a
+    deep chain, one draft forward per level: alone on the 2-core CPU, dyspec's trees of 8 cost
+    2.6x the plan's price (BENCHMARKS.md §18). In a shared step the batch's draft rounds also
+    wait for its deepest tree: at c = 8 drafting cost 1.6x the prediction (§4g). Each drafting
+    request records its share of the step's drafting against what the plan predicted for it;
+    T_d is scaled by the decayed ratio of its part. (A choice of tree that depends on measured
+    time, not only on the request's own verdicts, means a seeded sampled request may draft
+    different trees from one run to the next: its output is distributed as `ar`'s, but not
+    repeated token for token.)
 
-    With a `path` (next to the plan) the ratio survives the process: a server started again
-    does not pay for learning it under load once more (its first shared steps would speculate
-    at the plan's price). Delete the file to learn it afresh."""
+    With a `path` (next to the plan) the ratios survive the process: a server started again
+    does not pay for learning them once more. Delete the file to learn them afresh."""
 
     SAVE_EVERY = 8  # records between writes
 
     def __init__(self, decay: float = 0.9, path: Path | None = None):
         super().__init__(decay)
         self.path = path
-        self.ratio = self._stored_ratio(path) if path is not None else 1.0
+        self.alone = CostRatio(decay)
+        if path is not None:
+            self.ratio, self.alone.ratio = self._stored_ratios(path)
         self._unsaved = 0
 
     def scale(self, batch: int) -> float:
-        return 1.0 if batch <= 1 else self.ratio
+        return self.alone.ratio if batch <= 1 else self.ratio
 
-    def record(self, predicted_s: float, measured_s: float) -> None:
+    def record(self, predicted_s: float, measured_s: float, batch: int = 2) -> None:
+        """A step's drafting share against the plan's price, for steps of `batch` requests."""
         if predicted_s > 0:
-            super().record(predicted_s, measured_s)
+            (self.alone if batch <= 1 else super()).record(predicted_s, measured_s)
             self._unsaved += 1
             if self.path is not None and self._unsaved >= self.SAVE_EVERY:
                 self.save()
 
     def save(self) -> None:
-        """Write the ratio (atomically); a cache that cannot be written only means learning it again."""
+        """Write the ratios (atomically); a cache that cannot be written only means learning them again."""
         self._unsaved = 0
         try:
-            write_json_atomically(self.path, {"ratio": self.ratio,
+            write_json_atomically(self.path, {"ratio": self.ratio, "ratio_alone": self.alone.ratio,
                                               "saved": datetime.datetime.now().isoformat(timespec="seconds")})
         except OSError:
             pass
 
     @staticmethod
-    def _stored_ratio(path: Path) -> float:
+    def _stored_ratios(path: Path) -> tuple[float, float]:
         try:
-            ratio = float(json.loads(path.read_text())["ratio"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return 1.0  # none yet, or damaged: learn it
-        return DraftCostTracker._clamp(ratio) if ratio == ratio else 1.0
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return 1.0, 1.0  # none yet, or damaged: learn them
+        out = []
+        for key in ("ratio", "ratio_alone"):
+            try:
+                ratio = float(data[key])
+            except (KeyError, TypeError, ValueError):
+                ratio = 1.0
+            out.append(DraftCostTracker._clamp(ratio) if ratio == ratio else 1.0)
+        return out[0], out[1]
 
 
 def drafting_costs_path(key: PlanKey) -> Path:
