@@ -163,7 +163,7 @@ def test_auto_with_suffix_under_sampling_runs_and_merges(engine, private_cache):
     for _ in range(2):
         out = engine.generate(PROMPTS[0], max_tokens=40, raw=True, method="auto", progress=False,
                               temperature=0.7, seed=5)
-        assert len(out.token_ids) == 40 and sum(out.stats["auto_sources"].values()) > 0
+        assert (len(out.token_ids) == 40 or out.finish_reason == "stop") and sum(out.stats["auto_sources"].values()) > 0
 
 
 def test_concurrent_requests_under_the_batched_scheduler_keep_the_cache_whole(engine, private_cache):

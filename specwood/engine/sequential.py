@@ -42,6 +42,7 @@ class SequentialExecutor(Executor):
 
     name = "sequential"
     reuse: PrefixReuse | None = None  # prefix reuse across requests (specwood.engine.prefix_reuse)
+    kv_budget: int | None = None  # bytes for the rows and the prefix cache (None: static rows)
 
     def __init__(self, target: Transformer, *, max_batch: int = 8, row_len: int | None = None,
                  prefill_chunk_tokens: int = 64, growable: bool = False, tree_room: int = TREE_ROOM,

@@ -100,15 +100,24 @@ class PlannedShape:
         self.draft_costs = draft_costs or DraftCostTracker()
         self._predicted_draft_s = 0.0  # the plan's price of this step's drafting (DraftCostTracker)
         self._batch = 1  # requests sharing this step
+        self.timed_alone = True  # alone, T_d scaled by the server's learnt price (repeatable() turns it off)
         self._context_len = 0
         self._step: LookupOrModelShape | None = None
         self._step_x = 1  # the model's x behind self._step
         self.x_used: dict[int, int] = {}  # x -> steps, for the stats
         self.lookup_steps = 0
 
+    def repeatable(self) -> None:
+        """A seeded sampled request: alone, its trees follow the plan and its own verdicts only, not
+        the server's learnt price of drafting (measured time), so the same seed repeats its answer."""
+        self.timed_alone = False
+
+    def _draft_scale(self, batch_size: int) -> float:
+        return self.draft_costs.scale(batch_size) if batch_size > 1 or self.timed_alone else 1.0
+
     def _decision(self, context_len: int, batch_size: int, riding: int = 0) -> Decision:
         return self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)), batch=batch_size,
-                                draft_scale=self.draft_costs.scale(batch_size), riding=riding)
+                                draft_scale=self._draft_scale(batch_size), riding=riding)
 
     def choose_x(self, context_len: int, batch_size: int = 1, riding: int = 0) -> int:
         if not self.model:
@@ -195,9 +204,9 @@ class PlannedShape:
         plan picks (none if it decodes plainly or has no draft), the suffix's, both, or none."""
         x = self.choose_x(context_len, batch_size, riding) if self.model else 1
         aat = float(self.tracker.scale(self.plan.aat_for(context_len))(x)) if x > 1 else 1.0
-        t_v, t_d = self.plan.step_costs(context_len, batch_size, self.draft_costs.scale(batch_size), riding)
+        t_v, t_d = self.plan.step_costs(context_len, batch_size, self._draft_scale(batch_size), riding)
         if x > 1:  # the plan's own price, before the learnt scale
-            self._predicted_draft_s = float(t_d(x)) / self.draft_costs.scale(batch_size)
+            self._predicted_draft_s = float(t_d(x)) / self._draft_scale(batch_size)
         self._load = batch_size if not riding else batch_size + 1
         price = self.copy_cost.ratio / self.plain_cost.ratio if batch_size == 1 and not riding else 1.0
         self._step_x = x
@@ -340,7 +349,9 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
 
     def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
         plan = latest_plan()
-        model = not no_draft and plan.speculation_pays(prompt_len, max_tokens, load, draft_costs.scale(load)) and not (
+        # alone, the prefill decision follows the plan: a seeded request must make it the same every run
+        scale = draft_costs.scale(load) if load > 1 else 1.0
+        model = not no_draft and plan.speculation_pays(prompt_len, max_tokens, load, scale) and not (
             all(c.method == "ar" for c in plan.choices) and plan.source == "measured")
         if not model and not no_draft:
             if progress and not told:  # once: a server would print it for every short request

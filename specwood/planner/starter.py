@@ -41,12 +41,18 @@ def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
     from specwood.planner.build import measure_draft_prefill
     from specwood.planner.profiler import measure_verify_times
 
-    tv = measure_verify_times(engine.target, TORCH_XS, TORCH_CONTEXTS, repeats, refine=False, progress=False)
-    draft_xs = [x for x in TORCH_XS if x <= TORCH_X_CAP]
+    from specwood.models.transformer import Transformer
+
+    positions = min(int(engine.target.max_positions), int(engine.max_context))
+    xs = [x for x in TORCH_XS if x < positions // 2] or [1, 2]
+    contexts = [c for c in TORCH_CONTEXTS if c + max(xs) < positions] or [max(1, positions - max(xs) - 1)]
+    tv = measure_verify_times(engine.target, xs, contexts, repeats, refine=False, progress=False)
+    draft_xs = [x for x in xs if x <= TORCH_X_CAP]
     td = ({c: {x: 0.0 for x in draft_xs} for c in tv} if engine.draft_model is None else
           measure_draft_times(engine, [method], xs=draft_xs, contexts=(min(tv),), repeats=repeats,
                               progress=False)[method])
-    plan = timed_plan(engine, method, tv, td, draft_prefill_s=measure_draft_prefill(engine) or 0.0,
+    prefill = measure_draft_prefill(engine) if isinstance(engine.draft_model, Transformer) else None
+    plan = timed_plan(engine, method, tv, td, draft_prefill_s=prefill or 0.0,
                       note="starter plan: T_v and T_d timed at start")
     plan.x_cap = TORCH_X_CAP
     plan.source = "starter"
