@@ -9,24 +9,15 @@ import random
 
 import httpx
 import pytest
-import torch
 
 from specwood.engine.api import Engine
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.prefix_cache import PrefixCache
+from test_prefix_cache import _one_thread_and_private_cache  # noqa: F401 - the same autouse fixture
 
 TREE = 16  # tree room of these schedulers: small trees, small rows
 BASE = 64  # the rows' base length here (the server's is 4096 + its tree room)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_private_cache(monkeypatch, tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
-    yield
-    torch.set_num_threads(threads)
 
 
 def per_slot(engine: Engine, head: bool = False) -> int:

@@ -99,7 +99,6 @@ class PlannedShape:
         self.copy_cost, self.plain_cost = CostRatio(decay=0.7), CostRatio(decay=0.7)
         self.draft_costs = draft_costs or DraftCostTracker()
         self._predicted_draft_s = 0.0  # the plan's price of this step's drafting (DraftCostTracker)
-        self._batch = 1  # requests sharing this step
         self.timed_alone = True  # alone, T_d scaled by the server's learnt price (repeatable() turns it off)
         self._context_len = 0
         self._step: LookupOrModelShape | None = None
@@ -170,7 +169,7 @@ class PlannedShape:
         self._context_len = context_len
         self._step = None
         self._predicted_draft_s = 0.0
-        self._batch = batch_size if not riding else batch_size + 1
+        self._load = batch_size if not riding else batch_size + 1  # requests sharing this step
         if self.suffix is not None:
             return self._suffix_step(batch_size, context_len, riding)
         if not self.lookup or batch_size > 1 or riding:  # under load the batch fills the forward already (§4f)
@@ -204,10 +203,10 @@ class PlannedShape:
         plan picks (none if it decodes plainly or has no draft), the suffix's, both, or none."""
         x = self.choose_x(context_len, batch_size, riding) if self.model else 1
         aat = float(self.tracker.scale(self.plan.aat_for(context_len))(x)) if x > 1 else 1.0
-        t_v, t_d = self.plan.step_costs(context_len, batch_size, self._draft_scale(batch_size), riding)
+        scale = self._draft_scale(batch_size)
+        t_v, t_d = self.plan.step_costs(context_len, batch_size, scale, riding)
         if x > 1:  # the plan's own price, before the learnt scale
-            self._predicted_draft_s = float(t_d(x)) / self._draft_scale(batch_size)
-        self._load = batch_size if not riding else batch_size + 1
+            self._predicted_draft_s = float(t_d(x)) / scale
         price = self.copy_cost.ratio / self.plain_cost.ratio if batch_size == 1 and not riding else 1.0
         self._step_x = x
         self._step = SuffixOrModelShape(self.suffix, self._model_shape(x), x, aat, t_v, t_d,
@@ -222,7 +221,7 @@ class PlannedShape:
         if step.choice in ("model", "both"):
             self.x_used[self._step_x] = self.x_used.get(self._step_x, 0) + 1
             if cost is not None and self._predicted_draft_s:
-                self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._batch)
+                self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._load)
         if step.choice == "suffix":
             self.suffix_trust.record(self._load, step.scored, len(verdict.accepted))
             if alone:
@@ -245,7 +244,7 @@ class PlannedShape:
             self._on_suffix_step(step, tree, verdict, cost)
             return
         if cost is not None and self._predicted_draft_s and len(tree) > 1:
-            self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._batch)
+            self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._load)
         if step is not None and step.copied:
             self.lookup_steps += 1
             self.lookup_tracker.record(step.copied, len(verdict.accepted))

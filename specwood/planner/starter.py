@@ -1,5 +1,5 @@
 """Plans made without `specwood plan`'s full measurement: the starter plan `auto` follows until a
-measured one is stored (analytic, or timed at start on a llama.cpp target) and the timed plan
+measured one is stored (T_v and T_d timed at start, on our runtime or a llama.cpp target) and the timed plan
 (T_v and T_d timed here, a stored or default AAT curve) that specwood.planner.configs also uses.
 """
 from __future__ import annotations
@@ -8,19 +8,19 @@ import datetime
 from typing import Any, Sequence
 
 from specwood.models.llamacpp import LlamaCppModel
-from specwood.planner.analytic import build_analytic_plan, stored_aat
+from specwood.planner.analytic import stored_aat
 from specwood.planner.fits import DEFAULT_AAT
 from specwood.planner.profiler import measure_draft_times, median_time, random_tree
-from specwood.planner.store import _DTYPE_NAMES, Plan, PlanKey, plan_key_for
+from specwood.planner.store import Plan, PlanKey, plan_key_for
 
 
 def starter_plan(engine: Any, method: str) -> Plan:
     """A plan that needs no calibration, for a device without a measured one: T_v(x) and T_d(x)
     timed here at start (seconds; `torch_starter_plan`, `runner_starter_plan` on llama.cpp) with
     the stored or default AAT curve, once per process and models. Each request still adapts AAT
-    to what it sees. The analytic model of the hardware (`analytic_starter_plan`) is not used
-    for this: on the 2-core CPU it put T_v(48) at 1.03 T_v(1) where the q4 kernels measured 11.7
-    (BENCHMARKS.md §18), so `auto` verified trees that cost more than they gave."""
+    to what it sees. The analytic model of the hardware (planner/analytic.py) is not used for
+    this: on the 2-core CPU it put T_v(48) at 1.03 T_v(1) where the q4 kernels measured 8.8
+    (BENCHMARKS.md §18b), so `auto` verified trees that cost more than they gave."""
     key = plan_key_for(engine, method)
     if key not in _STARTER_PLANS:
         runner = getattr(engine.target, "runner", None) is not None
@@ -36,12 +36,11 @@ TORCH_X_CAP = 16  # the model's trees; the suffix source may add more nodes wher
 def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
     """A starter plan for a target on our torch runtime: T_v(x, ctx) timed on the target at two
     contexts, T_d(x) with the method's real drafting, the draft's prefill per token, AAT(x) from a
-    stored plan of the pair or the default curve (`timed_plan`). About 5 s for the default pair
+    stored plan of the pair or the default curve (`timed_plan`). About 15 s for the default pair
     on a 2-core CPU."""
+    from specwood.models.transformer import Transformer
     from specwood.planner.build import measure_draft_prefill
     from specwood.planner.profiler import measure_verify_times
-
-    from specwood.models.transformer import Transformer
 
     positions = min(int(engine.target.max_positions), int(engine.max_context))
     xs = [x for x in TORCH_XS if x < positions // 2] or [1, 2]
@@ -56,19 +55,6 @@ def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
                       note="starter plan: T_v and T_d timed at start")
     plan.x_cap = TORCH_X_CAP
     plan.source = "starter"
-    return plan.refresh()
-
-
-def analytic_starter_plan(engine: Any, method: str) -> Plan:
-    """The analytic model of this hardware with the stored or default AAT curve, trees capped at
-    8 tokens (where the analytic T_v is least wrong): nothing timed."""
-    device = "local-cpu" if engine.device.type == "cpu" else "h100"
-    plan = build_analytic_plan(device, str(engine.target_name), str(engine.draft_name or "none"), method=method,
-                               dtype=_DTYPE_NAMES.get(str(engine.dtype), "bf16"), contexts=(128, 512, 2048),
-                               x_max=8, target_config=engine.target_config, draft_config=engine.draft_config)
-    plan.x_cap = 8
-    plan.source = "starter"
-    plan.notes.append("starter plan: used until `specwood plan` stores a measured one")
     return plan.refresh()
 
 

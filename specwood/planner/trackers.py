@@ -97,9 +97,9 @@ class DraftCostTracker(CostRatio):
     wait for its deepest tree: at c = 8 drafting cost 1.6x the prediction (§4g). Each drafting
     request records its share of the step's drafting against what the plan predicted for it;
     T_d is scaled by the decayed ratio of its part. (A choice of tree that depends on measured
-    time, not only on the request's own verdicts, means a seeded sampled request may draft
-    different trees from one run to the next: its output is distributed as `ar`'s, but not
-    repeated token for token.)
+    time, not only on the request's own verdicts, would let a seeded sampled request draft
+    different trees from one run to the next, so such a request alone does not use the `alone`
+    part: `PlannedShape.repeatable`. Under load its trees follow the shared ratio.)
 
     With a `path` (next to the plan) the ratios survive the process: a server started again
     does not pay for learning them once more. Delete the file to learn them afresh."""
