@@ -525,13 +525,24 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     return guard_app(app, access)
 
 
+# A body over the limit is read on and dropped, up to these bounds, before the 413 goes out: a
+# client that is still uploading (most do not read the response until their body is sent) would
+# otherwise have the connection reset under it, losing the 413 (the kernel answers unread data on
+# a closed socket with RST). Past them the connection is closed unread.
+DRAIN_MAX_BYTES = 64 * 2**20
+DRAIN_MAX_S = 5.0
+
+
 async def _read_body(http: HTTPRequest, limit: int, timeout_s: float) -> bytes:
-    """The request body; a 413 once it exceeds `limit` bytes (at once where its Content-Length
-    says so, unread) and a 408 where it has not arrived in `timeout_s` seconds. Both close the
-    connection, so the rest of the body is never read. Raises ClientDisconnect where the client
-    goes away meanwhile."""
+    """The request body; a 413 once it exceeds `limit` bytes and a 408 where it has not arrived in
+    `timeout_s` seconds. Both close the connection. Before a 413 the rest of the body is read and
+    dropped (`_drain`) so that the client sees the answer; a client that sent `Expect: 100-continue`
+    has sent nothing yet and is answered at once. Raises ClientDisconnect where the client goes
+    away meanwhile."""
     declared = http.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
+        if "100-continue" not in http.headers.get("expect", "").lower() and int(declared) <= DRAIN_MAX_BYTES:
+            await _drain(http)
         raise _body_too_large(limit)
     chunks, size = [], 0
     try:
@@ -539,12 +550,25 @@ async def _read_body(http: HTTPRequest, limit: int, timeout_s: float) -> bytes:
             async for chunk in http.stream():
                 size += len(chunk)
                 if size > limit:
+                    await _drain(http, already=size)
                     raise _body_too_large(limit)
                 chunks.append(chunk)
     except TimeoutError:
         raise P.ProtocolError(f"the request body did not arrive within {timeout_s:g} s (--read-timeout)",
                               code="read_timeout", status=408, headers={"Connection": "close"}) from None
     return b"".join(chunks)
+
+
+async def _drain(http: HTTPRequest, already: int = 0) -> None:
+    """Reads and drops what is left of the body, up to DRAIN_MAX_BYTES in all and DRAIN_MAX_S."""
+    try:
+        async with asyncio.timeout(DRAIN_MAX_S):
+            async for chunk in http.stream():
+                already += len(chunk)
+                if already > DRAIN_MAX_BYTES:
+                    return
+    except TimeoutError:
+        return
 
 
 def _body_too_large(limit: int) -> P.ProtocolError:
