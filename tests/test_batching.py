@@ -551,7 +551,7 @@ class BadTreeShape:
     def __init__(self, inner, how: str, good_steps: int = 2):
         self.inner, self.how, self.good_steps, self.steps = inner, how, good_steps, 0
 
-    def for_batch(self, batch_size, context_len, riding=0):
+    def for_batch(self, batch_size, context_len, riding=0, free=0):
         if self.how == "choose" and self.steps >= self.good_steps:
             raise RuntimeError("choosing a shape exploded")
         return self

@@ -100,6 +100,35 @@ def test_draft_equal_to_target_with_a_grammar_accepts_long_paths(tiny_pair, tiny
             assert out.stats["mean_accepted_tokens"] > 2.0, (method, out.stats)
 
 
+def test_the_drafter_goes_on_from_the_end_of_a_forced_run(tiny_pair, tiny_tokenizer, monkeypatch):
+    """A forced run and the draft after it are verified in ONE target forward (the drafter starts
+    from the run's last token, its source reading the run in the same draft forward), and the
+    output stays token-identical to `ar`. A step whose tree is the run alone would take one more."""
+    import specwood.engine.sequential as sequential
+
+    engine = Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.target)
+    real, grafted = sequential.verify_tree, []
+
+    def watch(request, tree, logits):  # an observer around the real verifier
+        proc = request.processors
+        if proc is not None and proc.forced_tree is tree and len(tree) > proc.forced_len + 1:
+            grafted.append((proc.forced_len, len(tree)))
+        return real(request, tree, logits)
+
+    monkeypatch.setattr(sequential, "verify_tree", watch)
+    for grammar in (GRAMMARS["forced"], GRAMMARS["json"]):
+        ref = engine.generate("x", max_tokens=60, raw=True, grammar=grammar)
+        for method in ("chain", "dyspec", "pld", "auto"):
+            grafted.clear()
+            budget = {} if method == "auto" else {"budget": 8}
+            out = engine.generate("x", max_tokens=60, raw=True, grammar=grammar, method=method, **budget)
+            assert out.token_ids == ref.token_ids, (method, out.text, ref.text)
+            if method != "auto":  # auto may judge a plain step after the run the better buy
+                assert grafted, method
+            if method == "chain":  # draft == target: the drafted part after a run is accepted
+                assert out.stats["mean_accepted_tokens"] > 2.0, out.stats
+
+
 def test_constrained_and_plain_requests_share_a_step(tiny_engine):
     grammar = GRAMMARS["json"]
     cases = [("ar", {}), ("dyspec", dict(grammar=grammar)), ("chain", {}), ("eagle", dict(grammar=GRAMMARS["few"])),

@@ -39,21 +39,55 @@ FORCED_MIN = 2  # a shorter forced run is left to the (masked) drafter, which al
 FORCED_MAX = 64
 
 
-def forced_tree(root: int, processors: Processors) -> TokenTree | None:
-    """A chain root -> the grammar's forced run, as "selected" candidates (the deterministic rule
-    verifies them: the target may still prefer another tokenisation of the forced text), or None
-    when fewer than FORCED_MIN tokens are forced. It costs no draft forward; the drafter starts
-    from the end of the run at the next step."""
+def forced_run(processors: Processors) -> list[int]:
+    """The grammar's forced run after the committed state, or [] when it is shorter than
+    FORCED_MIN (then the masked drafter drafts through it)."""
     run = processors.forced_run(FORCED_MAX)
-    if len(run) < FORCED_MIN:
-        return None
+    return run if len(run) >= FORCED_MIN else []
+
+
+def forced_tree(root: int, run: list[int], processors: Processors) -> TokenTree:
+    """A chain root -> the forced run, as "selected" candidates (the deterministic rule verifies
+    them: the target may still prefer another tokenisation of the forced text). It costs no draft
+    forward; `drafting_after` grafts a drafted tree onto its end."""
     tree = TokenTree.with_root(root, "selected")
     node = 0
     for token in run:
         node = tree.add_node(node, token)
     processors.forced += len(run)
-    processors.forced_tree = tree
+    processors.forced_tree, processors.forced_len = tree, len(run)
     return tree
+
+
+def drafting_after(drafting: Drafting, chain: TokenTree, processors: Processors) -> Drafting:
+    """`drafting` (a shape drafting from the forced run's last token, its context extended by the
+    run) grafted onto the end of the forced `chain`: its calls reach the draft source (and the
+    processors) as calls on the whole tree -- a source with state reads the chain in the same
+    forward as its first nodes -- and the tree returned is chain + drafted subtree. The chain's
+    nodes have no draft distribution, so the verifier takes them by the selected rule either way."""
+    k = len(chain) - 1  # the chain's end: the drafted subtree's root
+
+    def graft(sub: TokenTree) -> TokenTree:
+        whole = TokenTree(list(chain.tokens), list(chain.parents), list(chain.depths), list(chain.probs),
+                          child_rule=sub.child_rule, without_replacement=sub.without_replacement)
+        for i in range(1, len(sub)):
+            whole.add_node(sub.parents[i] + k, sub.tokens[i], sub.probs[i])
+        whole.child_dists = {i + k: d for i, d in sub.child_dists.items()}
+        whole.selected = {i + k for i in sub.selected} | (set(range(1, k + 1)) if sub.child_rule == "sampled" else set())
+        return whole
+
+    try:
+        call: Any = next(drafting)
+        while True:
+            sub, nodes = call
+            logits = yield graft(sub), [n + k for n in nodes]
+            call = drafting.send(logits)
+    except StopIteration as done:
+        tree = graft(done.value)
+        processors.forced_tree = tree
+        return tree
+    finally:
+        drafting.close()
 
 
 def prune_refused(tree: TokenTree, processors: Processors) -> TokenTree:
@@ -65,4 +99,7 @@ def prune_refused(tree: TokenTree, processors: Processors) -> TokenTree:
     if all(ok):
         return tree
     processors.pruned += sum(not v for v in ok)
-    return tree.keep([i for i, v in enumerate(ok) if v])
+    kept = tree.keep([i for i, v in enumerate(ok) if v])
+    if processors.forced_tree is tree:  # a forced run's nodes are allowed: they keep their indices
+        processors.forced_tree = kept
+    return kept

@@ -71,7 +71,8 @@ class Processors:
         self.emitted = 0
         self.pruned = 0  # drafted nodes the grammar refused, removed before the target forward
         self.forced = 0  # tokens the grammar forced, verified as free candidates
-        self.forced_tree: TokenTree | None = None  # this step's tree, when it is a forced run
+        self.forced_tree: TokenTree | None = None  # this step's tree, when it starts with a forced run
+        self.forced_len = 0  # that run's length (the tree's nodes 1..forced_len)
         self.mask_s = 0.0  # time in the grammar matcher (masks, forced runs, commits), for the stats
 
     # --- grammar ------------------------------------------------------------------------------

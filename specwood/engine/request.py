@@ -35,7 +35,7 @@ class Drafter:
     """One request's drafting: its draft source (state: cache row, pending tokens) and its tree
     shape (policy). `shape` None decodes plainly. A shape may also choose per step, knowing how
     many requests share the step and how many prefill tokens ride in its forward
-    (`for_batch(batch_size, context_len, riding)` -> shape or None), and
+    (`for_batch(batch_size, context_len, riding, free)` -> shape or None), and
     observe each verdict and what the step cost the batch (`on_step(tree, verdict, cost)`), as
     `auto` does."""
 
@@ -47,9 +47,11 @@ class Drafter:
     # token (a source with `defer`): auto's late draft, which may never draft at all
     defer_draft_prefill: bool = False
 
-    def shape_for_step(self, batch_size: int, context_len: int, riding: int = 0) -> TreeShape | None:
+    def shape_for_step(self, batch_size: int, context_len: int, riding: int = 0, free: int = 0) -> TreeShape | None:
+        """The shape for this step; `free`: tokens of the grammar's forced run the tree grows after
+        (context_len counts them)."""
         choose = getattr(self.shape, "for_batch", None)
-        return choose(batch_size, context_len, riding) if choose is not None else self.shape
+        return choose(batch_size, context_len, riding, free) if choose is not None else self.shape
 
     def on_step(self, tree: TokenTree, verdict: Verdict, cost: StepRecord | None = None) -> None:
         observe = getattr(self.shape, "on_step", None)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specwood.constrain.drafting import forced_tree, processed_drafting, prune_refused
+from specwood.constrain.drafting import drafting_after, forced_run, forced_tree, processed_drafting, prune_refused
 from specwood.drafting.base import Drafting
 from specwood.drafting.together import draft_together
 from specwood.engine.request import Request
@@ -52,15 +52,22 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
     drafts: dict[Request, tuple[Drafting, object]] = {}
     for req in requests:
         try:
-            forced = forced_tree(req.root, req.processors) if req.processors is not None and req.drafter.shape else None
-            if forced is not None:  # the grammar's forced run: free candidates, no draft forward
-                trees[req] = forced
+            # the grammar's forced run: free candidates, verified, no draft forward; the drafter
+            # goes on from its end in the same tree (a feature-level head cannot: it reads the
+            # target's features of every path token, so it drafts at the next step)
+            run = forced_run(req.processors) if req.processors is not None and req.drafter.shape else []
+            chain = forced_tree(req.root, run, req.processors) if run else None
+            if chain is not None and wants_features(req):
+                trees[req] = chain
                 continue
-            shape = req.drafter.shape_for_step(batch_size, len(req.context) + 1, riding)
+            context, root = (req.context, req.root) if chain is None else ([*req.context, req.root, *run[:-1]], run[-1])
+            shape = req.drafter.shape_for_step(batch_size, len(context) + 1, riding, free=len(run))
             if shape is None:
-                trees[req] = plain_tree(req)
+                trees[req] = chain if chain is not None else plain_tree(req)
                 continue
-            drafting = shape.draft(req.context, req.root, req.params, req.draft_generator)
+            drafting = shape.draft(context, root, req.params, req.draft_generator)
+            if chain is not None:
+                drafting = drafting_after(drafting, chain, req.processors)
             if req.processors is not None:  # draft rows processed per node: every child drawn is allowed
                 drafting = processed_drafting(drafting, req.processors)
             drafts[req] = (drafting, req.drafter.source)
@@ -153,6 +160,20 @@ def first_token(request: Request, logits: torch.Tensor) -> int:
     return token
 
 
+def drafted_part(request: Request, tree: TokenTree, verdict: Verdict) -> tuple[TokenTree, Verdict] | None:
+    """What the drafter proposed this step and what of it was accepted: the whole tree, or where
+    it grew from the end of the grammar's forced run, the subtree after the run (None where the
+    target left the run early, so the draft went untested, or where nothing was drafted after it).
+    The stats and `auto` learn from this part only: a forced run is no draft."""
+    proc = request.processors
+    if proc is None or proc.forced_tree is not tree:
+        return tree, verdict
+    k = proc.forced_len
+    if len(tree) == k + 1 or len(verdict.accepted) < k:
+        return None
+    return tree.reroot(k), Verdict([a - k for a in verdict.accepted[k:]], verdict.next_token)
+
+
 def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
     """Keep the accepted path in the request's cache row and draft source; the emitted tokens."""
     L = cache.lengths[request.row]
@@ -166,12 +187,12 @@ def advance(request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecor
     path = [0] + verdict.accepted
     if request.drafter.source is not None:
         request.drafter.source.commit(tree, verdict.accepted, verdict.next_token)
-    # a tree of the grammar's forced run is no draft: neither the stats nor `auto` count it as one
-    forced = request.processors is not None and request.processors.forced_tree is tree
-    if (len(tree) > 1 or request.drafter.shape is not None) and not forced:
-        request.stats.record(tree, len(verdict.accepted), cost.draft_s, cost.verify_s)
-    if not forced:
-        request.drafter.on_step(tree, verdict, cost)
+    drafted = drafted_part(request, tree, verdict)
+    if drafted is not None:
+        sub, sub_verdict = drafted
+        if len(sub) > 1 or request.drafter.shape is not None:
+            request.stats.record(sub, len(sub_verdict.accepted), cost.draft_s, cost.verify_s)
+        request.drafter.on_step(sub, sub_verdict, cost)
     request.context.extend(tree.tokens[i] for i in path)
     request.root = verdict.next_token
     emitted = [tree.tokens[i] for i in verdict.accepted] + [verdict.next_token]

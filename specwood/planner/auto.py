@@ -114,17 +114,17 @@ class PlannedShape:
     def _draft_scale(self, batch_size: int) -> float:
         return self.draft_costs.scale(batch_size) if batch_size > 1 or self.timed_alone else 1.0
 
-    def _decision(self, context_len: int, batch_size: int, riding: int = 0) -> Decision:
+    def _decision(self, context_len: int, batch_size: int, riding: int = 0, free: int = 0) -> Decision:
         return self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)), batch=batch_size,
-                                draft_scale=self._draft_scale(batch_size), riding=riding)
+                                draft_scale=self._draft_scale(batch_size), riding=riding, free=free)
 
-    def choose_x(self, context_len: int, batch_size: int = 1, riding: int = 0) -> int:
+    def choose_x(self, context_len: int, batch_size: int = 1, riding: int = 0, free: int = 0) -> int:
         if not self.model:
             return 1
         if not self.adapt:
             method, x = self.plan.choose(context_len)
             return 1 if method == "ar" else x
-        d = self._decision(context_len, batch_size, riding)
+        d = self._decision(context_len, batch_size, riding, free)
         return 1 if d.method == "ar" else d.x
 
     def _model_shape(self, x: int) -> Any | None:
@@ -161,9 +161,11 @@ class PlannedShape:
             if late.announce is not None:
                 late.announce(late)
 
-    def for_batch(self, batch_size: int, context_len: int, riding: int = 0) -> Any | None:
+    def for_batch(self, batch_size: int, context_len: int, riding: int = 0, free: int = 0) -> Any | None:
         """The shape for a step shared by `batch_size` requests, with `riding` prefill tokens of
-        newcomers in its target forward (or None: a plain step)."""
+        newcomers in its target forward (or None: a plain step). The tree grows after `free`
+        tokens of the grammar's forced run, verified in the same forward: every option pays for
+        their rows and gains them (`decide`)."""
         if self._awaiting_draft and batch_size == 1 and not riding:
             self._bring_in_draft(context_len)
         self._context_len = context_len
@@ -171,25 +173,25 @@ class PlannedShape:
         self._predicted_draft_s = 0.0
         self._load = batch_size if not riding else batch_size + 1  # requests sharing this step
         if self.suffix is not None:
-            return self._suffix_step(batch_size, context_len, riding)
+            return self._suffix_step(batch_size, context_len, riding, free)
         if not self.lookup or batch_size > 1 or riding:  # under load the batch fills the forward already (§4f)
-            x = self.choose_x(context_len, batch_size, riding)
+            x = self.choose_x(context_len, batch_size, riding, free)
             self.x_used[x] = self.x_used.get(x, 0) + 1
             if x > 1:
                 self._predicted_draft_s = float(self.plan.step_costs(context_len, batch_size)[1](x))
             return self._model_shape(x)
         if self.model:
-            d = self._decision(context_len, batch_size)
+            d = self._decision(context_len, batch_size, free=free)
             x = d.x if d.method == "sd" else 1
             model_rate = d.p_eff if x > 1 else d.p_ar
         else:  # copying or plain steps only: no need to weigh every tree size each step
-            x, model_rate = 1, 1.0 / float(self.plan.t_v(context_len, 1))
+            x, model_rate = 1, (1.0 + free) / float(self.plan.t_v(context_len, 1 + free))
         lt = self.lookup_tracker
         copy_price = self.copy_cost.ratio / self.plain_cost.ratio
 
         def chain_length(longest: int) -> int:
             """The copy length with the best expected rate, if that beats the model's (else 0)."""
-            rates = [(lt.expected_tokens(c) / (float(self.plan.t_v(context_len, 1 + c)) * copy_price), c)
+            rates = [((free + lt.expected_tokens(c)) / (float(self.plan.t_v(context_len, 1 + free + c)) * copy_price), c)
                      for c in range(1, longest + 1)]
             rate, best = max(rates)
             return best if rate > model_rate else 0
@@ -198,10 +200,10 @@ class PlannedShape:
         self._step_x = x
         return self._step
 
-    def _suffix_step(self, batch_size: int, context_len: int, riding: int) -> SuffixOrModelShape:
+    def _suffix_step(self, batch_size: int, context_len: int, riding: int, free: int = 0) -> SuffixOrModelShape:
         """This step's options priced at this context and load: the model's tree of the size the
         plan picks (none if it decodes plainly or has no draft), the suffix's, both, or none."""
-        x = self.choose_x(context_len, batch_size, riding) if self.model else 1
+        x = self.choose_x(context_len, batch_size, riding, free) if self.model else 1
         aat = float(self.tracker.scale(self.plan.aat_for(context_len))(x)) if x > 1 else 1.0
         scale = self._draft_scale(batch_size)
         t_v, t_d = self.plan.step_costs(context_len, batch_size, scale, riding)
@@ -210,7 +212,7 @@ class PlannedShape:
         price = self.copy_cost.ratio / self.plain_cost.ratio if batch_size == 1 and not riding else 1.0
         self._step_x = x
         self._step = SuffixOrModelShape(self.suffix, self._model_shape(x), x, aat, t_v, t_d,
-                                        self.suffix_trust.ratio(self._load), price)
+                                        self.suffix_trust.ratio(self._load), price, free)
         return self._step
 
     def _on_suffix_step(self, step: SuffixOrModelShape, tree: TokenTree, verdict: Verdict,

@@ -33,11 +33,19 @@ def p_eff(x: int, t_v: Callable[[int], float], t_d: Callable[[int], float], aat:
 
 
 def decide(t_v: Callable[[int], float], t_d: Callable[[int], float], aat: Callable[[int], float],
-           xs: Sequence[int], margin: float = 0.0) -> Decision:
+           xs: Sequence[int], margin: float = 0.0, free: int = 0) -> Decision:
     """Eq. 8: SD only if some x >= 2 beats autoregressive decoding (by the fraction `margin`, for
     a model whose errors are known to be that large); then its argmax (the smallest x among equal
-    maxima, which costs the least drafting)."""
-    p_ar = 1.0 / float(t_v(1))
+    maxima, which costs the least drafting).
+
+    `free`: tokens of the grammar's forced run ahead of the tree's root, verified in the same
+    forward and (canonical tokens of the forced text) taken as accepted: every option, the plain
+    step included, pays for their rows and gains them, P(x) = (free + AAT(x)) / (T_v(free + x) + T_d(x))."""
+    if free:
+        t_v_tree, aat_tree = t_v, aat
+        t_v = lambda x: float(t_v_tree(x + free))  # noqa: E731
+        aat = lambda x: free + float(aat_tree(x))  # noqa: E731
+    p_ar = (1.0 + free) / float(t_v(1))
     cands = sorted({int(x) for x in xs if int(x) >= 2})
     if not cands:
         return Decision("ar", 1, 0.0, 0.0, p_ar, 1)

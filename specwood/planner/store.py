@@ -149,13 +149,13 @@ class Plan:
         return t_v, (lambda v: draft_scale * t_d(v))
 
     def decide(self, ctx: int, aat: Callable[[float], float] | None = None, batch: int = 1,
-               draft_scale: float = 1.0, riding: int = 0) -> Decision:
+               draft_scale: float = 1.0, riding: int = 0, free: int = 0) -> Decision:
         """The decision at context ctx, with the plan's AAT(x) for it or the given curve, for a
         step shared by `batch` requests and `riding` prefill tokens (there speculation must win
-        by BATCH_MARGIN)."""
+        by BATCH_MARGIN), after `free` tokens of a forced run (`decide`)."""
         t_v, t_d = self.step_costs(ctx, batch, draft_scale, riding)
         return decide(t_v, t_d, aat or self.aat_for(ctx), self.candidate_xs(ctx),
-                      margin=BATCH_MARGIN if batch > 1 or riding else 0.0)
+                      margin=BATCH_MARGIN if batch > 1 or riding else 0.0, free=free)
 
     def refresh(self) -> "Plan":
         """Recompute the fits and per-bucket choices from the stored measurements."""

@@ -72,14 +72,16 @@ class SuffixOrModelShape(ShapeBase):
 
     `t_v`, `t_d`: this request's share of a step's verify and draft time at its context and load;
     `model_x`: the model tree's size the plan chose (1: none), `model_aat`: its expected tokens;
-    `price`: this request's measured cost of a wide verify against the plan's."""
+    `price`: this request's measured cost of a wide verify against the plan's; `free`: tokens of
+    the grammar's forced run ahead of the root, in every option's forward and gain."""
 
     def __init__(self, source: SuffixSource, model_shape: Any | None, model_x: int, model_aat: float,
-                 t_v: Callable[[float], float], t_d: Callable[[float], float], trust: float, price: float = 1.0):
+                 t_v: Callable[[float], float], t_d: Callable[[float], float], trust: float, price: float = 1.0,
+                 free: int = 0):
         self.source = source
         self.model_shape = model_shape if model_x > 1 else None
         self.model_x, self.model_aat = model_x, model_aat
-        self.t_v, self.t_d, self.trust, self.price = t_v, t_d, trust, price
+        self.t_v, self.t_d, self.trust, self.price, self.free = t_v, t_d, trust, price, free
         self.name = "suffix-or-model"
         self.choice = "none"
         self.scored = 0.0  # the suffix part's score in the tree drafted (expected accepted tokens)
@@ -87,12 +89,13 @@ class SuffixOrModelShape(ShapeBase):
 
     def weigh(self, draft: SuffixDraft) -> tuple[str, int]:
         """The best option and the suffix nodes it uses."""
-        t_v, a, price = self.t_v, self.trust, self.price
-        best = ("none", 0, 1.0 / max(float(t_v(1)), 1e-9))
+        a, price, f = self.trust, self.price, self.free
+        t_v = (lambda v: float(self.t_v(v + f))) if f else self.t_v
+        best = ("none", 0, (1.0 + f) / max(float(t_v(1)), 1e-9))
         has_model = self.model_shape is not None
         if has_model:
             m_cost = float(t_v(self.model_x)) + float(self.t_d(self.model_x))
-            best = max(best, ("model", 0, self.model_aat / max(m_cost, 1e-9)), key=lambda o: o[2])
+            best = max(best, ("model", 0, (f + self.model_aat) / max(m_cost, 1e-9)), key=lambda o: o[2])
             alpha = 1.0 - 1.0 / max(self.model_aat, 1.0)
         n = draft.tree.size
         if n:
@@ -107,11 +110,11 @@ class SuffixOrModelShape(ShapeBase):
                     solo += a * probs[k]
                     if has_model:
                         both += (1.0 - alpha ** depths[k]) * min(1.0, a * probs[k])
-                rate = (1.0 + solo) / max(float(t_v(1 + k)) * price, 1e-9)
+                rate = (f + 1.0 + solo) / max(float(t_v(1 + k)) * price, 1e-9)
                 best = max(best, ("suffix", k, rate), key=lambda o: o[2])
                 if has_model:
                     cost = float(t_v(self.model_x + k)) * price + float(self.t_d(self.model_x))
-                    best = max(best, ("both", k, (self.model_aat + both) / max(cost, 1e-9)), key=lambda o: o[2])
+                    best = max(best, ("both", k, (f + self.model_aat + both) / max(cost, 1e-9)), key=lambda o: o[2])
                 if k == n:
                     break
         return best[0], best[1]
