@@ -366,7 +366,7 @@ def test_tool_calls_round_trip_through_the_openai_client_streaming_enforced(clie
               parallel_tool_calls=False)
     whole = client.chat.completions.create(**kw)
     calls: dict[int, dict[str, str]] = {}
-    finish, content = None, ""
+    finish, content, pieces = None, "", 0
     for chunk in client.chat.completions.create(stream=True, **kw):
         if not chunk.choices:
             continue
@@ -374,10 +374,14 @@ def test_tool_calls_round_trip_through_the_openai_client_streaming_enforced(clie
         content += delta.content or ""
         for tc in delta.tool_calls or []:
             c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            if tc.function.name:  # the name comes once, with the call's id
+                assert tc.id and not c["name"]
             c["name"] += tc.function.name or ""
             c["arguments"] += tc.function.arguments or ""
+            pieces += bool(tc.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and content == ""
+    assert pieces > 1  # the arguments stream as they are written, not whole at the end
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
         [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
     call = whole.choices[0].message.tool_calls[0]
@@ -409,3 +413,40 @@ def test_logit_bias_steers_every_token_enforced(http, tiny_tokenizer):
     a = tiny_tokenizer.encode("A")[0]
     out = _chat(http, logit_bias={str(a): 100}, max_tokens=6, temperature=0, method="dyspec")
     assert out["choices"][0]["message"]["content"] == "AAAAAA"
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 10_000])
+def test_streamed_tool_calls_add_up_to_the_parsed_ones(step):
+    """ToolCallText cut at any points: the content before the calls, each call's name once with its
+    id, its arguments in pieces (a brace inside a string, nested objects, the object's own closing
+    brace held back), and the pieces add up to what the non-streamed parse returns; a call cut short
+    (max_tokens) is never content."""
+    from specwood.constrain.grammars import ToolFormat
+    from specwood.serve.structured import ToolCallText
+
+    texts = ['Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "opts": {"u": "c"}}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>',
+             '<tool_call>\n{"name": "x", "arguments": {"s": "a } b", "t": "caf\u00e9"}}\n</tool_call>',
+             '<tool_call>\n{"name": "x", "arguments": {"s": "cut']
+    for text in texts:
+        stream, content, calls = ToolCallText(ToolFormat()), "", {}
+
+        def take(deltas: list) -> None:
+            for d in deltas:
+                c = calls.setdefault(d["index"], {"name": "", "arguments": "", "ids": 0})
+                c["name"] += d["function"].get("name", "")
+                c["arguments"] += d["function"]["arguments"]
+                c["ids"] += "id" in d
+
+        for i in range(0, len(text), step):
+            content += stream.feed(text[i:i + step])
+            take(stream.call_deltas())
+        rest, parsed = stream.finish(text)
+        take(stream.final_call_deltas(parsed))
+        content += rest
+        assert content == ("Sure." if text.startswith("Sure.") else "")
+        if parsed:
+            assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == parsed
+            assert all(c["ids"] == 1 for c in calls.values())
+        else:  # cut short: the partial call went out as a call
+            assert calls[0]["name"] == "x" and calls[0]["arguments"] == '{"s": "cut'[:len(calls[0]["arguments"])]

@@ -486,6 +486,9 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                     delta, n, entries = value
                     if calls_text is not None:
                         delta = calls_text.feed(delta)
+                        calls = calls_text.call_deltas()  # each call's name, then its arguments as they come
+                        if calls:
+                            yield chunk(i, tool_calls=calls, tokens=n)
                         if not delta and not entries:
                             continue
                     yield chunk(i, text=delta, tokens=n, logprobs=logprobs(i, entries))
@@ -505,8 +508,10 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                                                                  tool_format))
                     if rest:
                         yield chunk(i, text=rest, tokens=len(res.token_ids))
+                    rest_calls = calls_text.final_call_deltas(parsed)
+                    if rest_calls:
+                        yield chunk(i, tool_calls=rest_calls, tokens=len(res.token_ids))
                     if parsed:
-                        yield chunk(i, tool_calls=P.tool_call_objects(parsed, streamed=True), tokens=len(res.token_ids))
                         finish = "tool_calls" if finish == "stop" else finish
                 yield chunk(i, text=None if kind == "chat" else "", finish_reason=finish, tokens=len(res.token_ids),
                             logprobs=logprobs(i, jobs[i].new_logprobs()))

@@ -4,6 +4,9 @@ OpenAI's two shapes (chat: `content[{token, logprob, bytes, top_logprobs}]`; com
 from __future__ import annotations
 
 import json
+import re
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from specwood.constrain.grammars import ToolFormat, parse_tool_calls
@@ -11,13 +14,21 @@ from specwood.constrain.grammars import ToolFormat, parse_tool_calls
 
 class ToolCallText:
     """A streamed answer that may end in tool calls: passes on the content before the first
-    tool-call tag, holding back a tail that may be the tag's beginning; `finish` parses the calls."""
+    tool-call tag, holding back a tail that may be the tag's beginning, and then each call as it
+    is written (`call_deltas`): its name and id once its `"arguments": ` has arrived, then its
+    arguments' text piece by piece, as OpenAI streams them. `finish` parses the calls;
+    `final_call_deltas` sends what of them did not go out yet."""
 
     def __init__(self, fmt: ToolFormat):
         self.fmt = fmt
         self.text = ""
         self.sent = 0  # characters of content passed on
         self.in_calls = False
+        self.calls: list[_StreamedCall] = []  # calls whose name went out
+        self._open_at: int | None = None  # where the call being written starts (its open tag)
+        self._head = False  # whether that call's name went out
+        self._search_from = 0  # where to look for the next call's open tag
+        self._stopped = False  # a call not in the expected shape: the rest waits for `finish`
 
     def feed(self, delta: str) -> str:
         """The content that may be streamed now, given the next text delta."""
@@ -28,6 +39,7 @@ class ToolCallText:
         at = self.text.find(tag)
         if at >= 0:
             self.in_calls, end = True, at
+            self._open_at, self._head = at, False
         else:
             end = len(self.text) - _partial_tail(self.text, tag)
         end = len(self.text[:end].rstrip())  # whitespace before a call is not content: held until known
@@ -35,11 +47,85 @@ class ToolCallText:
         self.sent = max(self.sent, end)
         return out
 
+    def call_deltas(self) -> list[dict[str, Any]]:
+        """The `delta.tool_calls` entries the text fed so far allows (none before the first call)."""
+        out: list[dict[str, Any]] = []
+        text, fmt = self.text, self.fmt
+        while self.in_calls and not self._stopped:
+            if self._open_at is None:
+                at = text.find(fmt.open, self._search_from)
+                if at < 0:
+                    break
+                self._open_at, self._head = at, False
+            body = self._open_at + len(fmt.open)
+            close = text.find(fmt.close, body)
+            if not self._head:
+                head = _CALL_HEAD.match(text, body)
+                if head is None:
+                    if close >= 0 or len(text) - body > _HEAD_LIMIT:
+                        self._stopped = True  # not our format: `finish` parses what there is
+                    break
+                call = _StreamedCall(json.loads(head.group(1)), head.end())
+                self.calls.append(call)
+                self._head = True
+                out.append({"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": ""}})
+            call = self.calls[-1]
+            if close >= 0:  # the call is complete: its arguments end at the object's last brace
+                end = text.rfind("}", call.start, close)
+            else:  # hold back what may be the object's closing brace, whitespace and the close tag's start
+                end = len(text) - _partial_tail(text, fmt.close)
+                while end > call.start and text[end - 1].isspace():
+                    end -= 1
+                if end > call.start and text[end - 1] == "}":
+                    end -= 1
+            piece = text[call.start + len(call.arguments):end] if end > call.start + len(call.arguments) else ""
+            if piece:
+                call.arguments += piece
+                out.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+            if close < 0:
+                break
+            self._search_from, self._open_at = close + len(fmt.close), None
+        return out
+
     def finish(self, text: str) -> tuple[str, list[tuple[str, str]]]:
         """The content not passed on yet and the parsed calls (none: all of the text is content)."""
         content, calls = parse_tool_calls(text, self.fmt)
-        rest = content[self.sent:] if calls else text[self.sent:]
+        if self.calls and not calls:  # a call began in the stream but was cut short: not content
+            content = text[:max(text.find(self.fmt.open), 0)].rstrip()
+        rest = content[self.sent:] if calls or self.calls else text[self.sent:]
         return rest, calls
+
+    def final_call_deltas(self, parsed: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """What of the parsed calls has not gone out: a call's missing end of arguments, or whole
+        calls not begun in the stream."""
+        out: list[dict[str, Any]] = []
+        for i, (name, arguments) in enumerate(parsed):
+            if i < len(self.calls):
+                sent = self.calls[i].arguments
+                if arguments.startswith(sent) and len(arguments) > len(sent):
+                    out.append({"index": i, "function": {"arguments": arguments[len(sent):]}})
+            else:
+                out.append({"index": i, "id": _call_id(), "type": "function",
+                            "function": {"name": name, "arguments": arguments}})
+        return out
+
+
+# a call as the tool grammar writes it, up to its arguments' first brace: {"name": "<name>", "arguments": {...}}
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+_HEAD_LIMIT = 4096  # characters after an open tag without a call's head: not our format
+
+
+@dataclass
+class _StreamedCall:
+    name: str
+    start: int  # where its arguments start in the text
+    arguments: str = ""  # the arguments' text sent so far
+    id: str = field(default_factory=lambda: _call_id())
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _partial_tail(text: str, tag: str) -> int:
