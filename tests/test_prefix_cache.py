@@ -250,3 +250,4 @@ def test_kv_memory_sizes_and_the_warning_past_the_machines_ram():
     assert ram and budget_warning(ram // 2) is None
     line = budget_warning(2 * ram)
     assert line is not None and "\n" not in line and str(ram) in line and str(2 * ram) in line
+

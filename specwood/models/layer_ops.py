@@ -72,11 +72,12 @@ class KernelLayerOps(TorchLayerOps):
     """The same operations as single calls into `kernels/layer_ops.cpp` (CPU, fp32 or bf16).
 
     Not bit-identical to the torch versions (their own exp, summation order), but row-exact,
-    which is what lossless tree verification needs of them. Attention runs here for up to
-    MAX_QUERY_TOKENS tokens of a block (decode steps, drafts, trees); a prompt chunk goes to
-    torch's flash attention, which is faster there."""
-
-    MAX_QUERY_TOKENS = 32
+    which is what lossless tree verification needs of them. Attention runs here for blocks of any
+    size -- decode steps, drafts, trees of any width, prompt chunks: one attention for rows of any
+    kind, so the K/V of a token computed in a prompt chunk equal those computed one token a step
+    (prefix reuse is bit-exact against a fresh prefill) and a wide tree's node attends as the
+    one-token forward along its path. On the 2-core Zen 4 it also prefills faster than torch's
+    flash attention did for chunks (BENCHMARKS.md §19d)."""
 
     def __init__(self, kernel: Any = None) -> None:
         """`kernel`: a built module of `kernels/layer_ops.cpp` (default: this checkout's, built on
@@ -133,8 +134,6 @@ class KernelLayerOps(TorchLayerOps):
         if not self.takes(q):
             return super().attention(q, k, v, mask)
         B, T, H, D = q.shape
-        if T > self.MAX_QUERY_TOKENS:
-            return super().attention(q.transpose(1, 2), k, v, mask)
         if mask.shape[0] != B:
             mask = mask.expand(B, -1, -1, -1)
         return self.kernel.attention(q, k, v, mask, D ** -0.5)

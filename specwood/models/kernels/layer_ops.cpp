@@ -1,5 +1,5 @@
 // The small operations of a decoder layer for x86 CPUs with AVX512: RMSNorm, the rotary embedding,
-// the SiLU-gated product and attention for a few query rows.
+// the SiLU-gated product and attention (any number of query rows, each computed alone).
 //
 // Why: at one to a few rows a forward, each of these is a microsecond of arithmetic behind torch's
 // dispatch (a norm is 7 operators, RoPE 9, flash attention's setup tens of microseconds a layer),
@@ -430,5 +430,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rms_norm", &rms_norm, "RMSNorm of each row");
   mod.def("rope_", &rope_, "rotary embedding, in place");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up");
-  mod.def("attention", &attention, "attention for a few query rows, masked keys skipped");
+  mod.def("attention", &attention, "attention, each query row alone, masked keys skipped");
 }
