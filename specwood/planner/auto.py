@@ -22,7 +22,7 @@ from specwood.methods import Method, get_method, prepare_method, register
 from specwood.planner.build import get_plan, measure_draft_prefill, measure_draft_rows
 from specwood.planner.decision import Decision
 from specwood.planner.prior_tree import PriorScores, analytic_scores, maximal_layout, prior_shape
-from specwood.planner.starter import starter_plan
+from specwood.planner.starter import starter_plan, starter_plan_ready
 from specwood.planner.suffix_choice import CHOICES as SUFFIX_CHOICES
 from specwood.planner.suffix_choice import SuffixOrModelShape, SuffixTrust
 from specwood.planner.store import (
@@ -295,7 +295,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     plan = get_plan(engine, base, build_if_missing=False, progress=progress)
     current = {"plan": plan, "checked": time.monotonic()}
     if plan is None:
-        if progress:
+        if progress and not starter_plan_ready(engine, base):  # timed once per process and models
             if getattr(engine.target, "runner", None) is not None:
                 print(f"[plan] method auto on a {engine.backend} target: planning from T_v and T_d timed at start",
                       file=sys.stderr)

@@ -28,6 +28,11 @@ def starter_plan(engine: Any, method: str) -> Plan:
     return _STARTER_PLANS[key]
 
 
+def starter_plan_ready(engine: Any, method: str) -> bool:
+    """Whether this process has timed the starter plan for these models already."""
+    return plan_key_for(engine, method) in _STARTER_PLANS
+
+
 TORCH_XS = (1, 2, 4, 8, 16, 32, 48)  # 48: the largest suffix proposal auto weighs, plus the root
 TORCH_CONTEXTS = (128, 1024)
 TORCH_X_CAP = 16  # the model's trees; the suffix source may add more nodes where T_v(x) says they pay

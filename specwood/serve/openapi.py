@@ -99,6 +99,7 @@ def completion_body(model: str, methods: list[str], vocab_size: int, max_context
                    "description": "a string or the prompt's token ids"},
         "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": P.MAX_TOP_LOGPROBS,
                      "description": "the emitted tokens' logprobs and this many alternatives each"},
+        "response_format": _RESPONSE_FORMAT,
         **_PROCESSORS, **_common(model, methods, max_context)}}
 
 

@@ -180,6 +180,7 @@ def parse_completion_request(body: dict[str, Any]) -> GenerationRequest:
     max_tokens = _opt_int(body, "max_tokens", minimum=1)
     req = GenerationRequest("completion", prompt, max_tokens=max_tokens)
     req.logprobs = _opt_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    _parse_response_format(body, req)
     return _common(body, req)
 
 
@@ -279,8 +280,8 @@ def _parse_chat_logprobs(body: dict[str, Any], req: GenerationRequest) -> None:
     req.logprobs = (top or 0) if lp else None
 
 
-def _parse_structured(body: dict[str, Any], req: GenerationRequest) -> None:
-    """response_format, tools, tool_choice and parallel_tool_calls (chat only)."""
+def _parse_response_format(body: dict[str, Any], req: GenerationRequest) -> None:
+    """response_format (chat, and completions as vLLM takes it): the answer's grammar."""
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict):
@@ -309,6 +310,11 @@ def _parse_structured(body: dict[str, Any], req: GenerationRequest) -> None:
         elif kind != "text":
             raise ProtocolError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
                                 f"{_short(kind)}", param="response_format.type")
+
+
+def _parse_structured(body: dict[str, Any], req: GenerationRequest) -> None:
+    """response_format, tools, tool_choice and parallel_tool_calls (chat)."""
+    _parse_response_format(body, req)
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is not None and not (isinstance(tools, list) and not tools):  # [] = no tools
         try:
@@ -475,8 +481,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 CHAT_UNSUPPORTED = ("functions", "function_call", "min_tokens", "ignore_eos", "modalities", "audio",
                     "prediction", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-COMPLETION_UNSUPPORTED = ("best_of", "echo", "suffix", "min_tokens", "ignore_eos", "response_format",
-                          "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+COMPLETION_UNSUPPORTED = ("best_of", "echo", "suffix", "min_tokens", "ignore_eos", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def _check_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
