@@ -481,7 +481,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 CHAT_UNSUPPORTED = ("functions", "function_call", "min_tokens", "ignore_eos", "modalities", "audio",
                     "prediction", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-COMPLETION_UNSUPPORTED = ("best_of", "echo", "suffix", "min_tokens", "ignore_eos", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+COMPLETION_UNSUPPORTED = ("best_of", "echo", "suffix", "min_tokens", "ignore_eos", "guided_json", "guided_regex",
+                          "guided_choice", "guided_grammar")
 
 
 def _check_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -582,14 +583,15 @@ def jsonable(v: Any) -> Any:
     return str(v)
 
 
-def tool_call_objects(calls: list[tuple[str, str]], streamed: bool = False) -> list[dict[str, Any]]:
-    """OpenAI's tool_calls for parsed (name, arguments JSON) calls; `streamed` adds each one's index."""
-    out = []
-    for i, (name, arguments) in enumerate(calls):
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": name, "arguments": arguments}}
-        out.append({"index": i, **call} if streamed else call)
-    return out
+def tool_call_id() -> str:
+    """A new tool call's id, in OpenAI's shape."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_objects(calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """OpenAI's tool_calls for parsed (name, arguments JSON) calls (streamed ones: ToolCallText)."""
+    return [{"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+            for name, arguments in calls]
 
 
 def completion_response(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,

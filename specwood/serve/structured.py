@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from specwood.constrain.grammars import ToolFormat, parse_tool_calls
+from specwood.serve.protocol import tool_call_id
 
 
 class ToolCallText:
@@ -106,7 +106,7 @@ class ToolCallText:
                 if arguments.startswith(sent) and len(arguments) > len(sent):
                     out.append({"index": i, "function": {"arguments": arguments[len(sent):]}})
             else:
-                out.append({"index": i, "id": _call_id(), "type": "function",
+                out.append({"index": i, "id": tool_call_id(), "type": "function",
                             "function": {"name": name, "arguments": arguments}})
         return out
 
@@ -121,11 +121,7 @@ class _StreamedCall:
     name: str
     start: int  # where its arguments start in the text
     arguments: str = ""  # the arguments' text sent so far
-    id: str = field(default_factory=lambda: _call_id())
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    id: str = field(default_factory=tool_call_id)
 
 
 def _partial_tail(text: str, tag: str) -> int:
