@@ -22,7 +22,7 @@ import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
 from conftest import exact_first_two_law, g_test
 from specwood.engine.api import Engine
 from specwood.engine.scheduler import TREE_ROOM, Scheduler
-from specwood.models.prefix_cache import PrefixCache, kv_bytes_per_token
+from specwood.models.prefix_cache import PrefixCache
 from specwood.sampling import SamplingParams
 
 # small trees: cheap steps, and every shape still branches
@@ -136,7 +136,7 @@ def test_evictions_under_a_tiny_budget_never_exceed_it_nor_change_outputs(tiny_e
     """A budget of about 90 tokens: conversations evict each other (LRU); the entries stay within
     the budget after every request, and every answer equals a fresh scheduler's."""
     sched = scheduler(tiny_engine)
-    per_token = kv_bytes_per_token(sched.cache) + kv_bytes_per_token(next(iter(sched._draft_pools.values()))[1])
+    per_token = sched.cache.bytes_per_slot + next(iter(sched._draft_pools.values()))[1].bytes_per_slot
     cache = sched.reuse.cache
     cache.budget_bytes = 90 * per_token // 2  # target and draft entries share it
     rnd = random.Random(11)
@@ -251,3 +251,22 @@ def test_kv_memory_sizes_and_the_warning_past_the_machines_ram():
     line = budget_warning(2 * ram)
     assert line is not None and "\n" not in line and str(ram) in line and str(2 * ram) in line
 
+
+
+def test_the_kv_pool_moves_committed_slots_only_through_its_interface():
+    """What the prefix cache does to a pool: slots out of a row, into another, row to row; a copy
+    past a row's end is the pool's clear error, not a silent partial write."""
+    from specwood.errors import ContextLengthError
+    from specwood.models.cache import KVCache
+
+    pool = KVCache(n_layers=2, n_kv_heads=2, head_dim=4, max_len=8, batch=3)
+    pool.k.normal_(), pool.v.normal_()
+    assert pool.bytes_per_slot == 2 * 2 * 2 * 4 * 4
+    k, v = (t.clone() for t in pool.slots_of(0, 0, 5))
+    pool.put_slots(1, 2, k, v)
+    assert torch.equal(pool.k[:, 1, :, 2:7], k) and torch.equal(pool.v[:, 1, :, 2:7], v)
+    pool.copy_slots(2, 1, 3, 6)
+    assert torch.equal(pool.k[:, 2, :, 3:6], pool.k[:, 1, :, 3:6])
+    assert not torch.equal(pool.k[:, 2, :, 2], pool.k[:, 1, :, 2])  # only the slots asked for
+    with pytest.raises(ContextLengthError):
+        pool.put_slots(0, 6, k, v)

@@ -121,7 +121,7 @@ class SequentialExecutor(Executor):
         """A KV pool of max_batch rows for `model`; on CUDA its decode-sized forwards replay CUDA
         graphs (one launch per step instead of hundreds)."""
         cache = model.new_cache(self.row_len, self.max_batch)
-        if self.cuda_graphs and cache.k.device.type == "cuda":
+        if self.cuda_graphs and cache.device.type == "cuda":
             cache.graphs = GraphedForward(model, cache)
         return cache
 
@@ -402,8 +402,7 @@ def budget_row_cap(target: Transformer, drafts: tuple[Any, ...], rows: int, kv_b
     """The longest row (slots) `rows` rows of every pool (the target's and each torch draft's)
     may reach within `kv_budget` bytes, at most the model's context plus tree room (or
     `row_len`). A budget that cannot hold a tree and a few tokens per row is a clear error."""
-    per_slot = sum(2 * len(m.layers) * m.config.n_kv_heads * m.config.head_dim * m.dtype.itemsize
-                   for m in (target, *drafts) if isinstance(m, Transformer))
+    per_slot = sum(m.kv_bytes_per_slot for m in (target, *drafts) if isinstance(m, Transformer))
     cap = min(row_len or target.max_positions + tree_room, target.max_positions + tree_room)
     fits = kv_budget // (rows * per_slot) - 1  # each row keeps a scratch slot
     if fits < tree_room + 64:

@@ -10,6 +10,11 @@ from specwood.errors import ContextLengthError
 Rows = slice | torch.Tensor | None
 
 
+def kv_bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one slot's K and V take in every layer of a pool of this shape."""
+    return 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize
+
+
 class KVCache:
     """K and V for every layer of one model (or one pipeline stage): [layers, rows, H_kv, max_len + 1, D].
 
@@ -107,6 +112,16 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes one slot's K and V take in every layer (what a cached token costs)."""
+        L, _, H, _, D = self.k.shape
+        return kv_bytes_per_slot(L, H, D, self.k.dtype)
+
     def check_room(self, needed: int) -> None:
         """Raise a clear error if `needed` slots exceed a row."""
         if needed > self.max_len:
@@ -142,6 +157,22 @@ class KVCache:
         """K and V of slots [0, length) of `rows`: views for None or a slice, a gather otherwise."""
         idx = slice(None) if rows is None else rows
         return self.k[layer, idx, :, :length], self.v[layer, idx, :, :length]
+
+    # --- what the prefix cache calls: committed slots in and out of a row ---------------------------
+
+    def slots_of(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, H_kv, end - start, D] of slots [start, end) of `row` (views)."""
+        return self.k[:, row, :, start:end], self.v[:, row, :, start:end]
+
+    def put_slots(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V [layers, H_kv, n, D] into slots [start, start + n) of `row`."""
+        self.check_room(start + k.shape[2])
+        self.k[:, row, :, start:start + k.shape[2]] = k
+        self.v[:, row, :, start:start + v.shape[2]] = v
+
+    def copy_slots(self, row: int, source: int, start: int, end: int) -> None:
+        """Slots [start, end) of row `source` into the same slots of `row`."""
+        self.put_slots(row, start, *self.slots_of(source, start, end))
 
     def compact(self, kept: list[int] | torch.Tensor, start: int, row: int = 0) -> None:
         """Move row `row`'s entries at slots `kept` (in order) to the contiguous slots start, start+1, …"""

@@ -52,7 +52,7 @@ class GraphedForward:
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, capture: bool | None = None):
         self.model, self.cache = model, cache
-        self.capture = cache.k.device.type == "cuda" if capture is None else capture
+        self.capture = cache.device.type == "cuda" if capture is None else capture
         self._static: dict[tuple[int, int], _Static] = {}
         self._pool = None
         self._layout = self._cache_layout()
@@ -77,7 +77,7 @@ class GraphedForward:
         st = self._static.get(key)
         if st is None:
             st = self._static[key] = _Static(*key, self.cache.max_len, self.cache.scratch_slot, tuple(tokens.shape[2:]),
-                                             tokens.dtype, self.cache.k.device)
+                                             tokens.dtype, self.cache.device)
         dev = st.tokens.device
         st.tokens.zero_()
         st.tokens[:B, :T].copy_(tokens.to(dev, non_blocking=True))

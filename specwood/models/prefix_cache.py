@@ -56,12 +56,6 @@ class PrefixStats:
     stored: int = 0
 
 
-def kv_bytes_per_token(cache: KVCache) -> int:
-    """Bytes one token's K and V take in `cache` (every layer)."""
-    L, _, H, _, D = cache.k.shape
-    return 2 * L * H * D * cache.k.element_size()
-
-
 class PrefixCache:
     """Entries of committed K/V for one or more KV pools, at most `budget_bytes` in all."""
 
@@ -100,11 +94,9 @@ class PrefixCache:
         if best:
             if isinstance(source, Entry):
                 source.used = next(self._clock)
-                k, v = source.k[:, :, :best], source.v[:, :, :best]
+                cache.put_slots(row, 0, source.k[:, :, :best], source.v[:, :, :best])
             else:
-                k, v = cache.k[:, source, :, :best], cache.v[:, source, :, :best]
-            cache.k[:, row, :, :best] = k
-            cache.v[:, row, :, :best] = v
+                cache.copy_slots(row, source, 0, best)
         cache.lengths[row] = best
         return best
 
@@ -122,8 +114,7 @@ class PrefixCache:
                 if m > best:
                     best, source = m, other
         if source is not None:
-            cache.k[:, row, :, start:best] = cache.k[:, source, :, start:best]
-            cache.v[:, row, :, start:best] = cache.v[:, source, :, start:best]
+            cache.copy_slots(row, source, start, best)
             cache.lengths[row] = best
             self.stats.hit_tokens[name] = self.stats.hit_tokens.get(name, 0) + best - start
         return best
@@ -137,7 +128,7 @@ class PrefixCache:
         if n == 0:
             return
         new = token_array(tokens[:n])
-        size = n * kv_bytes_per_token(cache)
+        size = n * cache.bytes_per_slot
         if size > self.budget_bytes:
             return
         for entry in [e for e in self.entries if e.pool == id(cache)]:
@@ -150,9 +141,8 @@ class PrefixCache:
         while self.entries and self.nbytes + size > self.budget_bytes:
             self._drop(min(self.entries, key=lambda e: e.used))
             self.stats.evictions += 1
-        k = cache.k[:, row, :, :n].clone()
-        v = cache.v[:, row, :, :n].clone()
-        self.entries.append(Entry(id(cache), new, k, v, next(self._clock)))
+        k, v = cache.slots_of(row, 0, n)
+        self.entries.append(Entry(id(cache), new, k.clone(), v.clone(), next(self._clock)))
         self.nbytes += size
         self.stats.stored += 1
 

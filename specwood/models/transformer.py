@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
-from specwood.models.cache import KVCache, Rows
+from specwood.models.cache import KVCache, Rows, kv_bytes_per_slot
 from specwood.models.config import ModelConfig
 from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, kernel_layer_ops
 from specwood.models.linears import (Int4Linear, Int8Linear, PackedLinear, cpu_packing_available,
@@ -149,6 +149,12 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.layers[0].attention_norm.weight.dtype
+
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        """Bytes one cache slot of this model (or stage) takes: K and V of every layer."""
+        c = self.config
+        return kv_bytes_per_slot(len(self.layers), c.n_kv_heads, c.head_dim, self.dtype)
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.config
