@@ -3,7 +3,7 @@ llama-server plain and with its own n-gram speculation, on workloads where answe
 input or earlier answers.
 
     python benchmarks/suffix.py --out benchmarks/results/suffix/suffix_DATE \\
-        [--workloads benchmarks/suffix_workloads.jsonl] [--methods ar,auto,suffix] [--concurrency 1,8] \\
+        [--workloads benchmarks/suffix_workloads.jsonl] [--methods ar,auto,suffix,auto-no-suffix] [--concurrency 1,8] \\
         [--max-tokens 256] [--llama-server BIN --llama-model GGUF] [--target T --draft D] [--limit N]
 
 Categories (benchmarks/suffix_workloads.jsonl, written for this benchmark): code-edit (the answer
@@ -179,15 +179,18 @@ class Run:
         item = {"id": "warm-up", "category": "warm-up", "messages": [{"role": "user", "content": "Say hello."}]}
         asyncio.run(run_pass(base, [item], method, 1, 16, self.a.request_timeout))
 
-    def specwood(self, method: str, c: int) -> None:
+    def specwood(self, label: str, c: int) -> None:
+        """A server for `label`: a method name, or `auto-no-suffix` (auto as it was before suffix
+        drafts: the draft model and one prompt-lookup chain, `--no-suffix`)."""
+        method, extra = ("auto", ["--no-suffix"]) if label == "auto-no-suffix" else (label, [])
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         cmd = serve_command(port, max_batch=max(self.levels), max_context=self.a.ctx, target=self.a.target,
-                            draft=self.a.draft) + list(self.a.specwood_arg)
-        with ServerProcess(cmd, base, log_path=self.out / f"specwood-{method}-c{c}.log",
+                            draft=self.a.draft) + ["--method", method, *extra] + list(self.a.specwood_arg)
+        with ServerProcess(cmd, base, log_path=self.out / f"specwood-{label}-c{c}.log",
                            startup_timeout=self.a.startup_timeout, log=log):
             self.warm_up(base, method)
-            self.passes(base, "specwood", method, method, c)
+            self.passes(base, "specwood", label, method, c)
 
     def llama(self, mode: str, c: int) -> None:
         port = free_port()

@@ -41,6 +41,16 @@ def test_generate_streams_text_and_prints_stats(tiny_folder, tmp_path):
     assert "[chain]" in p.stderr and "AAT" in p.stderr
 
 
+def test_auto_without_suffix_drafts_from_the_command_line(tiny_folder, tmp_path):
+    """`--no-suffix`: auto as before suffix drafts; with no draft model it then decodes plainly."""
+    args = ("generate", "hello", "--target", str(tiny_folder), "--draft", "none", "--max-tokens", "6", "--json",
+            "--raw", "--dtype", "fp32", "--method", "auto")
+    with_suffix, without = run(*args, cache=tmp_path), run(*args, "--no-suffix", cache=tmp_path)
+    assert with_suffix.returncode == 0 and without.returncode == 0, (with_suffix.stderr, without.stderr)
+    assert "auto_sources" in json.loads(with_suffix.stdout)["stats"]
+    assert "auto_sources" not in json.loads(without.stdout)["stats"]
+
+
 def test_missing_model(tmp_path):
     assert_one_line_error(run("generate", "x", "--target", str(tmp_path / "nope.gguf"), cache=tmp_path), "nope.gguf")
 
@@ -66,6 +76,7 @@ def test_unknown_architecture(tmp_path):
     (["--method", "dyspec"], "needs a draft model"),
     (["--method", "dyspec", "--draft", "SELF", "--budget", "0"], "budget"),
     (["--method", "dyspec-threshold", "--draft", "SELF", "--threshold", "2"], "threshold"),
+    (["--method", "dyspec", "--draft", "SELF", "--no-suffix"], "suffix"),
 ])
 def test_bad_generation_options(tiny_folder, tmp_path, flags, needle):
     flags = [str(tiny_folder) if f == "SELF" else f for f in flags]

@@ -14,7 +14,7 @@ from specwood.engine.executors import needs_draft_on
 from specwood.methods import split_executor
 from specwood.models.registry import DEFAULT_TARGET, default_draft_for
 
-METHOD_OPTIONS = ("budget", "depth", "topk", "threshold", "shape", "suffix_cache_tokens")
+METHOD_OPTIONS = ("budget", "depth", "topk", "threshold", "shape", "suffix_cache_tokens", "suffix")
 
 
 # the bench's baselines (Hugging Face generate, llama.cpp; not engine methods) and whether they draft with a model
@@ -134,6 +134,9 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-cache-tokens", type=int, default=None,
                    help="bound of the global suffix cache (suffix, auto): the server's earlier answers, oldest "
                         "overwritten first (default 524288 tokens)")
+    p.add_argument("--no-suffix", dest="suffix", action="store_false", default=None,
+                   help="auto: no suffix-tree drafts (the draft model and one prompt-lookup chain only, as "
+                        "before suffix drafts came in)")
     p.add_argument("--shape", default=None,
                    help="the tree shape of a method that drafts with any (head, early-exit): chain, eagle, dyspec, ...")
 
