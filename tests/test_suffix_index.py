@@ -136,3 +136,25 @@ def test_documents_never_continue_across_a_separator():
     index.end_document()
     assert index.find([3], 3) == (1, [[4]])  # the 3 ending the first answer has no continuation
     assert index.find([2], 3) == (1, [[3]])
+
+
+def test_a_request_index_holds_only_committed_tokens_after_a_cut_short_run():
+    """A step may draft after a grammar's forced run as if the run were context; when the run is
+    then cut short, the next step's context does not extend what was indexed, and the request's
+    index is rebuilt from the committed tokens (it would otherwise propose the refused run)."""
+    from specwood.drafting.suffix_source import SuffixSource
+
+    committed = [1, 2, 3, 4, 1, 2]
+    run = [3, 9, 9, 9]  # drafted over as context, then refused after its first token
+    source = SuffixSource(None, prompt_len=3)
+    source.propose(committed + run[:-1], run[-1], budget=8, depth=4, min_prob=0.0)
+    source.propose(committed + run[:-1], run[-1], budget=8, depth=4, min_prob=0.0)  # the same step again
+    assert source.local.size == len(committed) + len(run)
+    now = committed + [3]
+    draft = source.propose(now, 5, budget=8, depth=4, min_prob=0.0)
+    fresh = SuffixSource(None, prompt_len=3)
+    assert draft == fresh.propose(now, 5, budget=8, depth=4, min_prob=0.0)
+    assert source.local.size == fresh.local.size == len(now) + 1
+    later = now + [5, 1]  # an ordinary step after it extends the index again
+    source.propose(later, 2, budget=8, depth=4, min_prob=0.0)
+    assert source.local.size == len(later) + 1

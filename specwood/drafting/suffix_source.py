@@ -125,12 +125,20 @@ class SuffixSource:
         self.local: SuffixIndex | None = None  # built at the first proposal (sized to the request)
         self.seen = 0  # tokens of context + root already in `local`
         self._context: list[int] | None = None
+        self._synced: tuple[int, int | None] = (-1, None)
         self._root: int | None = None
         self._closed = False
         self.steps = self.local_wins = self.global_wins = 0
 
     def sync(self, context: list[int], root: int) -> None:
-        """Bring the local index up to context + [root] (an extension of what it saw)."""
+        """Bring the local index up to context + [root]. Normally an extension of what it saw;
+        where it is not (a step drafted after a grammar's forced run that was then cut short),
+        the index is built afresh so that it holds only what the request committed."""
+        if self.local is not None and not self._extends(context, root):
+            self.local, self.seen = None, 0
+        if self.local is not None and len(context) + 1 == self.seen:  # this step's, already held
+            self._context = context
+            return
         if self.local is None:
             self.local = SuffixIndex(self.room)
         # tokens that the ring would overwrite before this step ends are never written
@@ -138,6 +146,15 @@ class SuffixSource:
         self.local.extend([root])
         self.seen = len(context) + 1
         self._context, self._root = context, root
+        self._synced = (root, context[-1] if context else None)  # the last two tokens indexed
+
+    def _extends(self, context: list[int], root: int) -> bool:
+        """Whether context + [root] carries on from what the index holds (the two tokens indexed
+        last are where they were: a cut-short run differs right after the committed part)."""
+        n, (last, before) = self.seen, self._synced
+        if len(context) + 1 == n:  # the same step asked again
+            return root == last and (n < 2 or context[-1] == before)
+        return len(context) >= n and context[n - 1] == last and (n < 2 or context[n - 2] == before)
 
     def propose(self, context: list[int], root: int, budget: int, depth: int, min_prob: float,
                 use_global: bool = True) -> SuffixDraft:
