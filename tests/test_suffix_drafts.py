@@ -238,3 +238,26 @@ def test_the_server_fills_the_cache_from_concurrent_requests_and_reports_it(engi
     for d in docs:
         toks = tuple(int(x) for x in d.split())
         assert any(toks[-len(a):] == a and len(toks) - len(a) <= 4 for a in answers), toks
+
+
+def test_a_deep_chain_refused_at_its_first_token_is_one_miss_not_many():
+    """auto's trust in suffix drafts counts the nodes verification tested: a 32-token chain seen
+    once and refused at its first token is one miss (the trust stays well above its floor, so the
+    request still drafts from suffixes); accepted runs raise it; steps without suffix drafts
+    bring it back towards the prior."""
+    from specwood.drafting.suffix_tree import continuation_tree
+    from specwood.planner.suffix_choice import SuffixTrust, tested_weight
+
+    chain = continuation_tree(7, [list(range(100, 132))], 48, 0.05, 4)
+    assert chain.expected == 32  # one occurrence: every node's count ratio is 1
+    trust = SuffixTrust()
+    prior = trust.ratio(1)
+    trust.record(1, tested_weight(chain, []), 0)
+    missed = trust.ratio(1)
+    assert 0.5 < missed < prior
+    for _ in range(150):
+        trust.relax(1)
+    assert abs(trust.ratio(1) - prior) < 0.01
+    trust.record(1, tested_weight(chain, list(range(1, 21))), 20)  # 20 accepted, the 21st refused
+    assert trust.ratio(1) > prior
+    assert trust.ratio(8) == prior  # per load: a shared step's trust is its own

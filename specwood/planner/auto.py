@@ -24,7 +24,7 @@ from specwood.planner.decision import Decision
 from specwood.planner.prior_tree import PriorScores, analytic_scores, maximal_layout, prior_shape
 from specwood.planner.starter import starter_plan, starter_plan_ready
 from specwood.planner.suffix_choice import CHOICES as SUFFIX_CHOICES
-from specwood.planner.suffix_choice import SuffixOrModelShape, SuffixTrust
+from specwood.planner.suffix_choice import SuffixOrModelShape, SuffixTrust, tested_weight
 from specwood.planner.store import (
     DEFAULT_METHOD,
     Plan,
@@ -225,11 +225,13 @@ class PlannedShape:
             if cost is not None and self._predicted_draft_s:
                 self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._load)
         if step.choice == "suffix":
-            self.suffix_trust.record(self._load, step.scored, len(verdict.accepted))
+            self.suffix_trust.record(self._load, tested_weight(step.part, verdict.accepted), len(verdict.accepted))
             if alone:
                 self.copy_cost.record(float(self.plan.t_v(self._context_len, len(tree))), cost.verify_s)
-        elif step.choice == "none" and alone:
-            self.plain_cost.record(float(self.plan.t_v(self._context_len, 1)), cost.verify_s)
+        else:
+            self.suffix_trust.relax(self._load)
+            if step.choice == "none" and alone:
+                self.plain_cost.record(float(self.plan.t_v(self._context_len, 1)), cost.verify_s)
         if step.choice == "model":
             self.tracker.record(float(self.plan.aat_for(self._context_len)(len(tree))), len(verdict.accepted) + 1)
         else:

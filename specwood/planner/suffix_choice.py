@@ -3,8 +3,8 @@ by expected tokens per second of the step: each option's expected emitted tokens
 width (plus T_d for the model), all from the plan at this context and load.
 
 The suffix proposal's score is its expected accepted length (the path probabilities of its
-nodes, best first); how far to trust it is learned (SuffixTrust: accepted against scored, per
-load, per request). A prefix of k nodes of
+nodes, best first); how far to trust it is learned (SuffixTrust: a factor per level, accepted
+nodes against the nodes verification tested, per load, per request). A prefix of k nodes of
 the proposal is connected (nodes come best first), so the suffix may draft any k: a strong match
 (probabilities near 1 along one path) drafts deep and narrow, up to where T_v(1 + k) stops paying.
 The merged tree's expected tokens treat the two sources as independent: at depth d the model's
@@ -33,27 +33,47 @@ CHOICES = ("none", "model", "suffix", "both")
 
 
 class SuffixTrust:
-    """Accepted suffix tokens over their score (the expected accepted length the counts gave),
-    decayed, per load bucket (alone, 2-4, 5+ requests sharing a step). One per request, like the
-    draft's AcceptanceTracker: a request's choices then depend on its own history only, so a
-    seeded request repeats its answer whatever the server served before."""
+    """How often a suffix node is accepted once its parent was, against what the counts said:
+    accepted nodes over the nodes verification really tested (a node is tested when its parent
+    was accepted, each weighted by its conditional count ratio), decayed, per load bucket (alone,
+    2-4, 5+ requests sharing a step). Nodes past the first rejection were never tested, so a
+    deep chain refused at its first token is one miss, not 32: counting the untested ones let a
+    single bad step pin the trust at its floor for the rest of the request. Steps that do not
+    draft from suffixes relax it towards the prior, so a bad phase is tried again later. One per
+    request, like the draft's AcceptanceTracker: a request's choices depend on its own history
+    only, so a seeded request repeats its answer whatever the server served before."""
 
-    def __init__(self, decay: float = 0.8, prior: float = 2.0):
-        self.decay = decay
-        self.sums = {b: [prior, prior] for b in (1, 2, 5)}  # bucket -> [accepted, scored]
+    def __init__(self, decay: float = 0.8, prior: float = 0.85, weight: float = 2.0, relax_decay: float = 0.95):
+        self.decay, self.relax_decay = decay, relax_decay
+        self.prior = (prior * weight, weight)
+        self.sums = {b: list(self.prior) for b in (1, 2, 5)}  # bucket -> [accepted, tested]
 
     @staticmethod
     def bucket(load: int) -> int:
         return 1 if load <= 1 else 2 if load <= 4 else 5
 
     def ratio(self, load: int) -> float:
-        accepted, scored = self.sums[self.bucket(load)]
-        return min(1.5, max(0.05, accepted / scored))
+        """The factor a node's conditional count ratio is multiplied by, once per level."""
+        accepted, tested = self.sums[self.bucket(load)]
+        return min(1.0, max(0.05, accepted / tested))
 
-    def record(self, load: int, scored: float, accepted: int) -> None:
+    def record(self, load: int, tested: float, accepted: int) -> None:
         s = self.sums[self.bucket(load)]
         s[0] = self.decay * s[0] + accepted
-        s[1] = self.decay * s[1] + max(scored, 1e-3)
+        s[1] = self.decay * s[1] + max(tested, 1e-3)
+
+    def relax(self, load: int) -> None:
+        r, s = self.relax_decay, self.sums[self.bucket(load)]
+        s[0] = r * s[0] + (1 - r) * self.prior[0]
+        s[1] = r * s[1] + (1 - r) * self.prior[1]
+
+
+def tested_weight(draft: SuffixDraft, accepted: list[int]) -> float:
+    """The conditional count ratios of the nodes of `draft` that verification tested (children
+    of the root and of accepted nodes): what `SuffixTrust` compares the accepted count with."""
+    on_path = {0, *accepted}
+    parents, probs = draft.tree.parents, draft.path_probs
+    return sum(probs[i] / max(probs[parents[i]], 1e-9) for i in range(1, len(probs)) if parents[i] in on_path)
 
 
 def cut(draft: SuffixDraft, k: int) -> SuffixDraft:
@@ -84,7 +104,7 @@ class SuffixOrModelShape(ShapeBase):
         self.t_v, self.t_d, self.trust, self.price, self.free = t_v, t_d, trust, price, free
         self.name = "suffix-or-model"
         self.choice = "none"
-        self.scored = 0.0  # the suffix part's score in the tree drafted (expected accepted tokens)
+        self.part: SuffixDraft | None = None  # the suffix nodes in the tree drafted
         self.rates: dict[str, float] = {}
 
     def weigh(self, draft: SuffixDraft) -> tuple[str, int]:
@@ -107,9 +127,10 @@ class SuffixOrModelShape(ShapeBase):
                     size = n
                 while k < size:
                     k += 1
-                    solo += a * probs[k]
+                    reach = a ** depths[k] * probs[k]  # the trust applies once per level
+                    solo += reach
                     if has_model:
-                        both += (1.0 - alpha ** depths[k]) * min(1.0, a * probs[k])
+                        both += (1.0 - alpha ** depths[k]) * reach
                 rate = (f + 1.0 + solo) / max(float(t_v(1 + k)) * price, 1e-9)
                 best = max(best, ("suffix", k, rate), key=lambda o: o[2])
                 if has_model:
@@ -124,8 +145,7 @@ class SuffixOrModelShape(ShapeBase):
         proposal = self.source.propose(context, root, SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB,
                                        global_allowed(params))
         self.choice, k = self.weigh(proposal)
-        part = cut(proposal, k) if k else None
-        self.scored = part.expected if part is not None else 0.0
+        part = self.part = cut(proposal, k) if k else None
         if self.choice == "suffix":
             yield from ()
             return part.tree  # rule "selected": a deterministic draft
