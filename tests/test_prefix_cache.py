@@ -252,7 +252,6 @@ def test_kv_memory_sizes_and_the_warning_past_the_machines_ram():
     assert line is not None and "\n" not in line and str(ram) in line and str(2 * ram) in line
 
 
-
 def test_the_kv_pool_moves_committed_slots_only_through_its_interface():
     """What the prefix cache does to a pool: slots out of a row, into another, row to row; a copy
     past a row's end is the pool's clear error, not a silent partial write."""

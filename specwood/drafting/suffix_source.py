@@ -125,7 +125,7 @@ class SuffixSource:
         self.local: SuffixIndex | None = None  # built at the first proposal (sized to the request)
         self.seen = 0  # tokens of context + root already in `local`
         self._context: list[int] | None = None
-        self._synced: tuple[int, int | None] = (-1, None)
+        self._indexed_root = -1  # the root the last sync indexed (observe() moves `_root` on)
         self._root: int | None = None
         self._closed = False
         self.steps = self.local_wins = self.global_wins = 0
@@ -137,7 +137,6 @@ class SuffixSource:
         if self.local is not None and not self._extends(context, root):
             self.local, self.seen = None, 0
         if self.local is not None and len(context) + 1 == self.seen:  # this step's, already held
-            self._context = context
             return
         if self.local is None:
             self.local = SuffixIndex(self.room)
@@ -145,16 +144,15 @@ class SuffixSource:
         self.local.extend(context[max(self.seen, len(context) + 1 - self.local.capacity):])
         self.local.extend([root])
         self.seen = len(context) + 1
-        self._context, self._root = context, root
-        self._synced = (root, context[-1] if context else None)  # the last two tokens indexed
+        self._context, self._root, self._indexed_root = context, root, root
 
     def _extends(self, context: list[int], root: int) -> bool:
         """Whether context + [root] carries on from what the index holds (the two tokens indexed
         last are where they were: a cut-short run differs right after the committed part)."""
-        n, (last, before) = self.seen, self._synced
+        n, last, held = self.seen, self._indexed_root, self._context
         if len(context) + 1 == n:  # the same step asked again
-            return root == last and (n < 2 or context[-1] == before)
-        return len(context) >= n and context[n - 1] == last and (n < 2 or context[n - 2] == before)
+            return root == last and (n < 2 or context[-1] == held[-1])
+        return len(context) >= n and context[n - 1] == last and (n < 2 or context[n - 2] == held[-1])
 
     def propose(self, context: list[int], root: int, budget: int, depth: int, min_prob: float,
                 use_global: bool = True) -> SuffixDraft:
