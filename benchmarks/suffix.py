@@ -82,9 +82,11 @@ async def run_pass(base: str, items: Sequence[dict[str, Any]], method: str | Non
             steps = stats.get("spec_steps") or 0
             r["draft_ms_per_step"] = 1e3 * stats["draft_s"] / steps if steps and "draft_s" in stats else None
             r["auto_sources"] = stats.get("auto_sources")
+            r["auto_admission_load"] = stats.get("auto_admission_load")
             records.append(r)
             log(f"{item['id']} turn {turn}: {r.get('completion_tokens')} tokens, "
                 f"{r.get('decode_tokens_per_s') or 0:.1f} tok/s, AAT {r.get('mean_accepted_tokens')}"
+                + (f", auto {stats['auto']} (admitted at load {stats.get('auto_admission_load')})" if "auto" in stats else "")
                 + (f" error {r['error']}" if r.get("error") else ""))
             return r
 

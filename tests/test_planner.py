@@ -457,6 +457,31 @@ def test_shared_steps_learn_what_drafting_costs():
     assert costs.scale(4) == learnt
 
 
+def test_a_high_drafting_price_drifts_back_on_steps_without_the_model():
+    """The price is measured only where the model drafts, so once it is high enough that the model
+    loses, nothing would ever bring it down: steps without the model relax it towards the plan's
+    price until the model is tried again (issue 41: one copying request's deep chains could keep
+    the draft out of every later request of the server, and of the next server)."""
+    from specwood.engine.step import StepRecord
+    from specwood.tree.token_tree import TokenTree
+    from specwood.verify import Verdict
+
+    plan = cost_plan(AATFit(0.5, 1.0, 0.0))  # the model wins at the plan's price, loses at 1.5x it
+    costs = DraftCostTracker()
+    for _ in range(30):  # what earlier requests of the server measured, alone: 4x the price
+        costs.record(0.01, 0.04, batch=1)
+    shape = PlannedShape(plan, lambda budget: ("tree", budget), draft_costs=costs)
+    assert plan.decide(128).method == "sd" and shape.choose_x(128, 1) == 1 and costs.scale(1) > 3.5
+    plain = TokenTree.with_root(1)
+    for steps in range(1, 400):  # plain steps: nothing drafted, nothing to measure
+        assert shape.for_batch(1, 128) is None
+        shape.on_step(plain, Verdict([], 3), StepRecord(1, 1, draft_s=0.0, verify_s=0.1))
+        if shape.choose_x(128, 1) > 1:
+            break
+    assert shape.choose_x(128, 1) > 1 and steps < 200, "the model is never tried again"
+    assert costs.scale(4) == 1.0  # the shared part saw nothing and stays
+
+
 def test_learnt_drafting_price_is_kept_for_the_next_server(tmp_path):
     """The learnt ratio is written beside the plan every SAVE_EVERY records and read back by the
     next tracker (a restarted server); a damaged or absurd file is a fresh start or clamped."""
@@ -941,3 +966,13 @@ def test_plan_key_names_the_weight_modes():
     assert weight_mode_name(engine("bf16", "int4")) == "bf16/draft-int4"  # int4 and bf16 drafts differ in T_d
     assert weight_mode_name(engine("int8", "int8")) == "bf16+int8/draft-int8"
     assert weight_mode_name(engine("bf16", "bf16")) == "bf16"
+
+
+def test_the_starter_plan_is_described_in_one_line():
+    """What auto prints at start: the timed step costs and the choice at each context."""
+    from specwood.planner.starter import describe_starter_plan
+
+    line = describe_starter_plan(cost_plan(AATFit(0.5, 1.0, 0.0)))
+    assert "\n" not in line and "T_v(1) 100.0" in line and "T_d(2) 20.0" in line
+    assert f"at 128: {KEY.method} x = 4" in line
+    assert "at 128: plain" in describe_starter_plan(cost_plan(AATFit(0.3, 1.0, 0.0)))

@@ -22,7 +22,7 @@ from specwood.methods import Method, get_method, prepare_method, register
 from specwood.planner.build import get_plan, measure_draft_prefill, measure_draft_rows
 from specwood.planner.decision import Decision
 from specwood.planner.prior_tree import PriorScores, analytic_scores, maximal_layout, prior_shape
-from specwood.planner.starter import starter_plan, starter_plan_ready
+from specwood.planner.starter import describe_starter_plan, starter_plan, starter_plan_ready
 from specwood.planner.suffix_choice import CHOICES as SUFFIX_CHOICES
 from specwood.planner.suffix_choice import SuffixOrModelShape, SuffixTrust, tested_weight
 from specwood.planner.store import (
@@ -224,6 +224,8 @@ class PlannedShape:
             self.x_used[self._step_x] = self.x_used.get(self._step_x, 0) + 1
             if cost is not None and self._predicted_draft_s:
                 self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._load)
+        else:
+            self.draft_costs.relax(self._load)
         if step.choice == "suffix":
             self.suffix_trust.record(self._load, tested_weight(step.part, verdict.accepted), len(verdict.accepted))
             if alone:
@@ -249,6 +251,8 @@ class PlannedShape:
             return
         if cost is not None and self._predicted_draft_s and len(tree) > 1:
             self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._load)
+        elif step is None or step.copied or len(tree) <= 1:  # no draft forward this step
+            self.draft_costs.relax(self._load)
         if step is not None and step.copied:
             self.lookup_steps += 1
             self.lookup_tracker.record(step.copied, len(verdict.accepted))
@@ -305,7 +309,10 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                 print(f"[plan] no measured plan for '{base}' on this device yet: starting from T_v and T_d timed "
                       f"now, a few seconds (run `specwood plan --method {base}` once, ~6 min, to measure one)",
                       file=sys.stderr)
+        fresh = not starter_plan_ready(engine, base)
         plan = current["plan"] = starter_plan(engine, base)
+        if progress and fresh:
+            print(f"[plan] {describe_starter_plan(plan)}", file=sys.stderr)
     if all(c.method == "ar" for c in plan.choices) and plan.source == "measured" and not lookup:
         return lambda sources, prompt_len, max_tokens, load=1: Drafter(extra_stats=lambda: {"auto": "ar"})
     if plan.source == "measured" and engine.draft_model is not None and (
@@ -378,7 +385,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                              late=late, suffix=suffix)
 
         def stats() -> dict[str, Any]:
-            out: dict[str, Any] = {"auto": "sd" if shape.model else "ar",
+            out: dict[str, Any] = {"auto": "sd" if shape.model else "ar", "auto_admission_load": load,
                                    "auto_x_steps": dict(sorted(shape.x_used.items()))}
             if suffix is not None:
                 out["auto_sources"] = dict(shape.sources_used)

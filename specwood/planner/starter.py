@@ -63,6 +63,17 @@ def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
     return plan.refresh()
 
 
+def describe_starter_plan(plan: Plan) -> str:
+    """One line: what the starter plan timed and what it chose at each context, so a user (and a
+    benchmark's log) sees why `auto` drafts or decodes plainly on this machine."""
+    ctx = min(plan.contexts)
+    times = ", ".join(f"T_v({x}) {plan.t_v(ctx, x) * 1e3:.1f}" for x in (1, 2, 4, 8) if x in plan.verify_times[ctx])
+    draft = ", ".join(f"T_d({x}) {plan.t_d(ctx, x) * 1e3:.1f}" for x in (2, 4) if plan.draft_times)
+    choices = "; ".join(f"at {c.context}: " + ("plain" if c.method == "ar" else f"{c.method} x = {c.x}")
+                        + f" ({max(c.p_eff, c.p_ar):.1f} tok/s, plain {c.p_ar:.1f})" for c in plan.choices)
+    return f"starter plan, ms at context {ctx}: {times}" + (f", {draft}" if draft else "") + f" -- {choices}"
+
+
 RUNNER_XS = (1, 2, 4, 8, 16)
 _STARTER_PLANS: dict[PlanKey, Plan] = {}
 

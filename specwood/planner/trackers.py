@@ -101,8 +101,14 @@ class DraftCostTracker(CostRatio):
     different trees from one run to the next, so such a request alone does not use the `alone`
     part: `PlannedShape.repeatable`. Under load its trees follow the shared ratio.)
 
+    Each part drifts back towards the plan's price on steps that do not draft with the model
+    (`relax`): a price learnt on deep chains of copying requests would otherwise keep the model
+    out for good, since it is only measured where it is used.
+
     With a `path` (next to the plan) the ratios survive the process: a server started again
     does not pay for learning them once more. Delete the file to learn them afresh."""
+
+    RELAX_DECAY = 0.98  # per step without the model: a price's excess halves in ~35 such steps
 
     SAVE_EVERY = 8  # records between writes
 
@@ -124,6 +130,10 @@ class DraftCostTracker(CostRatio):
             self._unsaved += 1
             if self.path is not None and self._unsaved >= self.SAVE_EVERY:
                 self.save()
+
+    def relax(self, batch: int = 2, decay: float | None = None) -> None:
+        """A step of `batch` requests that did not draft with the model: its part drifts to 1."""
+        (self.alone if batch <= 1 else super()).relax(self.RELAX_DECAY if decay is None else decay)
 
     def save(self) -> None:
         """Write the ratios (atomically); a cache that cannot be written only means learning them again."""
