@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import specwood
-from specwood.planner.starter import starter_plan
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from suffix import DEFAULT_WORKLOADS as WORKLOADS  # noqa: E402
+from suffix import load_items  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-WORKLOADS = REPO / "benchmarks" / "suffix_workloads.jsonl"
+import specwood  # noqa: E402
+from specwood.planner.starter import starter_plan  # noqa: E402
 
 
 def as_text(ids: list[int]) -> str:
@@ -76,10 +77,7 @@ def main() -> int:
                     help="a verify row's cost at the chip's int8 peak (BENCHMARKS.md §19c), for the kernel's bound")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    items = [json.loads(line) for line in a.workloads.read_text().splitlines() if line.strip()]
-    counts: dict[str, int] = defaultdict(int)
-    items = [it for it in items if (counts.__setitem__(it["category"], counts[it["category"]] + 1)
-                                    or counts[it["category"]] <= a.limit)]
+    items = load_items(a.workloads, a.limit)
     engine = specwood.load()
     plan = starter_plan(engine, "dyspec")
     earlier = ""  # every answer given so far in the pass (the global tree's text)
@@ -109,7 +107,7 @@ def main() -> int:
               f"bound {bound([r], None, 1.0):.2f}x ar", flush=True)
     cases = [(None, 1.0), (None, a.model_gain), (a.row_ms * 1e-3, a.model_gain)]
     cases = list(dict.fromkeys(cases))
-    name = lambda c: (f"measured T_v" if c[0] is None else f"{c[0] * 1e3:g} ms a row") + f", model x{c[1]:g}"  # noqa: E731
+    name = lambda c: ("measured T_v" if c[0] is None else f"{c[0] * 1e3:g} ms a row") + f", model x{c[1]:g}"  # noqa: E731
     lines = ["| category | requests | tokens | tokens per oracle step | copied share | "
              + " | ".join(f"bound ({name(c)})" for c in cases) + " |", "|---|---:|---:|---:|---:|" + "---:|" * len(cases)]
     for cat in dict.fromkeys(r["category"] for r in rows):
@@ -118,7 +116,7 @@ def main() -> int:
         lines.append(f"| {cat} | {len(rs)} | {tok} | {tok / max(st, 1):.2f} | "
                      f"{100 * sum(r['copied_share'] * r['tokens'] for r in rs) / max(tok, 1):.0f}% | "
                      + " | ".join(f"**{bound(rs, *c):.2f}x**" for c in cases) + " |")
-    head = (f"T_v(1, 2, 8, 16, 32, 48) at context 512, ms: "
+    head = ("T_v(1, 2, 8, 16, 32, 48) at context 512, ms: "
             + ", ".join(f"{float(plan.t_v(512, x)) * 1e3:.1f}" for x in (1, 2, 8, 16, 32, 48))
             + f"; plain step as run here {1e3 * sum(r['plain_s'] for r in rows) / len(rows):.1f} ms; "
             f"max draft {a.max_draft}")

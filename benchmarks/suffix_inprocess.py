@@ -12,7 +12,7 @@ from pathlib import Path
 
 import specwood
 from specwood.drafting.suffix_source import suffix_cache_for
-from specwood.planner.starter import starter_plan
+from specwood.planner.starter import describe_starter_plan, starter_plan
 
 WORKLOADS = Path(__file__).resolve().parent / "suffix_workloads.jsonl"
 
@@ -29,8 +29,7 @@ def main() -> int:
     items = [json.loads(line) for line in WORKLOADS.read_text().splitlines() if line.strip()]
     items = [i for i in items if i["category"] in wanted][:a.limit]
     plan = starter_plan(engine, "dyspec")
-    print("starter plan, ms: T_v(1, 2, 4, 8, 16) at 128:", [round(float(plan.t_v(128, x)) * 1e3, 1) for x in (1, 2, 4, 8, 16)],
-          "T_d(2, 4, 8, 16):", [round(float(plan.t_d(128, x)) * 1e3, 1) for x in (2, 4, 8, 16)], flush=True)
+    print(describe_starter_plan(plan), flush=True)
     for item in items:
         for _ in range(a.repeats):
             for suffix in (True, False):

@@ -251,7 +251,7 @@ class PlannedShape:
             return
         if cost is not None and self._predicted_draft_s and len(tree) > 1:
             self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._load)
-        elif step is None or step.copied or len(tree) <= 1:  # no draft forward this step
+        elif len(tree) <= 1 or (step is not None and step.copied):  # no draft forward this step
             self.draft_costs.relax(self._load)
         if step is not None and step.copied:
             self.lookup_steps += 1
@@ -301,7 +301,8 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     plan = get_plan(engine, base, build_if_missing=False, progress=progress)
     current = {"plan": plan, "checked": time.monotonic()}
     if plan is None:
-        if progress and not starter_plan_ready(engine, base):  # timed once per process and models
+        fresh = not starter_plan_ready(engine, base)  # timed once per process and models
+        if progress and fresh:
             if getattr(engine.target, "runner", None) is not None:
                 print(f"[plan] method auto on a {engine.backend} target: planning from T_v and T_d timed at start",
                       file=sys.stderr)
@@ -309,7 +310,6 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                 print(f"[plan] no measured plan for '{base}' on this device yet: starting from T_v and T_d timed "
                       f"now, a few seconds (run `specwood plan --method {base}` once, ~6 min, to measure one)",
                       file=sys.stderr)
-        fresh = not starter_plan_ready(engine, base)
         plan = current["plan"] = starter_plan(engine, base)
         if progress and fresh:
             print(f"[plan] {describe_starter_plan(plan)}", file=sys.stderr)

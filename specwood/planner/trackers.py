@@ -131,9 +131,9 @@ class DraftCostTracker(CostRatio):
             if self.path is not None and self._unsaved >= self.SAVE_EVERY:
                 self.save()
 
-    def relax(self, batch: int = 2, decay: float | None = None) -> None:
+    def relax(self, batch: int = 2) -> None:
         """A step of `batch` requests that did not draft with the model: its part drifts to 1."""
-        (self.alone if batch <= 1 else super()).relax(self.RELAX_DECAY if decay is None else decay)
+        (self.alone if batch <= 1 else super()).relax(self.RELAX_DECAY)
 
     def save(self) -> None:
         """Write the ratios (atomically); a cache that cannot be written only means learning them again."""
