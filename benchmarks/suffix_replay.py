@@ -1,0 +1,175 @@
+"""How good is the suffix drafter, per step, against the oracle? Issue 41's drafter gap, offline.
+
+The greedy answers of `benchmarks/suffix_workloads.jsonl` (generated here with `ar` in the
+benchmark's cold order, or read back with `--answers`) are replayed through the real suffix source
+(`SuffixSource`, a global `SuffixCache` filled by the earlier answers, `SuffixTrust`) and auto's real
+per-step weighing (`SuffixOrModelShape.weigh`), with T_v and T_d from the starter plan timed here.
+Greedy verification of a deterministic tree is a walk along the answer, so every suffix step's
+accepted length is exact; what the model would get is not replayed (no draft forward): a model
+step is charged the plan's time per expected token and moves one token on.
+
+Per category it prints the suffix steps, their proposed and accepted nodes, the share that got
+nothing, the replayed rate against plain decoding (T_v(1) a token) and the oracle's
+(benchmarks/suffix_bound.py's longest copyable run, all accepted) on the same T_v. It is a tool for
+changing the drafter, not a speed figure: those come from benchmarks/suffix.py over HTTP.
+
+    python benchmarks/suffix_replay.py [--limit 3] [--answers FILE] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from suffix import DEFAULT_WORKLOADS as WORKLOADS  # noqa: E402
+from suffix import load_items  # noqa: E402
+from suffix_bound import as_text, oracle_steps  # noqa: E402
+
+import specwood  # noqa: E402
+from specwood.drafting.suffix_source import SuffixCache, SuffixSource  # noqa: E402
+from specwood.planner.starter import starter_plan  # noqa: E402
+from specwood.planner.suffix_choice import (SUFFIX_DEPTH, SUFFIX_MIN_PROB, SUFFIX_NODES,  # noqa: E402
+                                            SuffixOrModelShape, SuffixTrust, cut, tested_weight)
+
+
+def generate_answers(engine: Any, items: list[dict[str, Any]], max_tokens: int) -> list[dict[str, Any]]:
+    """Each request's prompt and greedy answer (a refinement's first turn is a request of its own)."""
+    out = []
+    for item in items:
+        messages = list(item["messages"])
+        if item.get("followup"):
+            first = engine.generate(messages, max_tokens=max_tokens, method="ar")
+            out.append({"id": item["id"] + "/first", "category": item["category"], "scored": False,
+                        "prompt": engine.encode(messages), "answer": list(first.token_ids)})
+            messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": item["followup"]}]
+        answer = engine.generate(messages, max_tokens=max_tokens, method="ar")
+        out.append({"id": item["id"], "category": item["category"], "scored": True,
+                    "prompt": engine.encode(messages), "answer": list(answer.token_ids)})
+        print(f"{item['id']:10s} {len(out[-1]['prompt']):5d} prompt, {len(out[-1]['answer']):4d} answer tokens",
+              flush=True)
+    return out
+
+
+def walk(tree: Any, answer: list[int], start: int) -> list[int]:
+    """Greedy verification of a deterministic tree rooted at answer[start - 1]: the accepted nodes."""
+    kids: dict[int, dict[int, int]] = defaultdict(dict)
+    for i in range(1, len(tree)):
+        kids[tree.parents[i]][tree.tokens[i]] = i
+    node, accepted, i = 0, [], start
+    while i < len(answer) and answer[i] in kids.get(node, {}):
+        node = kids[node][answer[i]]
+        accepted.append(node)
+        i += 1
+    return accepted
+
+
+def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model: bool) -> list[dict[str, Any]]:
+    """Every request through the suffix source in order; per request its replayed steps."""
+    cache = SuffixCache()
+    results = []
+    for r in rows:
+        prompt, answer = r["prompt"], r["answer"]
+        source = SuffixSource(cache, len(prompt), len(answer), eos_ids=eos)
+        trust = SuffixTrust()
+        steps, time_s, ar_s, i = [], 0.0, 0.0, 0
+        while i < len(answer):
+            context = prompt + answer[:i]
+            ctx = len(context)
+            t_v, t_d = plan.step_costs(ctx)
+            ar_s += float(t_v(1))  # this step's token, decoded plainly
+            d = plan.decide(ctx) if use_model else None
+            x = d.x if d is not None and d.method == "sd" else 1
+            aat = float(plan.aat_for(ctx)(x)) if x > 1 else 1.0
+            shape = SuffixOrModelShape(source, object() if x > 1 else None, x, aat, t_v, t_d, trust.ratio(1))
+            proposal = source.propose(context[:-1], context[-1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB) \
+                if i else None
+            if proposal is None:  # the first token comes from the prefill
+                i += 1
+                continue
+            choice, k = shape.weigh(proposal)
+            part = cut(proposal, k) if k else None
+            accepted = walk(part.tree, answer, i) if part is not None else []
+            if choice == "suffix":
+                trust.record(1, tested_weight(part, accepted), len(accepted))
+                time_s += float(t_v(1 + k))
+                moved = len(accepted) + 1
+            else:
+                trust.relax(1)
+                if choice == "none":
+                    time_s += float(t_v(1))
+                    moved = 1
+                else:
+                    cost = float(t_v(x + (k if choice == "both" else 0))) + float(t_d(x))
+                    moved = len(accepted) + 1 if accepted else 1
+                    time_s += cost if accepted else cost / aat
+            steps.append({"choice": choice, "k": k, "accepted": len(accepted), "match": proposal.match,
+                          "expected": round(proposal.expected, 2)})
+            source.observe(answer[i + moved - 1] if i + moved - 1 < len(answer) else answer[-1])
+            ar_s += (moved - 1) * float(t_v(1))  # plain decoding would have taken a step for each
+            i += moved
+        source.close()
+        results.append({"id": r["id"], "category": r["category"], "scored": r["scored"], "tokens": len(answer),
+                        "steps": steps, "time_s": time_s, "ar_s": ar_s})
+    return results
+
+
+def oracle_time(rows: list[dict[str, Any]], plan: Any) -> dict[str, float]:
+    """Per scored request, the oracle's time on the same T_v (plain steps where nothing copies)."""
+    seen, out = "", {}
+    for r in rows:
+        runs = oracle_steps(r["answer"], seen, r["prompt"], 47)
+        seen += "\u0000" + as_text(r["answer"])
+        ctx = len(r["prompt"]) + len(r["answer"]) // 2
+        t_v, _ = plan.step_costs(ctx)
+        out[r["id"]] = sum(float(t_v(1 + run)) for run in runs)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", type=Path, default=WORKLOADS)
+    ap.add_argument("--limit", type=int, default=3, help="the first N items of each category (as suffix.py)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--answers", type=Path, help="answers written by an earlier run (--out), not generated again")
+    ap.add_argument("--no-model", action="store_true", help="weigh the suffix against plain decoding only")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    engine = specwood.load()
+    plan = starter_plan(engine, "dyspec")
+    if a.answers:
+        rows = json.loads(a.answers.read_text())["answers"]
+    else:
+        rows = generate_answers(engine, load_items(a.workloads, a.limit), a.max_tokens)
+    eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
+    results = replay(rows, plan, eos, not a.no_model)
+    oracle = oracle_time(rows, plan)
+    lines = ["| category | requests | tokens | steps | suffix steps | nodes per suffix step | accepted per suffix step "
+             "| suffix steps with none | model / both / none steps | replay / plain | oracle / plain |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for cat in dict.fromkeys(r["category"] for r in results):
+        rs = [r for r in results if r["category"] == cat and r["scored"]]
+        st = [s for r in rs for s in r["steps"]]
+        sx = [s for s in st if s["choice"] == "suffix"]
+        count = lambda c: sum(s["choice"] == c for s in st)  # noqa: E731
+        ar_s, t_s = sum(r["ar_s"] for r in rs), sum(r["time_s"] for r in rs)
+        o_s = sum(oracle[r["id"]] for r in rs)
+        lines.append(f"| {cat} | {len(rs)} | {sum(r['tokens'] for r in rs)} | {len(st)} | {len(sx)} | "
+                     f"{sum(s['k'] for s in sx) / max(len(sx), 1):.1f} | {sum(s['accepted'] for s in sx) / max(len(sx), 1):.2f} | "
+                     f"{100 * sum(s['accepted'] == 0 for s in sx) / max(len(sx), 1):.0f}% | "
+                     f"{count('model')} / {count('both')} / {count('none')} | {ar_s / max(t_s, 1e-9):.2f}x | "
+                     f"{ar_s / max(o_s, 1e-9):.2f}x |")
+    print("\n".join(lines))
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "answers.json").write_text(json.dumps({"answers": rows}))
+        (a.out / "replay.json").write_text(json.dumps(results, indent=1))
+        (a.out / "replay.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
