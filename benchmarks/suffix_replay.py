@@ -13,12 +13,13 @@ nothing, the replayed rate against plain decoding (T_v(1) a token) and the oracl
 (benchmarks/suffix_bound.py's longest copyable run, all accepted) on the same T_v. It is a tool for
 changing the drafter, not a speed figure: those come from benchmarks/suffix.py over HTTP.
 
-    python benchmarks/suffix_replay.py [--limit 3] [--answers FILE] [--out DIR]
+    python benchmarks/suffix_replay.py [--limit 3] [--answers DIR] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -84,7 +85,7 @@ def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model
             d = plan.decide(ctx) if use_model else None
             x = d.x if d is not None and d.method == "sd" else 1
             aat = float(plan.aat_for(ctx)(x)) if x > 1 else 1.0
-            shape = SuffixOrModelShape(source, object() if x > 1 else None, x, aat, t_v, t_d, trust.ratio(1))
+            shape = SuffixOrModelShape(source, object() if x > 1 else None, x, aat, t_v, t_d, lambda m: trust.ratio(1, m))
             proposal = source.propose(context[:-1], context[-1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB) \
                 if i else None
             if proposal is None:  # the first token comes from the prefill
@@ -94,7 +95,7 @@ def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model
             part = cut(proposal, k) if k else None
             accepted = walk(part.tree, answer, i) if part is not None else []
             if choice == "suffix":
-                trust.record(1, tested_weight(part, accepted), len(accepted))
+                trust.record(1, tested_weight(part, accepted), len(accepted), part.match)
                 time_s += float(t_v(1 + k))
                 moved = len(accepted) + 1
             else:
@@ -106,8 +107,10 @@ def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model
                     cost = float(t_v(x + (k if choice == "both" else 0))) + float(t_d(x))
                     moved = len(accepted) + 1 if accepted else 1
                     time_s += cost if accepted else cost / aat
+            whole = walk(proposal.tree, answer, i)  # had the whole proposal been verified (SuffixTrust's measure)
             steps.append({"choice": choice, "k": k, "accepted": len(accepted), "match": proposal.match,
-                          "expected": round(proposal.expected, 2)})
+                          "expected": round(proposal.expected, 2), "occurrences": proposal.occurrences, "whole_accepted": len(whole),
+                          "whole_tested": round(tested_weight(proposal, whole), 3)})
             source.observe(answer[i + moved - 1] if i + moved - 1 < len(answer) else answer[-1])
             ar_s += (moved - 1) * float(t_v(1))  # plain decoding would have taken a step for each
             i += moved
@@ -134,15 +137,16 @@ def main() -> int:
     ap.add_argument("--workloads", type=Path, default=WORKLOADS)
     ap.add_argument("--limit", type=int, default=3, help="the first N items of each category (as suffix.py)")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--answers", type=Path, help="answers written by an earlier run (--out), not generated again")
+    ap.add_argument("--answers", type=Path, help="an earlier run's --out: its answers and its plan's timings are used again")
     ap.add_argument("--no-model", action="store_true", help="weigh the suffix against plain decoding only")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     engine = specwood.load()
-    plan = starter_plan(engine, "dyspec")
-    if a.answers:
-        rows = json.loads(a.answers.read_text())["answers"]
+    if a.answers:  # the same answers and T_v as that run, so two drafters compare exactly
+        rows = json.loads((a.answers / "answers.json").read_text())["answers"]
+        plan = pickle.loads((a.answers / "plan.pkl").read_bytes())
     else:
+        plan = starter_plan(engine, "dyspec")
         rows = generate_answers(engine, load_items(a.workloads, a.limit), a.max_tokens)
     eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
     results = replay(rows, plan, eos, not a.no_model)
@@ -166,6 +170,7 @@ def main() -> int:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "answers.json").write_text(json.dumps({"answers": rows}))
+        (a.out / "plan.pkl").write_bytes(pickle.dumps(plan))
         (a.out / "replay.json").write_text(json.dumps(results, indent=1))
         (a.out / "replay.md").write_text("\n".join(lines) + "\n")
     return 0

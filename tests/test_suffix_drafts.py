@@ -251,13 +251,31 @@ def test_a_deep_chain_refused_at_its_first_token_is_one_miss_not_many():
     chain = continuation_tree(7, [list(range(100, 132))], 48, 0.05, 4)
     assert chain.expected == 32  # one occurrence: every node's count ratio is 1
     trust = SuffixTrust()
-    prior = trust.ratio(1)
-    trust.record(1, tested_weight(chain, []), 0)
-    missed = trust.ratio(1)
+    prior = trust.ratio(1, 4)
+    trust.record(1, tested_weight(chain, []), 0, 4)
+    missed = trust.ratio(1, 4)
     assert 0.5 < missed < prior
     for _ in range(150):
         trust.relax(1)
-    assert abs(trust.ratio(1) - prior) < 0.01
-    trust.record(1, tested_weight(chain, list(range(1, 21))), 20)  # 20 accepted, the 21st refused
-    assert trust.ratio(1) > prior
-    assert trust.ratio(8) == prior  # per load: a shared step's trust is its own
+    assert abs(trust.ratio(1, 4) - prior) < 0.01
+    trust.record(1, tested_weight(chain, list(range(1, 21))), 20, 4)  # 20 accepted, the 21st refused
+    assert trust.ratio(1, 4) > prior
+    assert trust.ratio(8, 4) == prior  # per load: a shared step's trust is its own
+
+
+def test_the_trust_in_a_suffix_draft_is_learnt_per_match_length():
+    """A continuation found after a long match is trusted more from the start, and misses after
+    two-token matches do not make auto distrust a 20-token match (benchmarks/suffix_replay.py:
+    one trust for both kept long matches shallow after short ones failed)."""
+    from specwood.drafting.suffix_tree import continuation_tree
+    from specwood.planner.suffix_choice import SuffixTrust, tested_weight
+
+    trust = SuffixTrust()
+    assert trust.ratio(1, 2) < trust.ratio(1, 5) < trust.ratio(1, 9) < trust.ratio(1, 20)
+    long_prior = trust.ratio(1, 20)
+    short = continuation_tree(7, [[100, 101]], 48, 0.05, 2)
+    for _ in range(5):
+        trust.record(1, tested_weight(short, []), 0, short.match)
+    assert trust.ratio(1, 2) < 0.2
+    assert trust.ratio(1, 20) == long_prior
+    assert trust.ratio(1, 3) == trust.ratio(1, 2)  # one bucket: matches under 4 tokens

@@ -26,6 +26,7 @@ class SuffixDraft:
     path_probs: list[float]  # per node, the root's 1.0 included
     expected: float
     match: int
+    occurrences: int = 0  # the continuations it was built from
 
     @classmethod
     def empty(cls, root: int) -> "SuffixDraft":
@@ -40,7 +41,7 @@ def continuation_tree(root: int, continuations: Sequence[Sequence[int]], budget:
     counts = [len(continuations)]
     n = len(continuations)
     if n == 0 or budget < 1:
-        return SuffixDraft(tree, probs, 0.0, match)
+        return SuffixDraft(tree, probs, 0.0, match, n)
     order = 0
     heap: list[tuple[int, int, int, int, int, list[int]]] = []  # (-count, depth, order, parent, token, rows)
 
@@ -65,4 +66,4 @@ def continuation_tree(root: int, continuations: Sequence[Sequence[int]], budget:
         probs.append(-neg / n)
         expected += -neg / n
         push_children(node, depth, rows)
-    return SuffixDraft(tree, probs, expected, match)
+    return SuffixDraft(tree, probs, expected, match, n)

@@ -36,36 +36,48 @@ class SuffixTrust:
     """How often a suffix node is accepted once its parent was, against what the counts said:
     accepted nodes over the nodes verification really tested (a node is tested when its parent
     was accepted, each weighted by its conditional count ratio), decayed, per load bucket (alone,
-    2-4, 5+ requests sharing a step). Nodes past the first rejection were never tested, so a
+    2-4, 5+ requests sharing a step) and per match-length bucket of the proposal (under 4, 4-7,
+    8-15, 16+ tokens matched): a continuation found after a long match is followed far more often
+    than one after two tokens, and one trust for both kept long matches shallow after short ones
+    failed (benchmarks/suffix_replay.py). Nodes past the first rejection were never tested, so a
     deep chain refused at its first token is one miss, not 32: counting the untested ones let a
     single bad step pin the trust at its floor for the rest of the request. Steps that do not
     draft from suffixes relax it towards the prior, so a bad phase is tried again later. One per
     request, like the draft's AcceptanceTracker: a request's choices depend on its own history
     only, so a seeded request repeats its answer whatever the server served before."""
 
-    def __init__(self, decay: float = 0.8, prior: float = 0.85, weight: float = 2.0, relax_decay: float = 0.95):
+    # match-length bucket (lower bound) -> prior trust; PRIOR_SOURCE says where they were measured
+    PRIORS = {0: 0.7, 4: 0.85, 8: 0.9, 16: 0.95}
+
+    def __init__(self, decay: float = 0.8, priors: dict[int, float] | None = None, weight: float = 2.0,
+                 relax_decay: float = 0.95):
         self.decay, self.relax_decay = decay, relax_decay
-        self.prior = (prior * weight, weight)
-        self.sums = {b: list(self.prior) for b in (1, 2, 5)}  # bucket -> [accepted, tested]
+        self.priors = {m: (p * weight, weight) for m, p in (priors or self.PRIORS).items()}
+        self.sums = {(b, m): list(self.priors[m]) for b in (1, 2, 5) for m in self.priors}  # -> [accepted, tested]
 
     @staticmethod
     def bucket(load: int) -> int:
         return 1 if load <= 1 else 2 if load <= 4 else 5
 
-    def ratio(self, load: int) -> float:
+    def match_bucket(self, match: int) -> int:
+        return max(m for m in self.priors if m <= max(match, 0))
+
+    def ratio(self, load: int, match: int = 0) -> float:
         """The factor a node's conditional count ratio is multiplied by, once per level."""
-        accepted, tested = self.sums[self.bucket(load)]
+        accepted, tested = self.sums[self.bucket(load), self.match_bucket(match)]
         return min(1.0, max(0.05, accepted / tested))
 
-    def record(self, load: int, tested: float, accepted: int) -> None:
-        s = self.sums[self.bucket(load)]
+    def record(self, load: int, tested: float, accepted: int, match: int = 0) -> None:
+        s = self.sums[self.bucket(load), self.match_bucket(match)]
         s[0] = self.decay * s[0] + accepted
         s[1] = self.decay * s[1] + max(tested, 1e-3)
 
     def relax(self, load: int) -> None:
-        r, s = self.relax_decay, self.sums[self.bucket(load)]
-        s[0] = r * s[0] + (1 - r) * self.prior[0]
-        s[1] = r * s[1] + (1 - r) * self.prior[1]
+        r, b = self.relax_decay, self.bucket(load)
+        for m, prior in self.priors.items():
+            s = self.sums[b, m]
+            s[0] = r * s[0] + (1 - r) * prior[0]
+            s[1] = r * s[1] + (1 - r) * prior[1]
 
 
 def tested_weight(draft: SuffixDraft, accepted: list[int]) -> float:
@@ -84,7 +96,7 @@ def cut(draft: SuffixDraft, k: int) -> SuffixDraft:
     for i in range(1, k + 1):
         tree.add_node(draft.tree.parents[i], draft.tree.tokens[i], draft.tree.probs[i])
     probs = draft.path_probs[:k + 1]
-    return SuffixDraft(tree, probs, sum(probs[1:]), draft.match)
+    return SuffixDraft(tree, probs, sum(probs[1:]), draft.match, draft.occurrences)
 
 
 class SuffixOrModelShape(ShapeBase):
@@ -92,11 +104,13 @@ class SuffixOrModelShape(ShapeBase):
 
     `t_v`, `t_d`: this request's share of a step's verify and draft time at its context and load;
     `model_x`: the model tree's size the plan chose (1: none), `model_aat`: its expected tokens;
+    `trust`: SuffixTrust's factor for a proposal of a given match length;
     `price`: this request's measured cost of a wide verify against the plan's; `free`: tokens of
     the grammar's forced run ahead of the root, in every option's forward and gain."""
 
     def __init__(self, source: SuffixSource, model_shape: Any | None, model_x: int, model_aat: float,
-                 t_v: Callable[[float], float], t_d: Callable[[float], float], trust: float, price: float = 1.0,
+                 t_v: Callable[[float], float], t_d: Callable[[float], float], trust: Callable[[int], float],
+                 price: float = 1.0,
                  free: int = 0):
         self.source = source
         self.model_shape = model_shape if model_x > 1 else None
@@ -109,7 +123,7 @@ class SuffixOrModelShape(ShapeBase):
 
     def weigh(self, draft: SuffixDraft) -> tuple[str, int]:
         """The best option and the suffix nodes it uses."""
-        a, price, f = self.trust, self.price, self.free
+        a, price, f = self.trust(draft.match), self.price, self.free
         t_v = (lambda v: float(self.t_v(v + f))) if f else self.t_v
         best = ("none", 0, (1.0 + f) / max(float(t_v(1)), 1e-9))
         has_model = self.model_shape is not None
