@@ -111,6 +111,31 @@ def test_concurrent_answers_keep_the_cache_consistent():
 # --- auto with the suffix source -----------------------------------------------------------------
 
 
+def test_a_request_indexes_its_context_once_though_the_engine_extends_it_in_place(engine, private_cache):
+    """The engine extends a request's context list in place each step. The suffix source must
+    carry its index on from it, not index the whole context again every step (it did: the check
+    that the context still extends the index read the last token of the live list, which had
+    moved on, so every step after the first rebuilt the index: O(context) a step)."""
+    from specwood.drafting.suffix_source import SuffixSource
+
+    source = SuffixSource(None, prompt_len=300, max_tokens=64)
+    context, root = [i % 37 for i in range(300)], 5
+    source.propose(context, root, 16, 16, 0.1)
+    first = source.local
+    for step in range(20):
+        context.extend([root, step % 7])  # a step accepted one token and the bonus is the new root
+        root = 11 + step % 3
+        source.propose(context, root, 16, 16, 0.1)
+    assert source.local is first and source.builds == 1
+    assert source.seen == len(context) + 1
+    from test_batching import store_auto_plan
+
+    store_auto_plan(engine)
+    for method, options in (("suffix", {}), ("auto", {"progress": False})):
+        out = engine.generate(PROMPTS[0], max_tokens=40, raw=True, method=method, **options)
+        assert out.stats["suffix_steps"] >= 2 and out.stats["suffix_index_builds"] == 1, (method, out.stats)
+
+
 @pytest.fixture()
 def private_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))  # plans from a private store

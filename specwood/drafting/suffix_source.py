@@ -124,11 +124,13 @@ class SuffixSource:
         self.room = max(64, min(window, prompt_len + max_tokens + 2)) if max_tokens else window
         self.local: SuffixIndex | None = None  # built at the first proposal (sized to the request)
         self.seen = 0  # tokens of context + root already in `local`
-        self._context: list[int] | None = None
+        self._context: list[int] | None = None  # the request's context, as passed (the engine extends it in place)
+        self._indexed_before_root = -1  # the context token the last sync indexed just before its root
         self._indexed_root = -1  # the root the last sync indexed (observe() moves `_root` on)
         self._root: int | None = None
         self._closed = False
         self.steps = self.local_wins = self.global_wins = 0
+        self.builds = 0  # local indexes built: one a request, unless a forced run was cut short
 
     def sync(self, context: list[int], root: int) -> None:
         """Bring the local index up to context + [root]. Normally an extension of what it saw;
@@ -140,19 +142,22 @@ class SuffixSource:
             return
         if self.local is None:
             self.local = SuffixIndex(self.room)
+            self.builds += 1
         # tokens that the ring would overwrite before this step ends are never written
         self.local.extend(context[max(self.seen, len(context) + 1 - self.local.capacity):])
         self.local.extend([root])
         self.seen = len(context) + 1
         self._context, self._root, self._indexed_root = context, root, root
+        # a value, not the list: the engine extends the context in place, so the list's last token moves
+        self._indexed_before_root = context[-1] if context else -1
 
     def _extends(self, context: list[int], root: int) -> bool:
         """Whether context + [root] carries on from what the index holds (the two tokens indexed
         last are where they were: a cut-short run differs right after the committed part)."""
-        n, last, held = self.seen, self._indexed_root, self._context
+        n, last, before = self.seen, self._indexed_root, self._indexed_before_root
         if len(context) + 1 == n:  # the same step asked again
-            return root == last and (n < 2 or context[-1] == held[-1])
-        return len(context) >= n and context[n - 1] == last and (n < 2 or context[n - 2] == held[-1])
+            return root == last and (n < 2 or context[-1] == before)
+        return len(context) >= n and context[n - 1] == last and (n < 2 or context[n - 2] == before)
 
     def propose(self, context: list[int], root: int, budget: int, depth: int, min_prob: float,
                 use_global: bool = True) -> SuffixDraft:
@@ -192,7 +197,7 @@ class SuffixSource:
 
     def stats(self) -> dict[str, Any]:
         return {"suffix_steps": self.steps, "suffix_local_wins": self.local_wins,
-                "suffix_global_wins": self.global_wins}
+                "suffix_global_wins": self.global_wins, "suffix_index_builds": self.builds}
 
 
 def global_allowed(params: SamplingParams) -> bool:
