@@ -13,13 +13,12 @@ nothing, the replayed rate against plain decoding (T_v(1) a token) and the oracl
 (benchmarks/suffix_bound.py's longest copyable run, all accepted) on the same T_v. It is a tool for
 changing the drafter, not a speed figure: those come from benchmarks/suffix.py over HTTP.
 
-    python benchmarks/suffix_replay.py [--limit 3] [--answers DIR] [--out DIR]
+    python benchmarks/suffix_replay.py [--limit 3] [--answers DIR] [--out DIR] [--one-trust]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -29,10 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from suffix import DEFAULT_WORKLOADS as WORKLOADS  # noqa: E402
 from suffix import load_items  # noqa: E402
 from suffix_bound import as_text, oracle_steps  # noqa: E402
+from suffix_inprocess import as_is, one_trust  # noqa: E402
 
 import specwood  # noqa: E402
 from specwood.drafting.suffix_source import SuffixCache, SuffixSource  # noqa: E402
 from specwood.planner.starter import starter_plan  # noqa: E402
+from specwood.planner.store import Plan  # noqa: E402
 from specwood.planner.suffix_choice import (SUFFIX_DEPTH, SUFFIX_MIN_PROB, SUFFIX_NODES,  # noqa: E402
                                             SuffixOrModelShape, SuffixTrust, cut, tested_weight)
 
@@ -139,17 +140,20 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--answers", type=Path, help="an earlier run's --out: its answers and its plan's timings are used again")
     ap.add_argument("--no-model", action="store_true", help="weigh the suffix against plain decoding only")
+    ap.add_argument("--one-trust", action="store_true",
+                    help="one trust for every match length (the rule before SuffixTrust learnt it per match length)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     engine = specwood.load()
     if a.answers:  # the same answers and T_v as that run, so two drafters compare exactly
         rows = json.loads((a.answers / "answers.json").read_text())["answers"]
-        plan = pickle.loads((a.answers / "plan.pkl").read_bytes())
+        plan = Plan.from_dict(json.loads((a.answers / "plan.json").read_text()))
     else:
         plan = starter_plan(engine, "dyspec")
         rows = generate_answers(engine, load_items(a.workloads, a.limit), a.max_tokens)
     eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
-    results = replay(rows, plan, eos, not a.no_model)
+    with one_trust() if a.one_trust else as_is():
+        results = replay(rows, plan, eos, not a.no_model)
     oracle = oracle_time(rows, plan)
     lines = ["| category | requests | tokens | steps | suffix steps | nodes per suffix step | accepted per suffix step "
              "| suffix steps with none | model / both / none steps | replay / plain | oracle / plain |",
@@ -170,7 +174,7 @@ def main() -> int:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "answers.json").write_text(json.dumps({"answers": rows}))
-        (a.out / "plan.pkl").write_bytes(pickle.dumps(plan))
+        (a.out / "plan.json").write_text(json.dumps(plan.to_dict()))
         (a.out / "replay.json").write_text(json.dumps(results, indent=1))
         (a.out / "replay.md").write_text("\n".join(lines) + "\n")
     return 0
