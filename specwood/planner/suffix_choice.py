@@ -46,13 +46,16 @@ class SuffixTrust:
     request, like the draft's AcceptanceTracker: a request's choices depend on its own history
     only, so a seeded request repeats its answer whatever the server served before."""
 
-    # match-length bucket (lower bound) -> prior trust; PRIOR_SOURCE says where they were measured
+    # match-length bucket (its lower bound) -> prior trust, as benchmarks/suffix_replay.py measured it on
+    # the workload items the benchmarks do not time (BENCHMARKS.md §22b)
     PRIORS = {0: 0.7, 4: 0.85, 8: 0.9, 16: 0.95}
 
     def __init__(self, decay: float = 0.8, priors: dict[int, float] | None = None, weight: float = 2.0,
                  relax_decay: float = 0.95):
         self.decay, self.relax_decay = decay, relax_decay
         self.priors = {m: (p * weight, weight) for m, p in (priors or self.PRIORS).items()}
+        if 0 not in self.priors:
+            raise ValueError("SuffixTrust's match-length buckets must start at 0")
         self.sums = {(b, m): list(self.priors[m]) for b in (1, 2, 5) for m in self.priors}  # -> [accepted, tested]
 
     @staticmethod
