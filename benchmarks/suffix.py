@@ -56,6 +56,11 @@ def load_items(path: Path, limit: int | None) -> list[dict[str, Any]]:
     return items
 
 
+def second_turn(item: dict[str, Any], answer: str) -> list[dict[str, str]]:
+    """A refinement's second-turn messages: its first turn, the answer given, its follow-up."""
+    return [*item["messages"], {"role": "assistant", "content": answer}, {"role": "user", "content": item["followup"]}]
+
+
 def llama_spec_types(binary: Path) -> list[str]:
     """The n-gram speculation types this llama-server's --help lists."""
     try:
@@ -111,8 +116,7 @@ async def run_pass(base: str, items: Sequence[dict[str, Any]], method: str | Non
                     continue
                 answer = await first_turn(item, messages)
                 if answer is not None:
-                    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": item["followup"]}]
-                    await one(item, messages, 2)
+                    await one(item, second_turn(item, answer), 2)
 
         await asyncio.gather(*(worker() for _ in range(c)))
     return records

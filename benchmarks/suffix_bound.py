@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from suffix import DEFAULT_WORKLOADS as WORKLOADS  # noqa: E402
-from suffix import load_items  # noqa: E402
+from suffix import load_items, second_turn  # noqa: E402
 
 import specwood  # noqa: E402
 from specwood.planner.starter import starter_plan  # noqa: E402
@@ -87,7 +87,7 @@ def main() -> int:
         if item.get("followup"):  # a refine item's first turn: its answer is history and global text
             first = engine.generate(messages, max_tokens=a.max_tokens, method="ar")
             earlier += "\u0000" + as_text(first.token_ids)
-            messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": item["followup"]}]
+            messages = second_turn(item, first.text)
         prompt = engine.encode(messages)
         t0 = time.perf_counter()
         out = engine.generate(messages, max_tokens=a.max_tokens, method="ar")

@@ -88,7 +88,7 @@ def main() -> int:
         mean_p, p99 = sum(proposes) / len(proposes), proposes[int(0.99 * (len(proposes) - 1))]
         mean_w = sum(weighs) / len(weighs)
         print(f"| {ctx} | {1e3 * first_s:.1f} ms | {1e3 * mean_p:.3f} / {1e3 * p99:.3f} ms | {1e3 * mean_w:.3f} ms | "
-              f"{100 * (mean_p + mean_w) / target_s:.2f}% | {hits} of {a.steps} | {getattr(source, 'builds', '-')} |", flush=True)
+              f"{100 * (mean_p + mean_w) / target_s:.2f}% | {hits} of {a.steps} | {getattr(source, 'builds', '-')} |", flush=True)  # '-': code from before the count
     return 0
 
 

@@ -13,14 +13,13 @@ A refinement is timed on its second turn (the first answered by `ar` beforehand,
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import specwood
-from suffix import load_items
+from suffix import load_items, second_turn
 from specwood.drafting.suffix_source import suffix_cache_for
 from specwood.planner.starter import describe_starter_plan, starter_plan
 from specwood.planner.suffix_choice import SuffixTrust
@@ -48,7 +47,7 @@ def conversation(engine: Any, item: dict[str, Any], max_tokens: int) -> list[dic
     messages = list(item["messages"])
     if item.get("followup"):
         first = engine.generate(messages, max_tokens=max_tokens, method="ar")
-        messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": item["followup"]}]
+        messages = second_turn(item, first.text)
     return messages
 
 

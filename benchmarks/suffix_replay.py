@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from suffix import DEFAULT_WORKLOADS as WORKLOADS  # noqa: E402
-from suffix import load_items  # noqa: E402
+from suffix import load_items, second_turn  # noqa: E402
 from suffix_bound import as_text, oracle_steps  # noqa: E402
 from suffix_inprocess import as_is, one_trust  # noqa: E402
 
@@ -47,7 +46,7 @@ def generate_answers(engine: Any, items: list[dict[str, Any]], max_tokens: int) 
             first = engine.generate(messages, max_tokens=max_tokens, method="ar")
             out.append({"id": item["id"] + "/first", "category": item["category"], "scored": False,
                         "prompt": engine.encode(messages), "answer": list(first.token_ids)})
-            messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": item["followup"]}]
+            messages = second_turn(item, first.text)
         answer = engine.generate(messages, max_tokens=max_tokens, method="ar")
         out.append({"id": item["id"], "category": item["category"], "scored": True,
                     "prompt": engine.encode(messages), "answer": list(answer.token_ids)})
@@ -58,14 +57,12 @@ def generate_answers(engine: Any, items: list[dict[str, Any]], max_tokens: int) 
 
 def walk(tree: Any, answer: list[int], start: int) -> list[int]:
     """Greedy verification of a deterministic tree rooted at answer[start - 1]: the accepted nodes."""
-    kids: dict[int, dict[int, int]] = defaultdict(dict)
-    for i in range(1, len(tree)):
-        kids[tree.parents[i]][tree.tokens[i]] = i
-    node, accepted, i = 0, [], start
-    while i < len(answer) and answer[i] in kids.get(node, {}):
-        node = kids[node][answer[i]]
+    node, accepted = 0, []
+    for token in answer[start:]:
+        node = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
+        if node is None:
+            break
         accepted.append(node)
-        i += 1
     return accepted
 
 
@@ -77,7 +74,9 @@ def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model
         prompt, answer = r["prompt"], r["answer"]
         source = SuffixSource(cache, len(prompt), len(answer), eos_ids=eos)
         trust = SuffixTrust()
-        steps, time_s, ar_s, i = [], 0.0, 0.0, 0
+        # the first token comes from the prefill: plain decoding is charged a step for it, the replay nothing
+        steps, time_s, i = [], 0.0, 1
+        ar_s = float(plan.step_costs(len(prompt))[0](1)) if answer else 0.0
         while i < len(answer):
             context = prompt + answer[:i]
             ctx = len(context)
@@ -87,11 +86,7 @@ def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model
             x = d.x if d is not None and d.method == "sd" else 1
             aat = float(plan.aat_for(ctx)(x)) if x > 1 else 1.0
             shape = SuffixOrModelShape(source, object() if x > 1 else None, x, aat, t_v, t_d, lambda m: trust.ratio(1, m))
-            proposal = source.propose(context[:-1], context[-1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB) \
-                if i else None
-            if proposal is None:  # the first token comes from the prefill
-                i += 1
-                continue
+            proposal = source.propose(context[:-1], context[-1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB)
             choice, k = shape.weigh(proposal)
             part = cut(proposal, k) if k else None
             accepted = walk(part.tree, answer, i) if part is not None else []
