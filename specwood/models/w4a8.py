@@ -213,8 +213,11 @@ class KQuantLinear(nn.Module):
         raise NotImplementedError
 
     def __init__(self, weights: Any, bias: torch.Tensor | None = None):
+        from specwood.models.amx import tile_path
+
         super().__init__()
         self.kernel = require_q4()
+        self.tiles = tile_path()  # AMX for calls of many rows, where the CPU has it
         self.out_features, self.in_features = weights.codes.shape
         self.register_buffer("packed", self.pack(weights), persistent=False)
         self.register_buffer("bias", bias.detach().float().clone() if bias is not None else torch.empty(0),
@@ -238,7 +241,9 @@ class KQuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = getattr(self.kernel, self.op)(flat, self.packed, self.bias)
+        tiles = self.tiles
+        kernel = tiles.kernel if tiles is not None and flat.shape[0] >= tiles.min_rows else self.kernel
+        out = getattr(kernel, self.op)(flat, self.packed, self.bias)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 

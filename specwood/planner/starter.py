@@ -36,6 +36,17 @@ def starter_plan_ready(engine: Any, method: str) -> bool:
 TORCH_XS = (1, 2, 4, 8, 16, 32, 48)  # 48: the largest suffix proposal auto weighs, plus the root
 TORCH_CONTEXTS = (128, 1024)
 TORCH_X_CAP = 16  # the model's trees; the suffix source may add more nodes where T_v(x) says they pay
+# On AMX tiles T_v(x) is nearly flat to 32-64 rows (issue 39's measurements of bf16 on AMX), so the
+# grid reaches further and the model's trees may be wider; the timing still decides what pays.
+AMX_XS = TORCH_XS + (64,)
+AMX_X_CAP = 32
+
+
+def starter_grid() -> tuple[tuple[int, ...], int]:
+    """The x values the starter plan times and the model tree's node cap, for this process's linears."""
+    from specwood.models.amx import decided_tile_path
+
+    return (AMX_XS, AMX_X_CAP) if decided_tile_path() is not None else (TORCH_XS, TORCH_X_CAP)
 
 
 def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
@@ -43,22 +54,25 @@ def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
     contexts, T_d(x) with the method's real drafting, the draft's prefill per token, AAT(x) from a
     stored plan of the pair or the default curve (`timed_plan`). About 15 s for the default pair
     on a 2-core CPU."""
+    from specwood.models.amx import decided_tile_path
     from specwood.models.transformer import Transformer
     from specwood.planner.build import measure_draft_prefill
     from specwood.planner.profiler import measure_verify_times
 
+    grid, x_cap = starter_grid()
     positions = min(int(engine.target.max_positions), int(engine.max_context))
-    xs = [x for x in TORCH_XS if x < positions // 2] or [1, 2]
+    xs = [x for x in grid if x < positions // 2] or [1, 2]
     contexts = [c for c in TORCH_CONTEXTS if c + max(xs) < positions] or [max(1, positions - max(xs) - 1)]
     tv = measure_verify_times(engine.target, xs, contexts, repeats, refine=False, progress=False)
-    draft_xs = [x for x in xs if x <= TORCH_X_CAP]
+    draft_xs = [x for x in xs if x <= x_cap]
     td = ({c: {x: 0.0 for x in draft_xs} for c in tv} if engine.draft_model is None else
           measure_draft_times(engine, [method], xs=draft_xs, contexts=(min(tv),), repeats=repeats,
                               progress=False)[method])
     prefill = measure_draft_prefill(engine) if isinstance(engine.draft_model, Transformer) else None
     plan = timed_plan(engine, method, tv, td, draft_prefill_s=prefill or 0.0,
-                      note="starter plan: T_v and T_d timed at start")
-    plan.x_cap = TORCH_X_CAP
+                      note="starter plan: T_v and T_d timed at start"
+                      + (f" with {tiles.name} from {tiles.min_rows} rows" if (tiles := decided_tile_path()) else ""))
+    plan.x_cap = x_cap
     plan.source = "starter"
     return plan.refresh()
 

@@ -446,10 +446,14 @@ def weight_mode_name(engine: Any) -> str:
     """The dtype part of a plan key: the activation dtype, plus the weight mode where the target's
     linears are quantised (an int8 target times differently from a bf16 one) and the draft's
     weight mode (int4 and bf16 drafts have different T_d)."""
+    from specwood.models.amx import decided_tile_path
+
     name = _DTYPE_NAMES.get(str(engine.dtype), str(engine.dtype))
     target_mode = getattr(engine.target, "weight_mode", None)
     if target_mode in ("int8", "int4", "q4", "q4-lite", "llama.cpp"):  # llama.cpp: another backend, other T_v
         name = f"{name}+{target_mode}"
+    if target_mode in ("q4", "q4-lite") and decided_tile_path() is not None:
+        name = f"{name}+amx"  # its linears' T_v(x) is another curve (flat to many rows)
     draft = getattr(engine, "draft_model", None)
     draft_mode = getattr(draft, "weight_mode", None) if draft is not None else None
     if draft_mode in ("int8", "int4", "q4", "q4-lite", "llama.cpp"):

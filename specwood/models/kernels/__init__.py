@@ -29,6 +29,18 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_identity() -> str:
+    """The CPU a build is for: its model name and instruction-set flags, as /proc/cpuinfo gives
+    them. Kernels compiled for one CPU's instructions are keyed by it, so a kernel cache copied to
+    another machine is rebuilt there, never executed."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    return f"{model}|{' '.join(sorted(cpu_flags()))}"
+
+
 def build_directory() -> Path:
     """Where compiled kernels live: $SPECWOOD_KERNEL_DIR, else $SPECWOOD_CACHE/kernels, else
     ~/.cache/specwood/kernels (one folder per kernel build, `CpuKernel.build_dir`)."""
@@ -90,10 +102,12 @@ class CpuKernel:
         self.failure: str | None = None
 
     def build_dir(self) -> Path:
-        """This build's own folder, keyed by the source, the compiler flags, torch's and Python's
-        versions: a changed source or another torch never loads (or waits on) an old build."""
-        key = hashlib.sha256(self.source.read_bytes() + json.dumps(
-            [self.cflags, torch_version(), list(sys.version_info[:2])]).encode()).hexdigest()[:12]
+        """This build's own folder, keyed by the source and the headers beside it, the compiler
+        flags, torch's and Python's versions and the CPU: a changed source or another torch never
+        loads (or waits on) an old build, and a build copied from another CPU is not executed."""
+        headers = b"".join(h.read_bytes() for h in sorted(self.source.parent.glob("*.h")))
+        key = hashlib.sha256(self.source.read_bytes() + headers + json.dumps(
+            [self.cflags, torch_version(), list(sys.version_info[:2]), cpu_identity()]).encode()).hexdigest()[:12]
         return build_directory() / f"{self.name}-{key}"
 
     def missing_flags(self) -> list[str]:

@@ -25,127 +25,11 @@
 // Row-exact: a row's result takes the same integer and float operations in the same order
 // whatever the other rows are, so a tree verified in one call gives each node what a one-row call
 // gives (what keeps speculation lossless against our own ar).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <cstring>
-#include <type_traits>
-#include <vector>
+
+#include "kquants_common.h"
 
 namespace {
-
-constexpr int GROUP = 32;
-constexpr int LANES = 16;            // output channels per 512-bit register
-constexpr int HALF_BYTES = 256;      // one group of 16 channels: 16 x 32 nibbles
-constexpr int GROUP_BYTES = 512;     // one group of a block of 32 channels
-constexpr int SUPER = 8;             // groups per superblock (256 inputs)
-constexpr int MAX_TILE = 8;          // rows multiplied per pass over a block's weights
-constexpr int PREFETCH = 2048;       // bytes of weights ahead of the group being multiplied
-constexpr int Q8_PREFETCH = 8192;    // Q8_0 reads twice Q4_K's bytes a group: further ahead (20 -> 25 GB/s)
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// The activations of a call: per row and group of 32 inputs an int8 code vector and its scale
-// (x ~ xs * xq, symmetric, round to nearest even, -127..127), and per 16 inputs the sum of the
-// codes. The weights' offsets (Q4_K's minimum, Q6_K's -32) multiply those sums, so each group's
-// integer dot is exact and the offset cancels inside each weight instead of adding the
-// activations' rounding error times a large minimum.
-struct Activations {
-  int64_t k, groups;
-  std::vector<int8_t> q;        // [M, K]
-  std::vector<float> scale;     // [M, K/32]
-  std::vector<int32_t> sums16;  // [M, K/16]
-};
-
-template <typename T>
-void quantize_rows(const T* x, int64_t m, Activations& a) {
-  const int64_t k = a.k, groups = a.groups;
-  const __m512 limit = _mm512_set1_ps(127.f);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const T* p = x + r * k + g * GROUP;
-      const __m512 lo = load16(p), hi = load16(p + 16);
-      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float scale = top > 0.f ? top / 127.f : 1.f;
-      const __m512 inv = _mm512_set1_ps(1.f / scale);
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(lo, inv), -limit), limit));
-      const __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(hi, inv), -limit), limit));
-      int8_t* out = a.q.data() + r * k + g * GROUP;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qb));
-      a.scale[r * groups + g] = scale;
-      a.sums16[r * 2 * groups + 2 * g] = _mm512_reduce_add_epi32(qa);
-      a.sums16[r * 2 * groups + 2 * g + 1] = _mm512_reduce_add_epi32(qb);
-    }
-  }
-}
-
-Activations quantize(const torch::Tensor& x) {
-  const int64_t m = x.size(0), k = x.size(1);
-  Activations a{k, k / GROUP, std::vector<int8_t>(m * k), std::vector<float>(m * (k / GROUP)),
-                std::vector<int32_t>(m * (k / 16))};
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), m, a);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "kquants: x must be fp32 or bf16");
-    quantize_rows(x.data_ptr<at::BFloat16>(), m, a);
-  }
-  return a;
-}
-
-inline __m512 load_half16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 ucodes16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m512 scodes16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline void prefetch(const uint8_t* p, int bytes, int ahead = PREFETCH) {
-  for (int off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + off), _MM_HINT_T0);
-}
-
-// One type's packed layout: a superblock header, then one line per group.
-template <int HEADER, int LINE>
-struct Layout {
-  static constexpr int header = HEADER, stride = LINE, super_bytes = HEADER + SUPER * LINE;
-  static int64_t block_bytes(int64_t groups) {
-    return (groups / SUPER) * super_bytes + (groups % SUPER ? HEADER + (groups % SUPER) * LINE : 0);
-  }
-};
-using Q4Layout = Layout<128, 64 + GROUP_BYTES>;        // d, dmin | sc, m codes, nibbles
-using Q5Layout = Layout<128, 64 + GROUP_BYTES + 128>;  // d, dmin | sc, m codes, nibbles, fifth bits
-using Q6Layout = Layout<64, 64 + GROUP_BYTES + 256>;   // d | sc codes (two sub-blocks), nibbles, top bits
-using Q8Layout = Layout<0, 64 + 2 * GROUP_BYTES>;      // | d, codes + 128
-
-template <int TILE>
-inline void zero_tile(__m512 (&acc)[TILE][2]) {
-  for (int r = 0; r < TILE; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-}
-
-// A tile's rows of one block of 32 output channels into y [M, N].
-template <int TILE>
-inline void store_tile(const __m512 (&acc)[TILE][2], float* y, int64_t n, int64_t block) {
-  for (int r = 0; r < TILE; ++r) {
-    _mm512_storeu_ps(y + r * n + block * 2 * LANES, acc[r][0]);
-    _mm512_storeu_ps(y + r * n + block * 2 * LANES + LANES, acc[r][1]);
-  }
-}
-
-// One row's integer dots of a block's two registers, closed: acc += xs * (d * (dot - offset)), the
-// offset being the codes' bias times the activations' code sum (Q6_K's -32, Q8_0's +128).
-inline void add_offset_dot(__m512 (&acc)[2], const __m512i (&dot)[2], int32_t offset, __m512 da, __m512 db,
-                           float xs) {
-  const __m512i off = _mm512_set1_epi32(offset);
-  const __m512 scale = _mm512_set1_ps(xs);
-  acc[0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[0], off)), da), scale, acc[0]);
-  acc[1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[1], off)), db), scale, acc[1]);
-}
 
 // Q4_K (and Q5_K, FIFTH): one block of 32 output channels (two registers of 16) for TILE rows.
 // d * sc is exact in fp32 (11 by 6 bits), so the weights are exactly the file's. Q5_K's fifth
@@ -154,9 +38,7 @@ template <int TILE, bool FIFTH>
 void q4_tile(const uint8_t* w, const Activations& a, const float* xs, const int32_t* sums, const int8_t* xq,
              float* y, int64_t n, int64_t block) {
   const int64_t groups = a.groups, k = a.k;
-  const __m512i low = _mm512_set1_epi8(0x0F);
   using L = std::conditional_t<FIFTH, Q5Layout, Q4Layout>;
-  const __m512i fifth = _mm512_set1_epi8(0x10);
   __m512 acc[TILE][2];
   zero_tile<TILE>(acc);
   for (int64_t s0 = 0; s0 < groups; s0 += SUPER) {
@@ -173,54 +55,33 @@ void q4_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
       __m512i dot[TILE][2];
       for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
-        const __m512i pa = _mm512_loadu_si512(wg + c * 64);
-        const __m512i pb = _mm512_loadu_si512(wg + HALF_BYTES + c * 64);
-        __m512i loa = _mm512_and_si512(pa, low), hia = _mm512_and_si512(_mm512_srli_epi16(pa, 4), low);
-        __m512i lob = _mm512_and_si512(pb, low), hib = _mm512_and_si512(_mm512_srli_epi16(pb, 4), low);
-        if constexpr (FIFTH) {  // masks per half and chunk: the low nibbles' fifth bits, the high ones'
-          uint64_t m[4];
-          for (int h = 0; h < 2; ++h) std::memcpy(m + 2 * h, wg + GROUP_BYTES + (h * 4 + c) * 16, 16);
-          loa = _mm512_or_si512(loa, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[0]), fifth));
-          hia = _mm512_or_si512(hia, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[1]), fifth));
-          lob = _mm512_or_si512(lob, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[2]), fifth));
-          hib = _mm512_or_si512(hib, _mm512_maskz_mov_epi8(_cvtu64_mask64(m[3]), fifth));
-        }
+        const Chunk u = q4_chunk<FIFTH>(wg, c);
         for (int r = 0; r < TILE; ++r) {
           const int8_t* xr = xq + r * k + g * GROUP + c * 8;
           const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
           const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
-          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], loa, xl);
-          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], lob, xl);
-          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], hia, xh);
-          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], hib, xh);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], u.lo_a, xl);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], u.lo_b, xl);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], u.hi_a, xh);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], u.hi_b, xh);
         }
       }
       const __m512 sca = _mm512_mul_ps(ucodes16(line), da), scb = _mm512_mul_ps(ucodes16(line + LANES), db);
       const __m512 mna = _mm512_mul_ps(ucodes16(line + 2 * LANES), ma), mnb = _mm512_mul_ps(ucodes16(line + 3 * LANES), mb);
-      for (int r = 0; r < TILE; ++r) {
-        // group value = xs * (d*sc * dot - dmin*m * sum(xq))
-        const __m512 codesum = _mm512_set1_ps(static_cast<float>(sums[r * 2 * groups + 2 * g] + sums[r * 2 * groups + 2 * g + 1]));
-        const __m512 scale = _mm512_set1_ps(xs[r * groups + g]);
-        const __m512 ta = _mm512_fnmadd_ps(mna, codesum, _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][0]), sca));
-        const __m512 tb = _mm512_fnmadd_ps(mnb, codesum, _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][1]), scb));
-        acc[r][0] = _mm512_fmadd_ps(ta, scale, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(tb, scale, acc[r][1]);
-      }
+      for (int r = 0; r < TILE; ++r)
+        add_min_dot(acc[r], dot[r], sums[r * 2 * groups + 2 * g] + sums[r * 2 * groups + 2 * g + 1], sca, scb, mna,
+                    mnb, xs[r * groups + g]);
     }
   }
   store_tile<TILE>(acc, y, n, block);
 }
 
-// Q6_K: the low nibbles as Q4_K's, the top two bits of the codes of chunks 2s and 2s+1 (sub-block
-// s) in one 64-byte vector per half: bits 0-1 / 2-3 the low / high nibbles of chunk 2s, bits 4-5 /
-// 6-7 those of chunk 2s+1. Each sub-block of 16 inputs has its own scale, so its integer dot is
-// closed after two chunks: dot(q - 32, xq) = dot(q, xq) - 32 * sum(xq). d * sc is exact in fp32
-// (11 by 8 bits).
+// Q6_K (q6_chunk): each sub-block of 16 inputs has its own scale, so its integer dot is closed
+// after two chunks: dot(q - 32, xq) = dot(q, xq) - 32 * sum(xq). d * sc is exact in fp32 (11 by 8 bits).
 template <int TILE>
 void q6_tile(const uint8_t* w, const Activations& a, const float* xs, const int32_t* sums, const int8_t* xq,
              float* y, int64_t n, int64_t block) {
   const int64_t groups = a.groups, k = a.k;
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   __m512 acc[TILE][2];
   zero_tile<TILE>(acc);
   for (int64_t s0 = 0; s0 < groups; s0 += SUPER) {
@@ -240,23 +101,15 @@ void q6_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
         const __m512i ha = _mm512_loadu_si512(bits + s * 64), hb = _mm512_loadu_si512(bits + 128 + s * 64);
         for (int cc = 0; cc < 2; ++cc) {
           const int c = 2 * s + cc;
-          const __m512i pa = _mm512_loadu_si512(wg + c * 64);
-          const __m512i pb = _mm512_loadu_si512(wg + HALF_BYTES + c * 64);
-          // the top bits of this chunk's low and high nibbles, moved to bits 4-5
-          const __m512i tla = cc ? ha : _mm512_slli_epi16(ha, 4), tha = cc ? _mm512_srli_epi16(ha, 2) : _mm512_slli_epi16(ha, 2);
-          const __m512i tlb = cc ? hb : _mm512_slli_epi16(hb, 4), thb = cc ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
-          const __m512i loa = _mm512_or_si512(_mm512_and_si512(pa, low), _mm512_and_si512(tla, top));
-          const __m512i hia = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pa, 4), low), _mm512_and_si512(tha, top));
-          const __m512i lob = _mm512_or_si512(_mm512_and_si512(pb, low), _mm512_and_si512(tlb, top));
-          const __m512i hib = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(pb, 4), low), _mm512_and_si512(thb, top));
+          const Chunk u = q6_chunk(wg, ha, hb, c, cc);
           for (int r = 0; r < TILE; ++r) {
             const int8_t* xr = xq + r * k + g * GROUP + c * 8;
             const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
             const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
-            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], loa, xl);
-            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], lob, xl);
-            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], hia, xh);
-            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], hib, xh);
+            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], u.lo_a, xl);
+            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], u.lo_b, xl);
+            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], u.hi_a, xh);
+            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], u.hi_b, xh);
           }
         }
         const __m512 sca = _mm512_mul_ps(scodes16(line + s * 32), da);
