@@ -190,12 +190,14 @@ def random_packed(op: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def first_difference(amx: Any, vnni: Any, rows: tuple[int, ...] = (1, 5, 16, 17, 40)) -> str | None:
     """Where the AMX kernel's result differs from the VNNI kernel's by one bit (None: nowhere),
-    every type, fp32 and bf16 activations, whole and partial superblocks and row tiles."""
+    every type, fp32 and bf16 activations, whole and partial superblocks and row tiles; and 1024
+    output channels at 17 rows, so that the blocks are shared out among the threads (at::parallel_for
+    runs four blocks or fewer on the calling thread alone)."""
     for op in OPS:
-        for k in (288, 512):
-            packed = random_packed(op, 64, k, seed=k)
-            bias = torch.randn(64)
-            for m in rows:
+        for k, n, counts in ((288, 64, rows), (512, 64, rows), (512, 1024, (17,))):
+            packed = random_packed(op, n, k, seed=k)
+            bias = torch.randn(n)
+            for m in counts:
                 for dtype in (torch.float32, torch.bfloat16):
                     x = (torch.randn(m, k) * torch.rand(m, 1) * 5).to(dtype)
                     x[0, :32] = 0  # a group of zeros

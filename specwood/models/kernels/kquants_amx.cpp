@@ -52,23 +52,33 @@ struct EmulatedTile {
 };
 thread_local EmulatedTile tiles[8];
 
+// The checks the hardware makes (it faults where these fail), so that a shape mistake fails here too.
 void tile_configure(const TileConfig& cfg) {
-  for (int t = 0; t < 8; ++t) tiles[t].rows = cfg.rows[t], tiles[t].colsb = cfg.colsb[t];
+  TORCH_CHECK(cfg.palette == 1 && cfg.start_row == 0, "tile config: palette 1, start row 0");
+  for (int t = 0; t < 8; ++t) {
+    TORCH_CHECK(cfg.rows[t] <= 16 && cfg.colsb[t] <= 64 && cfg.colsb[t] % 4 == 0 && (cfg.rows[t] == 0) == (cfg.colsb[t] == 0),
+                "tile config: tile ", t, " has ", int(cfg.rows[t]), " rows of ", int(cfg.colsb[t]), " bytes");
+    tiles[t].rows = cfg.rows[t], tiles[t].colsb = cfg.colsb[t];
+  }
 }
 void tile_release() {
   for (auto& t : tiles) t = EmulatedTile{};
 }
 void tile_load(int t, const void* base, int64_t stride) {
+  TORCH_CHECK(tiles[t].rows > 0, "tileloadd of unconfigured tile ", t);
   for (int r = 0; r < tiles[t].rows; ++r)
     std::memcpy(tiles[t].data[r], static_cast<const uint8_t*>(base) + r * stride, tiles[t].colsb);
 }
 void tile_store(int t, void* base, int64_t stride) {
+  TORCH_CHECK(tiles[t].rows > 0, "tilestored of unconfigured tile ", t);
   for (int r = 0; r < tiles[t].rows; ++r) std::memcpy(static_cast<uint8_t*>(base) + r * stride, tiles[t].data[r], tiles[t].colsb);
 }
 void tile_zero(int t) { std::memset(tiles[t].data, 0, sizeof(tiles[t].data)); }
 // tdpbsud: C[m][n] += sum over k of int8(A[m][k]) * uint8(B[k / 4][4 n + k % 4]), in int32.
 void tile_dpbsud(int c, int a, int b) {
   EmulatedTile &C = tiles[c], &A = tiles[a], &B = tiles[b];
+  TORCH_CHECK(c != a && c != b && a != b && C.rows > 0 && C.rows == A.rows && A.colsb == 4 * B.rows &&
+              C.colsb == B.colsb, "tdpbsud: tiles ", c, ", ", a, ", ", b, " do not fit together");
   for (int m = 0; m < C.rows; ++m)
     for (int n = 0; n < C.colsb / 4; ++n) {
       int32_t sum;
@@ -85,7 +95,8 @@ void tile_dpbsud(int c, int a, int b) {
 constexpr bool EMULATED = true;
 #else
 // GCC's tile loads are asm statements that do not tell the compiler they read memory: without the
-// barrier it may drop or sink the stores that stage the codes.
+// barriers it may drop or sink the stores that stage the codes, or move the next group's staging
+// stores above this load.
 #define MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
 void tile_configure(const TileConfig& cfg) {
   MEMORY_BARRIER();
@@ -97,6 +108,7 @@ void tile_release() { _tile_release(); }
   do {                             \
     MEMORY_BARRIER();              \
     _tile_loadd(t, base, stride);  \
+    MEMORY_BARRIER();              \
   } while (0)
 #define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
 #define TILE_ZERO(t) _tile_zero(t)
