@@ -5,8 +5,8 @@ Text: Python standard-library sources (real code, which repeats itself as code d
 the default target's tokenizer. The global cache is filled to its default bound with earlier
 "answers" (2k-token windows of that text); a request's context is the next `context` tokens; its
 answer follows on, one step at a time, each step committing one token (a plain or model step) or
-four (an accepted copy), as decode does. Timed per step: `SuffixSource.propose` (sync, the local
-and the global query, the tree) and auto's weighing of the proposal (`SuffixOrModelShape.weigh`
+four (an accepted copy), as decode does. Timed per step: `SuffixSource.proposals` and auto's pick
+of one (sync, the local and the global query, the trees, their trusted lengths) and auto's weighing of the proposal (`SuffixOrModelShape.weigh`
 with the plan's T_v and T_d); the first proposal, which indexes the whole context once, apart.
 The target step it is compared with is this machine's T_v(1) from the starter plan at its longest
 timed context (a step at 32k costs more: its attention reads 32k keys), so the share is an upper
@@ -66,7 +66,7 @@ def main() -> int:
         source = SuffixSource(cache, prompt_len=ctx, max_tokens=4 * a.steps + 1, eos_ids=())
         trust = SuffixTrust()
         t_v, t_d = plan.step_costs(ctx)
-        shape = SuffixOrModelShape(source, object(), 3, 2.0, t_v, t_d, lambda m: trust.ratio(1, m))
+        shape = SuffixOrModelShape(source, object(), 3, 2.0, t_v, t_d, lambda m, src: trust.ratio(1, m, src))
         context, pos = stream[:ctx - 1], ctx  # the context before the root, extended in place as the engine does
         t0 = time.perf_counter()
         source.propose(context, stream[pos - 1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB)
@@ -77,7 +77,7 @@ def main() -> int:
             context.extend(stream[pos - 1:pos - 1 + moved])
             pos += moved
             t0 = time.perf_counter()
-            draft = source.propose(context, stream[pos - 1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB)
+            draft = shape.pick(source.proposals(context, stream[pos - 1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB))
             t1 = time.perf_counter()
             shape.weigh(draft)
             t2 = time.perf_counter()
@@ -88,7 +88,7 @@ def main() -> int:
         mean_p, p99 = sum(proposes) / len(proposes), proposes[int(0.99 * (len(proposes) - 1))]
         mean_w = sum(weighs) / len(weighs)
         print(f"| {ctx} | {1e3 * first_s:.1f} ms | {1e3 * mean_p:.3f} / {1e3 * p99:.3f} ms | {1e3 * mean_w:.3f} ms | "
-              f"{100 * (mean_p + mean_w) / target_s:.2f}% | {hits} of {a.steps} | {getattr(source, 'builds', '-')} |", flush=True)  # '-': code from before the count
+              f"{100 * (mean_p + mean_w) / target_s:.2f}% | {hits} of {a.steps} | {source.builds} |", flush=True)
     return 0
 
 

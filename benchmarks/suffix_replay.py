@@ -13,7 +13,7 @@ nothing, the replayed rate against plain decoding (T_v(1) a token) and the oracl
 (benchmarks/suffix_bound.py's longest copyable run, all accepted) on the same T_v. It is a tool for
 changing the drafter, not a speed figure: those come from benchmarks/suffix.py over HTTP.
 
-    python benchmarks/suffix_replay.py [--limit 3] [--answers DIR] [--out DIR] [--one-trust]
+    python benchmarks/suffix_replay.py [--limit 3] [--answers DIR] [--out DIR] [--rule one-trust|one-source-trust]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from suffix import DEFAULT_WORKLOADS as WORKLOADS  # noqa: E402
 from suffix import load_items, second_turn  # noqa: E402
 from suffix_bound import as_text, oracle_steps  # noqa: E402
-from suffix_inprocess import as_is, one_trust  # noqa: E402
+from suffix_inprocess import RULES  # noqa: E402
 
 import specwood  # noqa: E402
 from specwood.drafting.suffix_source import SuffixCache, SuffixSource  # noqa: E402
@@ -85,13 +85,14 @@ def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model
             d = plan.decide(ctx) if use_model else None
             x = d.x if d is not None and d.method == "sd" else 1
             aat = float(plan.aat_for(ctx)(x)) if x > 1 else 1.0
-            shape = SuffixOrModelShape(source, object() if x > 1 else None, x, aat, t_v, t_d, lambda m: trust.ratio(1, m))
-            proposal = source.propose(context[:-1], context[-1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB)
+            shape = SuffixOrModelShape(source, object() if x > 1 else None, x, aat, t_v, t_d,
+                                       lambda m, src: trust.ratio(1, m, src))
+            proposal = shape.pick(source.proposals(context[:-1], context[-1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB))
             choice, k = shape.weigh(proposal)
             part = cut(proposal, k) if k else None
             accepted = walk(part.tree, answer, i) if part is not None else []
             if choice == "suffix":
-                trust.record(1, tested_weight(part, accepted), len(accepted), part.match)
+                trust.record(1, tested_weight(part, accepted), len(accepted), part.match, part.source)
                 time_s += float(t_v(1 + k))
                 moved = len(accepted) + 1
             else:
@@ -105,7 +106,7 @@ def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model
                     time_s += cost if accepted else cost / aat
             whole = walk(proposal.tree, answer, i)  # had the whole proposal been verified (SuffixTrust's measure)
             steps.append({"choice": choice, "k": k, "accepted": len(accepted), "match": proposal.match,
-                          "expected": round(proposal.expected, 2), "occurrences": proposal.occurrences, "whole_accepted": len(whole),
+                          "expected": round(proposal.expected, 2), "occurrences": proposal.occurrences, "source": proposal.source, "whole_accepted": len(whole),
                           "whole_tested": round(tested_weight(proposal, whole), 3)})
             source.observe(answer[i + moved - 1] if i + moved - 1 < len(answer) else answer[-1])
             ar_s += (moved - 1) * float(t_v(1))  # plain decoding would have taken a step for each
@@ -128,6 +129,36 @@ def oracle_time(rows: list[dict[str, Any]], plan: Any) -> dict[str, float]:
     return out
 
 
+def acceptance_table(results: list[dict[str, Any]], after: int) -> list[str]:
+    """What predicts a suffix proposal's acceptance, per source and match-length bucket, over the
+    scored requests after the first `after` of each category (those the benchmarks do not time,
+    where SuffixTrust's priors come from): had the whole proposal been verified, how often its
+    first node was right and its trust (accepted over tested weight)."""
+    seen: dict[str, int] = {}
+    cells: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        if not r["scored"]:
+            continue
+        seen[r["category"]] = seen.get(r["category"], 0) + 1
+        if seen[r["category"]] <= after:
+            continue
+        for s in r["steps"]:
+            if s["expected"] > 0:
+                bucket = max(b for b in (0, 4, 8, 16) if b <= s["match"])
+                c = cells.setdefault((s["source"], bucket), [0, 0, 0.0, 0])
+                c[0] += 1
+                c[1] += s["whole_accepted"] > 0
+                c[2] += s["whole_tested"]
+                c[3] += s["whole_accepted"]
+    lines = [f"Proposals of the requests after the first {after} of each category, as if wholly verified:", "",
+             "| source | match length | proposals | first node right | trust | accepted per proposal |",
+             "|---|---|---:|---:|---:|---:|"]
+    for (source, bucket), (n, first, tested, accepted) in sorted(cells.items()):
+        lines.append(f"| {source} | {bucket}+ | {n} | {100 * first / n:.0f}% | {accepted / max(tested, 1e-9):.2f} | "
+                     f"{accepted / n:.1f} |")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", type=Path, default=WORKLOADS)
@@ -135,8 +166,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--answers", type=Path, help="an earlier run's --out: its answers and its plan's timings are used again")
     ap.add_argument("--no-model", action="store_true", help="weigh the suffix against plain decoding only")
-    ap.add_argument("--one-trust", action="store_true",
-                    help="one trust for every match length (the rule before SuffixTrust learnt it per match length)")
+    ap.add_argument("--rule", choices=sorted(RULES), default="as-is",
+                    help="an earlier trust rule (benchmarks/suffix_inprocess.py's RULES) instead of today's")
+    ap.add_argument("--table-after", type=int, default=3,
+                    help="the acceptance table counts the requests after the first N of each category")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     engine = specwood.load()
@@ -147,7 +180,7 @@ def main() -> int:
         plan = starter_plan(engine, "dyspec")
         rows = generate_answers(engine, load_items(a.workloads, a.limit), a.max_tokens)
     eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
-    with one_trust() if a.one_trust else as_is():
+    with RULES[a.rule]():
         results = replay(rows, plan, eos, not a.no_model)
     oracle = oracle_time(rows, plan)
     lines = ["| category | requests | tokens | steps | suffix steps | nodes per suffix step | accepted per suffix step "
@@ -165,6 +198,9 @@ def main() -> int:
                      f"{100 * sum(s['accepted'] == 0 for s in sx) / max(len(sx), 1):.0f}% | "
                      f"{count('model')} / {count('both')} / {count('none')} | {ar_s / max(t_s, 1e-9):.2f}x | "
                      f"{ar_s / max(o_s, 1e-9):.2f}x |")
+    table = acceptance_table(results, a.table_after)
+    if len(table) > 4:
+        lines += [""] + table
     print("\n".join(lines))
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

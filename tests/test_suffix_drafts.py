@@ -304,3 +304,31 @@ def test_the_trust_in_a_suffix_draft_is_learnt_per_match_length():
     assert trust.ratio(1, 2) < 0.2
     assert trust.ratio(1, 20) == long_prior
     assert trust.ratio(1, 3) == trust.ratio(1, 2)  # one bucket: matches under 4 tokens
+
+
+def test_the_trust_in_a_suffix_draft_is_learnt_per_source():
+    """A continuation from an earlier answer (the global cache) is followed less often than one
+    from the request's own text at the same match length (benchmarks/suffix_replay.py, §23b): its
+    prior is lower, it is learnt apart, and of the two proposals auto takes the one with more
+    trusted expected nodes, not the larger raw count."""
+    from specwood.drafting.suffix_tree import continuation_tree
+    from specwood.planner.suffix_choice import SuffixOrModelShape, SuffixTrust, tested_weight
+
+    trust = SuffixTrust()
+    assert trust.ratio(1, 2, "global") < trust.ratio(1, 2, "local")
+    local_prior = trust.ratio(1, 2, "local")
+    other = continuation_tree(7, [[100, 101]], 48, 0.05, 2)
+    other.source = "global"
+    for _ in range(5):
+        trust.record(1, tested_weight(other, []), 0, other.match, other.source)
+    assert trust.ratio(1, 2, "global") < 0.2 and trust.ratio(1, 2, "local") == local_prior
+    with pytest.raises(ValueError, match="both sources"):
+        SuffixTrust(priors={"local": {0: 0.8}})
+
+    fresh = SuffixTrust()
+    own = continuation_tree(7, [[1, 2, 3]], 48, 0.05, 4)  # 3 expected nodes after a 4-token match
+    earlier = continuation_tree(7, [[5, 6, 7, 8]], 48, 0.05, 2)  # 4 after a 2-token match elsewhere
+    earlier.source = "global"
+    shape = SuffixOrModelShape(None, None, 1, 1.0, lambda x: 0.04, lambda x: 0.0,
+                               lambda match, source: fresh.ratio(1, match, source))
+    assert earlier.expected > own.expected and shape.pick([own, earlier]) is own

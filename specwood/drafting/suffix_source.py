@@ -159,23 +159,35 @@ class SuffixSource:
             return root == last and (n < 2 or context[-1] == before)
         return len(context) >= n and context[n - 1] == last and (n < 2 or context[n - 2] == before)
 
-    def propose(self, context: list[int], root: int, budget: int, depth: int, min_prob: float,
-                use_global: bool = True) -> SuffixDraft:
-        """The better of the local and the global proposal (larger expected accepted length)."""
+    def proposals(self, context: list[int], root: int, budget: int, depth: int, min_prob: float,
+                  use_global: bool = True) -> list[SuffixDraft]:
+        """The local proposal, and the global one where earlier answers match."""
         self.sync(context, root)
         m = self.local.max_match
         tail = [*context[-(m - 1):], root] if m > 1 else [root]
         self.steps += 1
         match, conts = self.local.find(tail, depth)
-        best = continuation_tree(root, conts, budget, min_prob, match)
+        found = [continuation_tree(root, conts, budget, min_prob, match)]
         if self.cache is not None and use_global:
             g_match, g_conts = self.cache.find(tail, depth)
             if g_conts:
-                other = continuation_tree(root, g_conts, budget, min_prob, g_match)
-                if other.expected > best.expected:
-                    self.global_wins += 1
-                    return other
-        self.local_wins += best.expected > 0
+                found.append(continuation_tree(root, g_conts, budget, min_prob, g_match))
+                found[-1].source = "global"
+        return found
+
+    def count(self, chosen: SuffixDraft) -> None:
+        """Stats: which source's proposal the step took."""
+        if chosen.source == "global":
+            self.global_wins += 1
+        else:
+            self.local_wins += chosen.expected > 0
+
+    def propose(self, context: list[int], root: int, budget: int, depth: int, min_prob: float,
+                use_global: bool = True) -> SuffixDraft:
+        """The better of the local and the global proposal (larger expected accepted length)."""
+        found = self.proposals(context, root, budget, depth, min_prob, use_global)
+        best = max(found, key=lambda d: d.expected)  # the local one on a tie
+        self.count(best)
         return best
 
     def observe(self, next_token: int) -> None:

@@ -20,13 +20,15 @@ from specwood.tree.token_tree import TokenTree
 @dataclass
 class SuffixDraft:
     """A suffix source's proposal: its tree (rule "selected"), each node's path probability, the
-    expected accepted length and the match length it came from."""
+    expected accepted length, the match length it came from and where it matched ("local": the
+    request's own prompt and output, "global": earlier answers)."""
 
     tree: TokenTree
     path_probs: list[float]  # per node, the root's 1.0 included
     expected: float
     match: int
     occurrences: int = 0  # the continuations it was built from
+    source: str = "local"
 
     @classmethod
     def empty(cls, root: int) -> "SuffixDraft":

@@ -212,7 +212,7 @@ class PlannedShape:
         price = self.copy_cost.ratio / self.plain_cost.ratio if batch_size == 1 and not riding else 1.0
         self._step_x = x
         self._step = SuffixOrModelShape(self.suffix, self._model_shape(x), x, aat, t_v, t_d,
-                                        lambda match: self.suffix_trust.ratio(self._load, match), price, free)
+                                        lambda match, source: self.suffix_trust.ratio(self._load, match, source), price, free)
         return self._step
 
     def _on_suffix_step(self, step: SuffixOrModelShape, tree: TokenTree, verdict: Verdict,
@@ -228,7 +228,7 @@ class PlannedShape:
             self.draft_costs.relax(self._load)
         if step.choice == "suffix":
             self.suffix_trust.record(self._load, tested_weight(step.part, verdict.accepted), len(verdict.accepted),
-                                     step.part.match)
+                                     step.part.match, step.part.source)
             if alone:
                 self.copy_cost.record(float(self.plan.t_v(self._context_len, len(tree))), cost.verify_s)
         else:

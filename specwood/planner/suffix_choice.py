@@ -36,51 +36,60 @@ class SuffixTrust:
     """How often a suffix node is accepted once its parent was, against what the counts said:
     accepted nodes over the nodes verification really tested (a node is tested when its parent
     was accepted, each weighted by its conditional count ratio), decayed, per load bucket (alone,
-    2-4, 5+ requests sharing a step) and per match-length bucket of the proposal (under 4, 4-7,
-    8-15, 16+ tokens matched): a continuation found after a long match is followed far more often
-    than one after two tokens, and one trust for both kept long matches shallow after short ones
-    failed (benchmarks/suffix_replay.py). Nodes past the first rejection were never tested, so a
+    2-4, 5+ requests sharing a step), per source of the proposal (the request's own text, or earlier
+    answers) and per match-length bucket (under 4, 4-7, 8-15, 16+ tokens matched): a continuation
+    found after a long match is followed far more often than one after two tokens, and one found in
+    the request's own text more often than one in another request's answer at the same match length
+    (benchmarks/suffix_replay.py). Nodes past the first rejection were never tested, so a
     deep chain refused at its first token is one miss, not 32: counting the untested ones let a
     single bad step pin the trust at its floor for the rest of the request. Steps that do not
     draft from suffixes relax it towards the prior, so a bad phase is tried again later. One per
     request, like the draft's AcceptanceTracker: a request's choices depend on its own history
     only, so a seeded request repeats its answer whatever the server served before."""
 
-    # match-length bucket (its lower bound) -> prior trust, as benchmarks/suffix_replay.py measured it on
-    # the workload items the benchmarks do not time (BENCHMARKS.md §22b)
-    PRIORS = {0: 0.7, 4: 0.85, 8: 0.9, 16: 0.95}
+    # source -> match-length bucket (its lower bound) -> prior trust, as benchmarks/suffix_replay.py
+    # measured it on the workload items the benchmarks do not time (BENCHMARKS.md §22b, §23b)
+    PRIORS = {"local": {0: 0.75, 4: 0.85, 8: 0.9, 16: 0.95}, "global": {0: 0.55, 4: 0.8, 8: 0.75, 16: 0.75}}
 
-    def __init__(self, decay: float = 0.8, priors: dict[int, float] | None = None, weight: float = 2.0,
+    def __init__(self, decay: float = 0.8, priors: dict[str, dict[int, float]] | None = None, weight: float = 2.0,
                  relax_decay: float = 0.95):
         self.decay, self.relax_decay = decay, relax_decay
-        self.priors = {m: (p * weight, weight) for m, p in (priors or self.PRIORS).items()}
-        if 0 not in self.priors:
-            raise ValueError("SuffixTrust's match-length buckets must start at 0")
-        self.sums = {(b, m): list(self.priors[m]) for b in (1, 2, 5) for m in self.priors}  # -> [accepted, tested]
+        self.priors = {(src, m): (p * weight, weight) for src, by_match in (priors or self.PRIORS).items()
+                       for m, p in by_match.items()}
+        self.buckets = {src: sorted(by_match) for src, by_match in (priors or self.PRIORS).items()}
+        if any(b[0] != 0 for b in self.buckets.values()) or set(self.buckets) != {"local", "global"}:
+            raise ValueError("SuffixTrust's priors need both sources, 'local' and 'global', with buckets from 0")
+        self.sums = {(b, key): list(prior) for b in (1, 2, 5) for key, prior in self.priors.items()}  # -> [accepted, tested]
 
     @staticmethod
     def bucket(load: int) -> int:
         return 1 if load <= 1 else 2 if load <= 4 else 5
 
-    def match_bucket(self, match: int) -> int:
-        return max(m for m in self.priors if m <= max(match, 0))
+    def key(self, match: int, source: str) -> tuple[str, int]:
+        return source, max(m for m in self.buckets[source] if m <= max(match, 0))
 
-    def ratio(self, load: int, match: int = 0) -> float:
+    def ratio(self, load: int, match: int = 0, source: str = "local") -> float:
         """The factor a node's conditional count ratio is multiplied by, once per level."""
-        accepted, tested = self.sums[self.bucket(load), self.match_bucket(match)]
+        accepted, tested = self.sums[self.bucket(load), self.key(match, source)]
         return min(1.0, max(0.05, accepted / tested))
 
-    def record(self, load: int, tested: float, accepted: int, match: int = 0) -> None:
-        s = self.sums[self.bucket(load), self.match_bucket(match)]
+    def record(self, load: int, tested: float, accepted: int, match: int = 0, source: str = "local") -> None:
+        s = self.sums[self.bucket(load), self.key(match, source)]
         s[0] = self.decay * s[0] + accepted
         s[1] = self.decay * s[1] + max(tested, 1e-3)
 
     def relax(self, load: int) -> None:
         r, b = self.relax_decay, self.bucket(load)
-        for m, prior in self.priors.items():
-            s = self.sums[b, m]
+        for key, prior in self.priors.items():
+            s = self.sums[b, key]
             s[0] = r * s[0] + (1 - r) * prior[0]
             s[1] = r * s[1] + (1 - r) * prior[1]
+
+
+def trusted_expected(draft: SuffixDraft, trust: float) -> float:
+    """The proposal's expected accepted nodes with the trust applied once per level."""
+    depths = draft.tree.depths
+    return sum(trust ** depths[i] * p for i, p in enumerate(draft.path_probs) if i)
 
 
 def tested_weight(draft: SuffixDraft, accepted: list[int]) -> float:
@@ -99,7 +108,7 @@ def cut(draft: SuffixDraft, k: int) -> SuffixDraft:
     for i in range(1, k + 1):
         tree.add_node(draft.tree.parents[i], draft.tree.tokens[i], draft.tree.probs[i])
     probs = draft.path_probs[:k + 1]
-    return SuffixDraft(tree, probs, sum(probs[1:]), draft.match, draft.occurrences)
+    return SuffixDraft(tree, probs, sum(probs[1:]), draft.match, draft.occurrences, draft.source)
 
 
 class SuffixOrModelShape(ShapeBase):
@@ -107,12 +116,12 @@ class SuffixOrModelShape(ShapeBase):
 
     `t_v`, `t_d`: this request's share of a step's verify and draft time at its context and load;
     `model_x`: the model tree's size the plan chose (1: none), `model_aat`: its expected tokens;
-    `trust`: SuffixTrust's factor for a proposal of a given match length;
+    `trust`: SuffixTrust's factor for a proposal of a given match length and source;
     `price`: this request's measured cost of a wide verify against the plan's; `free`: tokens of
     the grammar's forced run ahead of the root, in every option's forward and gain."""
 
     def __init__(self, source: SuffixSource, model_shape: Any | None, model_x: int, model_aat: float,
-                 t_v: Callable[[float], float], t_d: Callable[[float], float], trust: Callable[[int], float],
+                 t_v: Callable[[float], float], t_d: Callable[[float], float], trust: Callable[[int, str], float],
                  price: float = 1.0,
                  free: int = 0):
         self.source = source
@@ -124,9 +133,13 @@ class SuffixOrModelShape(ShapeBase):
         self.part: SuffixDraft | None = None  # the suffix nodes in the tree drafted
         self.rates: dict[str, float] = {}
 
+    def pick(self, proposals: list[SuffixDraft]) -> SuffixDraft:
+        """Of the local and the global proposal, the one with more trusted expected nodes."""
+        return max(proposals, key=lambda d: trusted_expected(d, self.trust(d.match, d.source)))
+
     def weigh(self, draft: SuffixDraft) -> tuple[str, int]:
         """The best option and the suffix nodes it uses."""
-        a, price, f = self.trust(draft.match), self.price, self.free
+        a, price, f = self.trust(draft.match, draft.source), self.price, self.free
         t_v = (lambda v: float(self.t_v(v + f))) if f else self.t_v
         best = ("none", 0, (1.0 + f) / max(float(t_v(1)), 1e-9))
         has_model = self.model_shape is not None
@@ -159,8 +172,9 @@ class SuffixOrModelShape(ShapeBase):
 
     def draft(self, context: list[int], root: int, params: SamplingParams,
               generator: torch.Generator | None) -> Drafting:
-        proposal = self.source.propose(context, root, SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB,
-                                       global_allowed(params))
+        proposal = self.pick(self.source.proposals(context, root, SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB,
+                                                   global_allowed(params)))
+        self.source.count(proposal)
         self.choice, k = self.weigh(proposal)
         part = self.part = cut(proposal, k) if k else None
         if self.choice == "suffix":
