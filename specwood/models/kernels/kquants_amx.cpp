@@ -159,14 +159,32 @@ struct Call {
   float* acc;  // [m, 32] of the block being computed
 };
 
+// Every row tile's dots of one group (or sub-block: the activations at `offset` in each row) with
+// the codes in tiles 3 and 4, each row's closed into its accumulator by close(acc, dot, row).
+template <typename Close>
+inline void close_rows(const Call& call, int64_t offset, Close&& close) {
+  alignas(64) int32_t dots[TILE_ROWS][2 * LANES];
+  const int64_t k = call.a.k;
+  for (int64_t r0 = 0; r0 < call.m; r0 += TILE_ROWS) {
+    row_tile_dots(call.a.q.data() + r0 * k + offset, k, dots);
+    for (int64_t r = r0; r < std::min<int64_t>(call.m, r0 + TILE_ROWS); ++r) {
+      __m512i dot[2];
+      __m512 acc[2];
+      load_dot(dots[r - r0], dot);
+      load_acc(call.acc + r * 2 * LANES, acc);
+      close(acc, dot, r);
+      store_acc(call.acc + r * 2 * LANES, acc);
+    }
+  }
+}
+
 // Q4_K (Q5_K with FIFTH) for one block of 32 output channels, every row.
 template <bool FIFTH>
 void q4_block(const uint8_t* w, const Call& call) {
   const Activations& a = call.a;
-  const int64_t groups = a.groups, k = a.k;
+  const int64_t groups = a.groups;
   using L = std::conditional_t<FIFTH, Q5Layout, Q4Layout>;
   alignas(64) uint8_t codes_a[8][64], codes_b[8][64];
-  alignas(64) int32_t dots[TILE_ROWS][2 * LANES];
   for (int64_t s0 = 0; s0 < groups; s0 += SUPER) {
     const uint8_t* sb = w + (s0 / SUPER) * L::super_bytes;
     const at::Half* hd = reinterpret_cast<const at::Half*>(sb);
@@ -182,18 +200,10 @@ void q4_block(const uint8_t* w, const Call& call) {
       TILE_LOAD(4, codes_b, 64);
       const __m512 sca = _mm512_mul_ps(ucodes16(line), da), scb = _mm512_mul_ps(ucodes16(line + LANES), db);
       const __m512 mna = _mm512_mul_ps(ucodes16(line + 2 * LANES), ma), mnb = _mm512_mul_ps(ucodes16(line + 3 * LANES), mb);
-      for (int64_t r0 = 0; r0 < call.m; r0 += TILE_ROWS) {
-        row_tile_dots(a.q.data() + r0 * k + g * GROUP, k, dots);
-        for (int64_t r = r0; r < std::min<int64_t>(call.m, r0 + TILE_ROWS); ++r) {
-          __m512i dot[2];
-          __m512 acc[2];
-          load_dot(dots[r - r0], dot);
-          load_acc(call.acc + r * 2 * LANES, acc);
-          add_min_dot(acc, dot, a.sums16[r * 2 * groups + 2 * g] + a.sums16[r * 2 * groups + 2 * g + 1], sca, scb,
-                      mna, mnb, a.scale[r * groups + g]);
-          store_acc(call.acc + r * 2 * LANES, acc);
-        }
-      }
+      close_rows(call, g * GROUP, [&](__m512(&acc)[2], const __m512i(&dot)[2], int64_t r) {
+        add_min_dot(acc, dot, a.sums16[r * 2 * groups + 2 * g] + a.sums16[r * 2 * groups + 2 * g + 1], sca, scb, mna,
+                    mnb, a.scale[r * groups + g]);
+      });
     }
   }
 }
@@ -201,9 +211,8 @@ void q4_block(const uint8_t* w, const Call& call) {
 // Q6_K: per sub-block of 16 inputs, two chunks of codes, dots closed with the -32 offset.
 void q6_block(const uint8_t* w, const Call& call) {
   const Activations& a = call.a;
-  const int64_t groups = a.groups, k = a.k;
+  const int64_t groups = a.groups;
   alignas(64) uint8_t codes_a[4][64], codes_b[4][64];
-  alignas(64) int32_t dots[TILE_ROWS][2 * LANES];
   for (int64_t s0 = 0; s0 < groups; s0 += SUPER) {
     const uint8_t* sb = w + (s0 / SUPER) * Q6Layout::super_bytes;
     const at::Half* hd = reinterpret_cast<const at::Half*>(sb);
@@ -222,17 +231,9 @@ void q6_block(const uint8_t* w, const Call& call) {
         TILE_LOAD(4, codes_b, 64);
         const __m512 sca = _mm512_mul_ps(scodes16(line + s * 32), da);
         const __m512 scb = _mm512_mul_ps(scodes16(line + s * 32 + LANES), db);
-        for (int64_t r0 = 0; r0 < call.m; r0 += TILE_ROWS) {
-          row_tile_dots(a.q.data() + r0 * k + g * GROUP + s * 16, k, dots);
-          for (int64_t r = r0; r < std::min<int64_t>(call.m, r0 + TILE_ROWS); ++r) {
-            __m512i dot[2];
-            __m512 acc[2];
-            load_dot(dots[r - r0], dot);
-            load_acc(call.acc + r * 2 * LANES, acc);
-            add_offset_dot(acc, dot, 32 * a.sums16[r * 2 * groups + 2 * g + s], sca, scb, a.scale[r * groups + g]);
-            store_acc(call.acc + r * 2 * LANES, acc);
-          }
-        }
+        close_rows(call, g * GROUP + s * 16, [&](__m512(&acc)[2], const __m512i(&dot)[2], int64_t r) {
+          add_offset_dot(acc, dot, 32 * a.sums16[r * 2 * groups + 2 * g + s], sca, scb, a.scale[r * groups + g]);
+        });
       }
     }
   }
@@ -242,8 +243,7 @@ void q6_block(const uint8_t* w, const Call& call) {
 // tiles load straight from the weights.
 void q8_block(const uint8_t* w, const Call& call) {
   const Activations& a = call.a;
-  const int64_t groups = a.groups, k = a.k;
-  alignas(64) int32_t dots[TILE_ROWS][2 * LANES];
+  const int64_t groups = a.groups;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* line = w + g * Q8Layout::stride;
     prefetch(line, Q8Layout::stride, Q8_PREFETCH);
@@ -251,18 +251,10 @@ void q8_block(const uint8_t* w, const Call& call) {
     TILE_LOAD(4, line + 64 + GROUP_BYTES, 64);
     const at::Half* hd = reinterpret_cast<const at::Half*>(line);
     const __m512 da = load_half16(hd), db = load_half16(hd + LANES);
-    for (int64_t r0 = 0; r0 < call.m; r0 += TILE_ROWS) {
-      row_tile_dots(a.q.data() + r0 * k + g * GROUP, k, dots);
-      for (int64_t r = r0; r < std::min<int64_t>(call.m, r0 + TILE_ROWS); ++r) {
-        __m512i dot[2];
-        __m512 acc[2];
-        load_dot(dots[r - r0], dot);
-        load_acc(call.acc + r * 2 * LANES, acc);
-        add_offset_dot(acc, dot, 128 * (a.sums16[r * 2 * groups + 2 * g] + a.sums16[r * 2 * groups + 2 * g + 1]), da,
-                       db, a.scale[r * groups + g]);
-        store_acc(call.acc + r * 2 * LANES, acc);
-      }
-    }
+    close_rows(call, g * GROUP, [&](__m512(&acc)[2], const __m512i(&dot)[2], int64_t r) {
+      add_offset_dot(acc, dot, 128 * (a.sums16[r * 2 * groups + 2 * g] + a.sums16[r * 2 * groups + 2 * g + 1]), da, db,
+                     a.scale[r * groups + g]);
+    });
   }
 }
 
