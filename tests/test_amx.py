@@ -16,7 +16,7 @@ from conftest import assert_every_method_matches_ar
 from test_kquant_types import every_type_copy
 
 from specwood.engine.api import Engine
-from specwood.models import amx, kernels
+from specwood.models import amx, amx_probe, kernels
 from specwood.models.kernels import cpu_flags
 from specwood.models.w4a8 import q4_unavailable_reason
 
@@ -45,14 +45,14 @@ def test_emulated_tiles_give_the_vnni_kernels_bits(emulated, vnni, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert amx.first_difference(emulated, vnni, rows=tuple(range(1, 41))) is None
-        assert amx.first_difference(amx._BiasedKernel(emulated), vnni, rows=(3,)) == "q4_linear, 3 x 288 activations, float32"
+        assert amx_probe.first_difference(emulated, vnni, rows=tuple(range(1, 41))) is None
+        assert amx_probe.first_difference(amx_probe._BiasedKernel(emulated), vnni, rows=(3,)) == "q4_linear, 3 x 288 activations, float32"
     finally:
         torch.set_num_threads(old)
 
 
 def test_a_rows_result_does_not_depend_on_the_others_on_tiles(emulated):
-    packed, bias = amx.random_packed("q6_linear", 96, 512, seed=3), torch.randn(96)
+    packed, bias = amx_probe.random_packed("q6_linear", 96, 512, seed=3), torch.randn(96)
     x = torch.randn(37, 512) * torch.rand(37, 1) * 10
     batch = emulated.q6_linear(x, packed, bias)
     assert torch.equal(torch.cat([emulated.q6_linear(x[i:i + 1], packed, bias) for i in range(37)]), batch)
@@ -133,7 +133,7 @@ def test_the_real_tile_kernel_passes_its_probe_and_keeps_every_method_lossless(t
     assert result.ok, result.why
     kernel = amx.AMX_KERNEL.load()
     assert kernel.request_tile_permission() == 0
-    assert amx.first_difference(kernel, amx.VNNI_KERNEL.load(), rows=tuple(range(1, 41))) is None
+    assert amx_probe.first_difference(kernel, amx.VNNI_KERNEL.load(), rows=tuple(range(1, 41))) is None
     monkeypatch.setattr(amx, "_chosen", (amx.TilePath(kernel, 2, "AMX int8 tiles"),))
     engine = Engine(every_type_copy(tiny_pair.target), tiny_tokenizer, draft=every_type_copy(tiny_pair.draft))
     assert_every_method_matches_ar(engine)

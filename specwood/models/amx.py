@@ -5,7 +5,7 @@ stay on the VNNI kernel, which reads the weights at the memory's speed already.
 Choosing it takes three checks, so that a machine that lists AMX but cannot run it still works:
 the CPU's flags (amx_tile, amx_int8), a probe in a child process (it asks Linux for tile data, runs
 every type on the AMX kernel against the VNNI kernel for bit-identical results, and times both to
-find from how many rows AMX pays; a fault or refusal kills only the child), and this process's own
+find from how many rows AMX pays: specwood.models.amx_probe; a fault or refusal kills only the child), and this process's own
 request for tile data. The probe's verdict is kept beside the kernel build, keyed by the CPU, the
 OS release and the build, so it runs once per machine. One line names the path taken; on CPUs
 without AMX nothing changes and nothing is said.
@@ -15,7 +15,6 @@ tile unit, for tests on CPUs without AMX); SPECWOOD_AMX_MIN_ROWS fixes the thres
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -23,22 +22,12 @@ import platform
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 from specwood.models.kernels import CpuKernel, cpu_flags, cpu_identity
-from specwood.models.w4a8 import KERNEL as VNNI_KERNEL
-from specwood.models.w4a8 import KERNEL_CFLAGS, Q4Linear, Q4Weights, Q5Linear, Q5Weights
+from specwood.models.kquant_kernels import AMX_FLAGS, AMX_KERNEL, EMULATED_KERNEL, VNNI_KERNEL
 
-AMX_FLAGS = ("amx_tile", "amx_int8")
-AMX_KERNEL = CpuKernel("specwood_kquants_amx", "kquants_amx.cpp", KERNEL_CFLAGS + ["-mamx-tile", "-mamx-int8"],
-                       VNNI_KERNEL.required + AMX_FLAGS, "the AMX path")
-EMULATED_KERNEL = CpuKernel("specwood_kquants_amx_emulated", "kquants_amx.cpp",
-                            KERNEL_CFLAGS + ["-DSPECWOOD_TILE_EMULATION"], VNNI_KERNEL.required,
-                            "the emulated AMX path")
 DEFAULT_MIN_ROWS = 4  # where no timing decided it (emulation); the probe measures it on real AMX
 PROBE_TIMEOUT_S = 300.0
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # the row counts the probe times
@@ -140,7 +129,7 @@ def cached_probe(kernel_spec: CpuKernel, emulate: bool) -> ProbeResult:
 
 def run_probe(emulate: bool, timeout_s: float = PROBE_TIMEOUT_S) -> ProbeResult:
     """Run the probe in a child process; whatever it dies of, this process lives."""
-    command = [sys.executable, "-m", "specwood.models.amx"] + (["--emulate"] if emulate else [])
+    command = [sys.executable, "-m", "specwood.models.amx_probe"] + (["--emulate"] if emulate else [])
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
                               env={**os.environ, PROBING: "1"})
@@ -154,128 +143,3 @@ def run_probe(emulate: bool, timeout_s: float = PROBE_TIMEOUT_S) -> ProbeResult:
     except (IndexError, ValueError, TypeError):
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return ProbeResult(False, f"the child exited with {done.returncode}: {tail[:200]}")
-
-
-# ---------------------------------------------------------------------------------------------
-# the probe itself, in the child
-
-
-def random_packed(op: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Packed weights of `op`'s type with every code, scale code and minimum the format allows."""
-    from specwood.models.q6k import Q6Linear, Q6Weights
-    from specwood.models.q8_0 import Q8Linear, Q8Weights
-
-    g = torch.Generator().manual_seed(seed)
-    supers = -(-k // 256)
-
-    def codes(top: int) -> torch.Tensor:
-        return torch.randint(0, top, (n, k), generator=g, dtype=torch.uint8)
-
-    def sixbit(per: int) -> torch.Tensor:
-        return torch.randint(0, 64, (n, k // per), generator=g, dtype=torch.uint8)
-
-    def half(shape: tuple[int, int], low: float = 0.0) -> torch.Tensor:
-        return ((torch.rand(*shape, generator=g) - low) * 0.01).half()
-
-    makers: dict[str, Callable[[], Any]] = {
-        "q4_linear": lambda: Q4Linear(Q4Weights(codes(16), sixbit(32), sixbit(32), half((n, supers)), half((n, supers)))),
-        "q5_linear": lambda: Q5Linear(Q5Weights(codes(32), sixbit(32), sixbit(32), half((n, supers)), half((n, supers)))),
-        "q6_linear": lambda: Q6Linear(Q6Weights(codes(64), torch.randint(-128, 128, (n, k // 16), generator=g,
-                                                                         dtype=torch.int8), half((n, supers)))),
-        "q8_linear": lambda: Q8Linear(Q8Weights(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
-                                                half((n, k // 32), low=0.3))),
-    }
-    return makers[op]().packed
-
-
-def first_difference(amx: Any, vnni: Any, rows: tuple[int, ...] = (1, 5, 16, 17, 40)) -> str | None:
-    """Where the AMX kernel's result differs from the VNNI kernel's by one bit (None: nowhere),
-    every type, fp32 and bf16 activations, whole and partial superblocks and row tiles; and 1024
-    output channels at 17 rows, so that the blocks are shared out among the threads (at::parallel_for
-    runs four blocks or fewer on the calling thread alone)."""
-    for op in OPS:
-        for k, n, counts in ((288, 64, rows), (512, 64, rows), (512, 1024, (17,))):
-            packed = random_packed(op, n, k, seed=k)
-            bias = torch.randn(n)
-            for m in counts:
-                for dtype in (torch.float32, torch.bfloat16):
-                    x = (torch.randn(m, k) * torch.rand(m, 1) * 5).to(dtype)
-                    x[0, :32] = 0  # a group of zeros
-                    if not torch.equal(getattr(amx, op)(x, packed, bias), getattr(vnni, op)(x, packed, bias)):
-                        return f"{op}, {m} x {k} activations, {str(dtype).removeprefix('torch.')}"
-    return None
-
-
-def time_ms(fn: Callable[[], Any], repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1000
-
-
-def crossover(amx: Any, vnni: Any) -> tuple[int | None, dict[str, list[float]]]:
-    """From how many rows AMX is at least as fast as VNNI on a target-sized Q4_K linear (8960 x
-    1536, the default target's FFN) and stays so at every larger count timed."""
-    packed, bias = random_packed("q4_linear", 8960, 1536), torch.empty(0)
-    timings: dict[str, list[float]] = {}
-    for m in PROBE_ROWS:
-        x = torch.randn(m, 1536)
-        timings[str(m)] = [time_ms(lambda: vnni.q4_linear(x, packed, bias)), time_ms(lambda: amx.q4_linear(x, packed, bias))]
-    best = None
-    for m in reversed(PROBE_ROWS):
-        vnni_ms, amx_ms = timings[str(m)]
-        if amx_ms > vnni_ms:
-            break
-        best = m
-    return best, timings
-
-
-def probe(emulate: bool) -> ProbeResult:
-    if os.environ.get("SPECWOOD_AMX_PROBE_FAULT") == "signal":
-        os.kill(os.getpid(), signal.SIGILL)  # what a VM that faults on a tile instruction does to us
-    kernel_spec = EMULATED_KERNEL if emulate else AMX_KERNEL
-    amx, vnni = kernel_spec.load(), VNNI_KERNEL.load()
-    if amx is None or vnni is None:
-        return ProbeResult(False, str(kernel_spec.failure or VNNI_KERNEL.failure))
-    refused = amx.request_tile_permission()
-    if refused:
-        return ProbeResult(False, f"Linux refused AMX tile data ({os.strerror(refused)})")
-    if os.environ.get("SPECWOOD_AMX_PROBE_FAULT") == "mismatch":
-        amx = _BiasedKernel(amx)
-    wrong = first_difference(amx, vnni)
-    if wrong:
-        return ProbeResult(False, f"its result differs from the VNNI kernel's ({wrong})")
-    if emulate:
-        return ProbeResult(True, min_rows=DEFAULT_MIN_ROWS)
-    min_rows, timings = crossover(amx, vnni)
-    return ProbeResult(True, min_rows=min_rows, timings_ms=timings)
-
-
-class _BiasedKernel:
-    """A kernel one ulp off in one output (SPECWOOD_AMX_PROBE_FAULT=mismatch): what the probe must catch."""
-
-    def __init__(self, kernel: Any):
-        self.kernel = kernel
-
-    def __getattr__(self, op: str) -> Callable[..., torch.Tensor]:
-        def run(*args: Any) -> torch.Tensor:
-            out = getattr(self.kernel, op)(*args)
-            out.view(-1)[-1] = torch.nextafter(out.view(-1)[-1], torch.tensor(float("inf"), dtype=out.dtype))
-            return out
-
-        return run
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Probe the AMX k-quant kernel (run by specwood in a child process).")
-    parser.add_argument("--emulate", action="store_true", help="probe the emulated build (tests)")
-    args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    print(json.dumps(probe(args.emulate).__dict__), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from specwood.errors import SpecwoodError
-from specwood.models.kernels import AVX512_FLAGS, CpuKernel
+from specwood.models.amx import tile_path
+from specwood.models.kquant_kernels import KERNEL_CFLAGS, VNNI_KERNEL  # noqa: F401
 
 GROUP = 32
 LANES = 16  # output channels interleaved in one 512-bit register
@@ -25,9 +26,7 @@ BLOCK = 32  # output channels per block of the packed layout (two registers)
 SUPER = 8  # groups per superblock (Q4_K: 256 inputs)
 HEADER_BYTES = 2 * BLOCK * 2  # a superblock's d and dmin, fp16, per channel of a block
 GROUP_STRIDE = 2 * BLOCK + BLOCK * GROUP // 2  # a group's scale and minimum codes, then its nibbles
-KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
-KERNEL = CpuKernel("specwood_kquants_vnni", "kquants_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
-                   "the q4 weight mode")
+KERNEL = VNNI_KERNEL  # KERNEL_CFLAGS, imported with it, is used by benchmarks/q4_kernel_ab.py
 
 
 def q4_unavailable_reason() -> str | None:
@@ -213,8 +212,6 @@ class KQuantLinear(nn.Module):
         raise NotImplementedError
 
     def __init__(self, weights: Any, bias: torch.Tensor | None = None):
-        from specwood.models.amx import tile_path
-
         super().__init__()
         self.kernel = require_q4()
         self.tiles = tile_path()  # AMX for calls of many rows, where the CPU has it
