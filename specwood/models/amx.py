@@ -3,10 +3,10 @@ by every `KQuantLinear` call with at least `min_rows` rows (trees, batches, pref
 stay on the VNNI kernel, which reads the weights at the memory's speed already.
 
 Choosing it takes three checks, so that a machine that lists AMX but cannot run it still works:
-the CPU's flags (amx_tile, amx_int8), a probe in a child process (it asks Linux for tile data, runs
-every type on the AMX kernel against the VNNI kernel for bit-identical results, and times both to
-find from how many rows AMX pays: specwood.models.amx_probe; a fault or refusal kills only the child), and this process's own
-request for tile data. The probe's verdict is kept beside the kernel build, keyed by the CPU, the
+the CPU's flags (amx_tile, amx_int8), a probe in a child process (specwood.models.amx_probe: it
+asks Linux for tile data, runs every type on the AMX kernel against the VNNI kernel for
+bit-identical results, and times both to find from how many rows AMX pays; a fault or refusal
+kills only the child), and this process's own request for tile data. The probe's verdict is kept beside the kernel build, keyed by the CPU, the
 OS release and the build, so it runs once per machine. One line names the path taken; on CPUs
 without AMX nothing changes and nothing is said.
 
