@@ -263,28 +263,24 @@ using BlockFn = void (*)(const uint8_t*, const Call&);
 // x [M, K] (fp32 or bf16), packed [N/32, block_bytes] uint8, bias [N] fp32 or empty -> [M, N] in x's dtype.
 torch::Tensor run_linear(BlockFn block_fn, int k_bytes, int64_t (*block_bytes)(int64_t), const char* name,
                          torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be a contiguous [M, K] tensor");
-  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
-  TORCH_CHECK(k % GROUP == 0 && packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == block_bytes(groups),
-              name, ": packed must be [N/32, block_bytes(K/32)] for this K");
-  const int64_t blocks = packed.size(0), n = blocks * 2 * LANES, stride = packed.size(1);
+  const LinearShape s = check_linear(name, x, packed, block_bytes);
   const Activations a = quantize(x, TILE_ROWS);
-  auto y = torch::empty({m, n}, x.options().dtype(at::kFloat));
+  auto y = torch::empty({s.m, s.n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const TileConfig cfg = tile_config(k_bytes);
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, s.blocks, 4, [&](int64_t b0, int64_t b1) {
     tile_configure(cfg);  // per thread: the tile state is a thread's own
-    std::vector<float> acc(m * 2 * LANES);
+    std::vector<float> acc(s.m * 2 * LANES);
     for (int64_t b = b0; b < b1; ++b) {
       std::fill(acc.begin(), acc.end(), 0.f);
-      block_fn(wp + b * stride, Call{a, m, acc.data()});
-      for (int64_t r = 0; r < m; ++r) std::memcpy(yp + r * n + b * 2 * LANES, acc.data() + r * 2 * LANES, 2 * LANES * 4);
+      block_fn(wp + b * s.stride, Call{a, s.m, acc.data()});
+      for (int64_t r = 0; r < s.m; ++r)
+        std::memcpy(yp + r * s.n + b * 2 * LANES, acc.data() + r * 2 * LANES, 2 * LANES * 4);
     }
     tile_release();
   });
-  if (bias.defined() && bias.numel() > 0) y.add_(bias);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return finish_linear(y, x, bias);
 }
 
 // The OS's permission to use tile data (Linux 5.16+: arch_prctl(ARCH_REQ_XCOMP_PERM,

@@ -18,7 +18,6 @@ constexpr int LANES = 16;            // output channels per 512-bit register
 constexpr int HALF_BYTES = 256;      // one group of 16 channels: 16 x 32 nibbles
 constexpr int GROUP_BYTES = 512;     // one group of a block of 32 channels
 constexpr int SUPER = 8;             // groups per superblock (256 inputs)
-constexpr int MAX_TILE = 8;          // rows multiplied per pass over a block's weights
 constexpr int PREFETCH = 2048;       // bytes of weights ahead of the group being multiplied
 constexpr int Q8_PREFETCH = 8192;    // Q8_0 reads twice Q4_K's bytes a group: further ahead (20 -> 25 GB/s)
 
@@ -103,18 +102,24 @@ using Q5Layout = Layout<128, 64 + GROUP_BYTES + 128>;  // d, dmin | sc, m codes,
 using Q6Layout = Layout<64, 64 + GROUP_BYTES + 256>;   // d | sc codes (two sub-blocks), nibbles, top bits
 using Q8Layout = Layout<0, 64 + 2 * GROUP_BYTES>;      // | d, codes + 128
 
-template <int TILE>
-inline void zero_tile(__m512 (&acc)[TILE][2]) {
-  for (int r = 0; r < TILE; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// One call's shapes: x [M, K] (fp32 or bf16, checked when quantised), packed [N/32, block_bytes(K/32)].
+struct LinearShape {
+  int64_t m, k, groups, blocks, n, stride;
+};
+
+inline LinearShape check_linear(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
+                                int64_t (*block_bytes)(int64_t)) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be a contiguous [M, K] tensor");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
+  TORCH_CHECK(k % GROUP == 0 && packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == block_bytes(groups),
+              name, ": packed must be [N/32, block_bytes(K/32)] for this K");
+  return {m, k, groups, packed.size(0), packed.size(0) * 2 * LANES, packed.size(1)};
 }
 
-// A tile's rows of one block of 32 output channels into y [M, N].
-template <int TILE>
-inline void store_tile(const __m512 (&acc)[TILE][2], float* y, int64_t n, int64_t block) {
-  for (int r = 0; r < TILE; ++r) {
-    _mm512_storeu_ps(y + r * n + block * 2 * LANES, acc[r][0]);
-    _mm512_storeu_ps(y + r * n + block * 2 * LANES + LANES, acc[r][1]);
-  }
+// y [M, N] fp32 plus the bias (fp32 [N], or empty), in x's dtype.
+inline torch::Tensor finish_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& bias) {
+  if (bias.defined() && bias.numel() > 0) y.add_(bias);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 // One row's integer dots of a block's two registers, closed: acc += xs * (d * (dot - offset)), the

@@ -31,9 +31,24 @@
 
 namespace {
 
+constexpr int MAX_TILE = 8;  // rows multiplied per pass over a block's weights
+
+template <int TILE>
+inline void zero_tile(__m512 (&acc)[TILE][2]) {
+  for (int r = 0; r < TILE; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+}
+
+// A tile's rows of one block of 32 output channels into y [M, N].
+template <int TILE>
+inline void store_tile(const __m512 (&acc)[TILE][2], float* y, int64_t n, int64_t block) {
+  for (int r = 0; r < TILE; ++r) {
+    _mm512_storeu_ps(y + r * n + block * 2 * LANES, acc[r][0]);
+    _mm512_storeu_ps(y + r * n + block * 2 * LANES + LANES, acc[r][1]);
+  }
+}
+
 // Q4_K (and Q5_K, FIFTH): one block of 32 output channels (two registers of 16) for TILE rows.
-// d * sc is exact in fp32 (11 by 6 bits), so the weights are exactly the file's. Q5_K's fifth
-// bits come as one 64-bit mask per vector of codes, so setting them is one masked move.
+// d * sc is exact in fp32 (11 by 6 bits), so the weights are exactly the file's.
 template <int TILE, bool FIFTH>
 void q4_tile(const uint8_t* w, const Activations& a, const float* xs, const int32_t* sums, const int8_t* xq,
              float* y, int64_t n, int64_t block) {
@@ -170,26 +185,21 @@ const TileFn Q8_TILES[MAX_TILE + 1] = {nullptr, q8_tile<1>, q8_tile<2>, q8_tile<
 // x [M, K] (fp32 or bf16), packed [N/32, block_bytes] uint8, bias [N] fp32 or empty -> [M, N] in x's dtype.
 torch::Tensor run_linear(const TileFn* tiles, int64_t (*block_bytes)(int64_t), const char* name, torch::Tensor x,
                          torch::Tensor packed, torch::Tensor bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be a contiguous [M, K] tensor");
-  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
-  TORCH_CHECK(k % GROUP == 0 && packed.dim() == 2 && packed.is_contiguous() && packed.size(1) == block_bytes(groups),
-              name, ": packed must be [N/32, block_bytes(K/32)] for this K");
-  const int64_t blocks = packed.size(0), n = blocks * 2 * LANES, stride = packed.size(1);
+  const LinearShape s = check_linear(name, x, packed, block_bytes);
   const Activations a = quantize(x);
-  auto y = torch::empty({m, n}, x.options().dtype(at::kFloat));
+  auto y = torch::empty({s.m, s.n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, s.blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t r = 0; r < m; r += MAX_TILE) {
-        const int tile = static_cast<int>(std::min<int64_t>(MAX_TILE, m - r));
-        tiles[tile](wp + b * stride, a, a.scale.data() + r * groups, a.sums16.data() + r * 2 * groups,
-                    a.q.data() + r * k, yp + r * n, n, b);
+      for (int64_t r = 0; r < s.m; r += MAX_TILE) {
+        const int tile = static_cast<int>(std::min<int64_t>(MAX_TILE, s.m - r));
+        tiles[tile](wp + b * s.stride, a, a.scale.data() + r * s.groups, a.sums16.data() + r * 2 * s.groups,
+                    a.q.data() + r * s.k, yp + r * s.n, s.n, b);
       }
     }
   });
-  if (bias.defined() && bias.numel() > 0) y.add_(bias);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return finish_linear(y, x, bias);
 }
 
 }  // namespace
