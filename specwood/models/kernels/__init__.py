@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -18,27 +19,29 @@ from typing import Any
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 
 
-def cpu_flags() -> set[str]:
+def _cpuinfo_field(name: str) -> str:
+    """The first value of `name` in /proc/cpuinfo ("" where there is none or no such file)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(name)), "")
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo_field("flags").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it ("" where it does not)."""
+    return _cpuinfo_field("model name")
 
 
 def cpu_identity() -> str:
-    """The CPU a build is for: its model name and instruction-set flags, as /proc/cpuinfo gives
-    them. Kernels compiled for one CPU's instructions are keyed by it, so a kernel cache copied to
-    another machine is rebuilt there, never executed."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    return f"{model}|{' '.join(sorted(cpu_flags()))}"
+    """The CPU a build is for: its model name and instruction-set flags. Kernels compiled for one
+    CPU's instructions are keyed by it, so a kernel cache copied to another machine is rebuilt
+    there, never executed."""
+    return f"{cpu_model()}|{' '.join(sorted(cpu_flags()))}"
 
 
 def build_directory() -> Path:
@@ -102,10 +105,12 @@ class CpuKernel:
         self.failure: str | None = None
 
     def build_dir(self) -> Path:
-        """This build's own folder, keyed by the source and the headers beside it, the compiler
-        flags, torch's and Python's versions and the CPU: a changed source or another torch never
-        loads (or waits on) an old build, and a build copied from another CPU is not executed."""
-        headers = b"".join(h.read_bytes() for h in sorted(self.source.parent.glob("*.h")))
+        """This build's own folder, keyed by the source and the headers of this folder it includes,
+        the compiler flags, torch's and Python's versions and the CPU: a changed source or another
+        torch never loads (or waits on) an old build, and a build copied from another CPU is not
+        executed."""
+        included = re.findall(r'^#include "([^"]+)"', self.source.read_text(), re.MULTILINE)
+        headers = b"".join((self.source.parent / name).read_bytes() for name in included)
         key = hashlib.sha256(self.source.read_bytes() + headers + json.dumps(
             [self.cflags, torch_version(), list(sys.version_info[:2]), cpu_identity()]).encode()).hexdigest()[:12]
         return build_directory() / f"{self.name}-{key}"
