@@ -134,6 +134,7 @@ def acceptance_table(results: list[dict[str, Any]], after: int) -> list[str]:
     scored requests after the first `after` of each category (those the benchmarks do not time,
     where SuffixTrust's priors come from): had the whole proposal been verified, how often its
     first node was right and its trust (accepted over tested weight)."""
+    buckets = SuffixTrust()  # its match-length buckets
     seen: dict[str, int] = {}
     cells: dict[tuple[str, int], list[float]] = {}
     for r in results:
@@ -144,8 +145,7 @@ def acceptance_table(results: list[dict[str, Any]], after: int) -> list[str]:
             continue
         for s in r["steps"]:
             if s["expected"] > 0:
-                bucket = max(b for b in (0, 4, 8, 16) if b <= s["match"])
-                c = cells.setdefault((s["source"], bucket), [0, 0, 0.0, 0])
+                c = cells.setdefault(buckets.key(s["match"], s["source"]), [0, 0, 0.0, 0])
                 c[0] += 1
                 c[1] += s["whole_accepted"] > 0
                 c[2] += s["whole_tested"]

@@ -63,13 +63,11 @@ def normalise_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------- metadata
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    from specwood.models.kernels import cpu_model
+
+    model = cpu_model()
+    if model:
+        return model
     if sys.platform == "darwin":
         try:
             return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,

@@ -6,9 +6,9 @@ Choosing it takes three checks, so that a machine that lists AMX but cannot run 
 the CPU's flags (amx_tile, amx_int8), a probe in a child process (specwood.models.amx_probe: it
 asks Linux for tile data, runs every type on the AMX kernel against the VNNI kernel for
 bit-identical results, and times both to find from how many rows AMX pays; a fault or refusal
-kills only the child), and this process's own request for tile data. The probe's verdict is kept beside the kernel build, keyed by the CPU, the
-OS release and the build, so it runs once per machine. One line names the path taken; on CPUs
-without AMX nothing changes and nothing is said.
+kills only the child), and this process's own request for tile data. The probe's verdict is kept
+beside the kernel build, keyed by the CPU, the OS release and the build, so it runs once per
+machine. One line names the path taken; on CPUs without AMX nothing changes and nothing is said.
 
 SPECWOOD_AMX: `auto` (default), `off` (VNNI only), or `emulate` (the kernel over a C++ model of the
 tile unit, for tests on CPUs without AMX); SPECWOOD_AMX_MIN_ROWS fixes the threshold.
@@ -85,12 +85,12 @@ def choose_tile_path(setting: str) -> tuple[TilePath | None, str | None]:
     if missing and not emulate:
         return None, None  # no AMX here: nothing changes, nothing to say
     kernel_spec = EMULATED_KERNEL if emulate else AMX_KERNEL
-    if kernel_spec.load() is None or VNNI_KERNEL.load() is None:
+    kernel = kernel_spec.load()
+    if kernel is None or VNNI_KERNEL.load() is None:
         return None, f"k-quant linears: AVX512-VNNI ({kernel_spec.failure or VNNI_KERNEL.failure})"
     probe = cached_probe(kernel_spec, emulate)
     if not probe.ok:
         return None, f"k-quant linears: AVX512-VNNI (the AMX probe failed: {probe.why})"
-    kernel = kernel_spec.load()
     refused = kernel.request_tile_permission()
     if refused:
         return None, f"k-quant linears: AVX512-VNNI (Linux refused AMX tile data: {os.strerror(refused)})"

@@ -59,6 +59,7 @@ def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
     from specwood.planner.build import measure_draft_prefill
     from specwood.planner.profiler import measure_verify_times
 
+    tiles = decided_tile_path()
     grid, x_cap = starter_grid()
     positions = min(int(engine.target.max_positions), int(engine.max_context))
     xs = [x for x in grid if x < positions // 2] or [1, 2]
@@ -71,7 +72,7 @@ def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
     prefill = measure_draft_prefill(engine) if isinstance(engine.draft_model, Transformer) else None
     plan = timed_plan(engine, method, tv, td, draft_prefill_s=prefill or 0.0,
                       note="starter plan: T_v and T_d timed at start"
-                      + (f" with {tiles.name} from {tiles.min_rows} rows" if (tiles := decided_tile_path()) else ""))
+                      + (f" with {tiles.name} from {tiles.min_rows} rows" if tiles is not None else ""))
     plan.x_cap = x_cap
     plan.source = "starter"
     return plan.refresh()

@@ -423,15 +423,9 @@ def device_id(dev: Any) -> str:
     dev = torch.device(dev)
     if dev.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(dev)}"
-    model = "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu:{model}/{torch.get_num_threads()}t"
+    from specwood.models.kernels import cpu_model
+
+    return f"cpu:{cpu_model() or 'cpu'}/{torch.get_num_threads()}t"
 
 
 _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float16": "fp16"}

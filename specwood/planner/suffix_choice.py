@@ -54,9 +54,9 @@ class SuffixTrust:
     def __init__(self, decay: float = 0.8, priors: dict[str, dict[int, float]] | None = None, weight: float = 2.0,
                  relax_decay: float = 0.95):
         self.decay, self.relax_decay = decay, relax_decay
-        self.priors = {(src, m): (p * weight, weight) for src, by_match in (priors or self.PRIORS).items()
-                       for m, p in by_match.items()}
-        self.buckets = {src: sorted(by_match) for src, by_match in (priors or self.PRIORS).items()}
+        by_source = priors or self.PRIORS
+        self.priors = {(src, m): (p * weight, weight) for src, by_match in by_source.items() for m, p in by_match.items()}
+        self.buckets = {src: sorted(by_match) for src, by_match in by_source.items()}
         if any(b[0] != 0 for b in self.buckets.values()) or set(self.buckets) != {"local", "global"}:
             raise ValueError("SuffixTrust's priors need both sources, 'local' and 'global', with buckets from 0")
         self.sums = {(b, key): list(prior) for b in (1, 2, 5) for key, prior in self.priors.items()}  # -> [accepted, tested]
