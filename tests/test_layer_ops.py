@@ -63,6 +63,13 @@ def test_attention_equals_torch_and_rows_are_independent(dtype, head_dim, H, S):
     assert close(out, TORCH_OPS.attention(q.transpose(1, 2), k, v, bias), dtype)
     alone = ops.attention(q[1:2, 2:3], k[1:2], v[1:2], cpu_attention_mask(mask[1:2, :, 2:3], H // Hkv, dtype))
     assert torch.equal(alone, out[1:2, 2:3])
+    # the kernel scores and weighs a KV head's query heads several at a time: each head's result is
+    # the one it gets alone
+    G = H // Hkv
+    for h in (0, G - 1, G, H - 1):
+        head = ops.attention(q[:, :, h:h + 1].contiguous(), k[:, h // G:h // G + 1], v[:, h // G:h // G + 1],
+                             cpu_attention_mask(mask, 1, dtype))
+        assert torch.equal(head.view(B, T, head_dim), out.view(B, T, H, head_dim)[:, :, h])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -148,19 +148,27 @@ void silu_mul_rows(const T* gu, T* out, int64_t m, int64_t inter) {
 // Lane i of the result is the sum of v[i]'s 16 lanes. Every register goes through the same tree
 // ((e0 + e2) + (e1 + e3) in each 128-bit quarter, then (Q0 + Q1) + (Q2 + Q3)), so a score does not
 // depend on the position its key takes in a block. Three shuffles and an add per pair of registers
-// at each of four levels: about 3 operations a sum instead of sum16's 7.
-inline __m512 sum16x16(const __m512 (&v)[16]) {
-  __m512 t[8], u[4], w[2];
-  for (int p = 0; p < 8; ++p) t[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
-  for (int p = 0; p < 4; ++p) {
-    const __m512d a = _mm512_castps_pd(t[2 * p]), b = _mm512_castps_pd(t[2 * p + 1]);
-    u[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
+// at each of four levels: about 3 operations a sum instead of sum16's 7. The tree's first two levels
+// take four registers at a time (sum4x16_quarters), so a caller may feed it keys four by four.
+inline __m512 sum4x16_quarters(const __m512 (&v)[4]) {
+  __m512 t[2];
+  for (int p = 0; p < 2; ++p) t[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+  const __m512d a = _mm512_castps_pd(t[0]), b = _mm512_castps_pd(t[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+// The last two levels over four sum4x16_quarters results (of registers 0-3, 4-7, 8-11, 12-15).
+inline __m512 sum16x16_finish(const __m512 (&u)[4]) {
+  __m512 w[2];
   for (int p = 0; p < 2; ++p)
     w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline __m512 sum16x16(const __m512 (&v)[16]) {
+  __m512 u[4];
+  for (int p = 0; p < 4; ++p) u[p] = sum4x16_quarters({v[4 * p], v[4 * p + 1], v[4 * p + 2], v[4 * p + 3]});
+  return sum16x16_finish(u);
 }
 
 // bf16 pairs straight into fp32 sums (vdpbf16ps) where the CPU has AVX512-BF16 and the head size
@@ -190,6 +198,46 @@ inline __m512 partial_dot(const T* q, const T* k, int64_t d, bool pairs) {
   __m512 acc = _mm512_mul_ps(load16(q), load16(k));
   for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(load16(q + i), load16(k + i), acc);
   return acc;
+}
+
+// The scores of HB consecutive heads of one query token (q [HB, D]) over the n visible keys, 16 keys a
+// block, into scores[h * padded + a] (scaled, key_bias added). Each key's row is loaded once for
+// all HB heads and the heads' q stay in registers (one head at a time loaded q and k for every
+// product: two loads a vdpbf16ps, a quarter of the chip's bf16 rate). A score is the same chain of
+// products as partial_dot's and the same sum16x16 tree, so the result is bit-identical to scoring
+// the heads one by one.
+template <int D, int HB>
+void score_heads_pairs(const at::BFloat16* q, const at::BFloat16* k, int64_t key_stride, const int32_t* keys,
+                       const float* key_bias, int64_t n, float scale, float* scores, int64_t padded) {
+  constexpr int C = D / 32;
+  __m512i qv[HB][C];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c) qv[h][c] = _mm512_loadu_si512(q + h * D + 32 * c);
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t a0 = 0; a0 < n; a0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - a0);
+    __m512 quarters[HB][4];
+    for (int quad = 0; quad < 4; ++quad) {
+      __m512 acc[HB][4];
+      for (int j = 0; j < 4; ++j) {
+        const int64_t i = 4 * quad + j;
+        if (i >= count) {
+          for (int h = 0; h < HB; ++h) acc[h][j] = _mm512_setzero_ps();
+          continue;
+        }
+        const at::BFloat16* kr = k + keys[a0 + i] * key_stride;
+        for (int h = 0; h < HB; ++h) acc[h][j] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+          const __m512i kv = _mm512_loadu_si512(kr + 32 * c);
+          for (int h = 0; h < HB; ++h) acc[h][j] = dot_pairs(acc[h][j], qv[h][c], kv);
+        }
+      }
+      for (int h = 0; h < HB; ++h) quarters[h][quad] = sum4x16_quarters(acc[h]);
+    }
+    const __m512 kb = _mm512_maskz_loadu_ps(first_lanes(count), key_bias + a0);
+    for (int h = 0; h < HB; ++h)
+      _mm512_storeu_ps(scores + h * padded + a0, _mm512_add_ps(_mm512_mul_ps(sum16x16_finish(quarters[h]), scale16), kb));
+  }
 }
 
 // sum_a p[a] v[keys[a]] for HB heads at once, two keys per vdpbf16ps: lane pairs (v_a[i], v_a+1[i])
@@ -236,6 +284,19 @@ inline void store_normalised(T* out, const __m512* acc, int64_t chunks, float in
   for (int64_t c = 0; c < chunks; ++c) store16(out + c * 16, _mm512_mul_ps(acc[c], norm));
 }
 
+// weigh_values_pairs for HB consecutive heads (probs [HB, padded] in bf16, the sums' inverses
+// [HB]), normalised into out [HB, D].
+template <int HB, int D>
+void weigh_heads_pairs(const at::BFloat16* v, int64_t key_stride, const int32_t* keys, int64_t n,
+                       const at::BFloat16* probs, int64_t padded, const float* inverse, at::BFloat16* out) {
+  alignas(64) static const at::BFloat16 zero_row[128] = {};
+  const uint32_t* prob_pairs[HB];
+  for (int h = 0; h < HB; ++h) prob_pairs[h] = reinterpret_cast<const uint32_t*>(probs + h * padded);
+  __m512 acc[HB][8];
+  weigh_values_pairs<HB, D>(v, key_stride, keys, n, prob_pairs, zero_row, acc);
+  for (int h = 0; h < HB; ++h) store_normalised(out + h * D, acc[h], D / 16, inverse[h]);
+}
+
 // Attention of one token's `groups` query heads (sharing KV head kvh) over the keys its mask row
 // lets it see. q [groups, d] at q (head stride d), k/v rows at key_stride, bias [S] additive
 // (-inf = masked), out [groups, d]. D: d known at compile time (0: any), so the value sums of the
@@ -268,7 +329,19 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
   scores.resize(groups * padded);
   // Scores, 16 keys a block: each key's row is read from L1 by every head of the group.
   const __m512 scale16 = _mm512_set1_ps(scale);
-  for (int64_t a0 = 0; a0 < n; a0 += 16) {
+  bool scored = false;
+  if constexpr (std::is_same<T, at::BFloat16>::value && (D == 64 || D == 128)) {
+    if (pairs) {  // heads HB at a time (register room: q, the products and a key chunk)
+      constexpr int HB = D == 128 ? 3 : 4;
+      int64_t g = 0;
+      for (; g + HB <= groups; g += HB)
+        score_heads_pairs<D, HB>(q + g * d, k, key_stride, keys.data(), key_bias.data(), n, scale, scores.data() + g * padded, padded);
+      for (; g < groups; ++g)
+        score_heads_pairs<D, 1>(q + g * d, k, key_stride, keys.data(), key_bias.data(), n, scale, scores.data() + g * padded, padded);
+      scored = true;
+    }
+  }
+  for (int64_t a0 = 0; a0 < n && !scored; a0 += 16) {
     const int64_t count = std::min<int64_t>(16, n - a0);
     const __m512 kb = _mm512_maskz_loadu_ps(first_lanes(count), key_bias.data() + a0);
     for (int64_t g = 0; g < groups; ++g) {
@@ -303,23 +376,13 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t a = 0; a < padded; a += 16)
           store16(probs.data() + g * padded + a, _mm512_maskz_loadu_ps(a < n ? first_lanes(n - a) : 0, scores.data() + g * padded + a));
-      alignas(64) static const at::BFloat16 zero_row[128] = {};
-      auto pairs_of = [&](int64_t g) { return reinterpret_cast<const uint32_t*>(probs.data() + g * padded); };
-      auto finish = [&](int64_t g, const __m512* acc) { store_normalised(out + g * d, acc, chunks, inverse[g]); };
+      // heads HB at a time: each pair of value rows is loaded and interleaved once for all HB
+      constexpr int HB = D == 128 ? 3 : 4;
       int64_t g = 0;
-      for (; g + 2 <= groups; g += 2) {
-        __m512 acc[2][8];
-        const uint32_t* const pp[2] = {pairs_of(g), pairs_of(g + 1)};
-        weigh_values_pairs<2, D>(v, key_stride, keys.data(), n, pp, zero_row, acc);
-        finish(g, acc[0]);
-        finish(g + 1, acc[1]);
-      }
-      if (g < groups) {
-        __m512 acc[1][8];
-        const uint32_t* const pp[1] = {pairs_of(g)};
-        weigh_values_pairs<1, D>(v, key_stride, keys.data(), n, pp, zero_row, acc);
-        finish(g, acc[0]);
-      }
+      for (; g + HB <= groups; g += HB)
+        weigh_heads_pairs<HB, D>(v, key_stride, keys.data(), n, probs.data() + g * padded, padded, inverse.data() + g, out + g * d);
+      for (; g < groups; ++g)
+        weigh_heads_pairs<1, D>(v, key_stride, keys.data(), n, probs.data() + g * padded, padded, inverse.data() + g, out + g * d);
       return;
     }
   }
