@@ -242,15 +242,16 @@ void score_heads_pairs(const at::BFloat16* q, const at::BFloat16* k, int64_t key
 
 // sum_a p[a] v[keys[a]] for HB heads at once, two keys per vdpbf16ps: lane pairs (v_a[i], v_a+1[i])
 // against the probability pair (p_a, p_a+1) in bf16. The pairs follow the order of the visible
-// keys, so a tree node pairs its keys as the one-token forward along its path does.
+// keys, so a tree node pairs its keys as the one-token forward along its path does. The two value
+// rows are interleaved within each 128-bit quarter (one-cycle unpacks; a full interleave across
+// the register took a slow two-source permute per register): acc[h][2c] holds dimensions 32c +
+// 8j + {0..3} in lanes 4j..4j+3 and acc[h][2c + 1] dimensions 32c + 8j + {4..7}, which
+// in_dimension_order puts back once per call. Each dimension's sum takes the same products in the
+// same order either way.
 template <int HB, int D>
 void weigh_values_pairs(const at::BFloat16* v, int64_t key_stride, const int32_t* keys, int64_t n,
                         const uint32_t* const (&prob_pairs)[HB], const at::BFloat16* zero_row, __m512 (&acc)[HB][8]) {
   static_assert(D % 32 == 0 && D <= 128, "acc holds 8 registers of 16 sums a head");
-  alignas(64) static const int16_t lo_order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo_idx = _mm512_load_si512(lo_order);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   constexpr int chunks = D / 32;
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < 2 * chunks; ++c) acc[h][c] = _mm512_setzero_ps();
@@ -261,13 +262,22 @@ void weigh_values_pairs(const at::BFloat16* v, int64_t key_stride, const int32_t
     for (int h = 0; h < HB; ++h) p[h] = _mm512_set1_epi32(static_cast<int32_t>(prob_pairs[h][a / 2]));
     for (int c = 0; c < chunks; ++c) {
       const __m512i x = _mm512_loadu_si512(v0 + 32 * c), y = _mm512_loadu_si512(v1 + 32 * c);
-      const __m512i lo = _mm512_permutex2var_epi16(x, lo_idx, y), hi = _mm512_permutex2var_epi16(x, hi_idx, y);
+      const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
       for (int h = 0; h < HB; ++h) {
         acc[h][2 * c] = dot_pairs(acc[h][2 * c], lo, p[h]);
         acc[h][2 * c + 1] = dot_pairs(acc[h][2 * c + 1], hi, p[h]);
       }
     }
   }
+}
+
+// weigh_values_pairs' sums of 32 dimensions (lo, hi) in dimension order.
+inline void in_dimension_order(__m512& lo, __m512& hi) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 a = _mm512_permutex2var_ps(lo, first, hi), b = _mm512_permutex2var_ps(lo, second, hi);
+  lo = a;
+  hi = b;
 }
 
 // Per-call scratch of one thread.
@@ -294,7 +304,10 @@ void weigh_heads_pairs(const at::BFloat16* v, int64_t key_stride, const int32_t*
   for (int h = 0; h < HB; ++h) prob_pairs[h] = reinterpret_cast<const uint32_t*>(probs + h * padded);
   __m512 acc[HB][8];
   weigh_values_pairs<HB, D>(v, key_stride, keys, n, prob_pairs, zero_row, acc);
-  for (int h = 0; h < HB; ++h) store_normalised(out + h * D, acc[h], D / 16, inverse[h]);
+  for (int h = 0; h < HB; ++h) {
+    for (int c = 0; c < D / 32; ++c) in_dimension_order(acc[h][2 * c], acc[h][2 * c + 1]);
+    store_normalised(out + h * D, acc[h], D / 16, inverse[h]);
+  }
 }
 
 // Attention of one token's `groups` query heads (sharing KV head kvh) over the keys its mask row
