@@ -60,7 +60,8 @@ def main() -> int:
     torch.set_num_threads(1)  # one thread: the hook's buffer is filled in order
     g = torch.Generator().manual_seed(1)
     differ = cases = values = 0
-    for heads, kv, dim in [(12, 2, 128), (14, 2, 64), (6, 1, 128), (8, 2, 64), (4, 4, 128), (5, 1, 64), (9, 1, 128)]:
+    for heads, kv, dim in [(12, 2, 128), (14, 2, 64), (6, 1, 128), (8, 2, 64), (4, 4, 128), (5, 1, 64), (9, 1, 128),
+                           (10, 2, 128), (6, 1, 64), (2, 1, 128)]:
         for context, tokens in [(1, 1), (5, 3), (17, 1), (37, 9), (300, 8), (1000, 3)]:
             for dtype in (torch.bfloat16, torch.float32):
                 q = torch.randn(2, tokens, heads, dim, generator=g).to(dtype)

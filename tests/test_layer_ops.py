@@ -47,9 +47,11 @@ def test_rope_equals_torch_bit_for_bit(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# head sizes of the tiny models, the draft (64, 7 query heads a KV head) and the target (128, 6);
+# head sizes of the tiny models, the draft (64, 7 query heads a KV head) and the target (128, 6),
+# and groups the kernel splits into blocks of 3 or 4 heads with a rest of 1, 2 or 3;
 # contexts of several 16-key blocks, with odd numbers of visible keys (bf16 multiplies keys in pairs)
-@pytest.mark.parametrize("head_dim, H, S", [(16, 6, 37), (64, 14, 301), (128, 6, 37), (128, 12, 300)])
+@pytest.mark.parametrize("head_dim, H, S", [(16, 6, 37), (64, 14, 301), (128, 6, 37), (128, 12, 300),
+                                            (128, 10, 37), (128, 2, 37), (64, 12, 37)])
 def test_attention_equals_torch_and_rows_are_independent(dtype, head_dim, H, S):
     g = torch.Generator().manual_seed(2)
     B, T, Hkv = 2, 4, 2

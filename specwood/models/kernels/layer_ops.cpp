@@ -200,44 +200,50 @@ inline __m512 partial_dot(const T* q, const T* k, int64_t d, bool pairs) {
   return acc;
 }
 
-// The scores of HB consecutive heads of one query token (q [HB, D]) over the n visible keys, 16 keys a
-// block, into scores[h * padded + a] (scaled, key_bias added). Each key's row is loaded once for
-// all HB heads and the heads' q stay in registers (one head at a time loaded q and k for every
-// product: two loads a vdpbf16ps, a quarter of the chip's bf16 rate). A score is the same chain of
-// products as partial_dot's and the same sum16x16 tree, so the result is bit-identical to scoring
-// the heads one by one.
+// The scores of HB consecutive heads of one query token (q [HB, D]) over one block of up to 16
+// visible keys (keys, key_bias: the block's entries), into scores[h * padded] (scaled, key_bias
+// added). Each key's row is loaded once for all HB heads and the heads' q sit in registers (one
+// head at a time loaded q and k for every product: two loads a vdpbf16ps, a quarter of the chip's
+// bf16 rate). A score is the same chain of products as partial_dot's and the same sum16x16 tree,
+// so the result is bit-identical to scoring the heads one by one.
 template <int D, int HB>
-void score_heads_pairs(const at::BFloat16* q, const at::BFloat16* k, int64_t key_stride, const int32_t* keys,
-                       const float* key_bias, int64_t n, float scale, float* scores, int64_t padded) {
+void score_block_pairs(const at::BFloat16* q, const at::BFloat16* k, int64_t key_stride, const int32_t* keys,
+                       const float* key_bias, int64_t count, __m512 scale16, float* scores, int64_t padded) {
   constexpr int C = D / 32;
   __m512i qv[HB][C];
   for (int h = 0; h < HB; ++h)
     for (int c = 0; c < C; ++c) qv[h][c] = _mm512_loadu_si512(q + h * D + 32 * c);
-  const __m512 scale16 = _mm512_set1_ps(scale);
-  for (int64_t a0 = 0; a0 < n; a0 += 16) {
-    const int64_t count = std::min<int64_t>(16, n - a0);
-    __m512 quarters[HB][4];
-    for (int quad = 0; quad < 4; ++quad) {
-      __m512 acc[HB][4];
-      for (int j = 0; j < 4; ++j) {
-        const int64_t i = 4 * quad + j;
-        if (i >= count) {
-          for (int h = 0; h < HB; ++h) acc[h][j] = _mm512_setzero_ps();
-          continue;
-        }
-        const at::BFloat16* kr = k + keys[a0 + i] * key_stride;
-        for (int h = 0; h < HB; ++h) acc[h][j] = _mm512_setzero_ps();
-        for (int c = 0; c < C; ++c) {
-          const __m512i kv = _mm512_loadu_si512(kr + 32 * c);
-          for (int h = 0; h < HB; ++h) acc[h][j] = dot_pairs(acc[h][j], qv[h][c], kv);
-        }
+  __m512 quarters[HB][4];
+  for (int quad = 0; quad < 4; ++quad) {
+    __m512 acc[HB][4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t i = 4 * quad + j;
+      for (int h = 0; h < HB; ++h) acc[h][j] = _mm512_setzero_ps();
+      if (i >= count) continue;
+      const at::BFloat16* kr = k + keys[i] * key_stride;
+      for (int c = 0; c < C; ++c) {
+        const __m512i kv = _mm512_loadu_si512(kr + 32 * c);
+        for (int h = 0; h < HB; ++h) acc[h][j] = dot_pairs(acc[h][j], qv[h][c], kv);
       }
-      for (int h = 0; h < HB; ++h) quarters[h][quad] = sum4x16_quarters(acc[h]);
     }
-    const __m512 kb = _mm512_maskz_loadu_ps(first_lanes(count), key_bias + a0);
-    for (int h = 0; h < HB; ++h)
-      _mm512_storeu_ps(scores + h * padded + a0, _mm512_add_ps(_mm512_mul_ps(sum16x16_finish(quarters[h]), scale16), kb));
+    for (int h = 0; h < HB; ++h) quarters[h][quad] = sum4x16_quarters(acc[h]);
   }
+  const __m512 kb = _mm512_maskz_loadu_ps(first_lanes(count), key_bias);
+  for (int h = 0; h < HB; ++h)
+    _mm512_storeu_ps(scores + h * padded, _mm512_add_ps(_mm512_mul_ps(sum16x16_finish(quarters[h]), scale16), kb));
+}
+
+// fn(std::integral_constant<int, HB>(), g) for the heads [0, groups) in blocks of MAX (HB = MAX),
+// the last block the rest.
+template <int MAX, typename Fn>
+inline void for_head_blocks(int64_t groups, Fn&& fn) {
+  static_assert(MAX >= 1 && MAX <= 4, "the rest is 1 to 3 heads");
+  int64_t g = 0;
+  for (; g + MAX <= groups; g += MAX) fn(std::integral_constant<int, MAX>(), g);
+  const int64_t rest = groups - g;
+  if constexpr (MAX > 3) if (rest == 3) fn(std::integral_constant<int, 3>(), g);
+  if constexpr (MAX > 2) if (rest == 2) fn(std::integral_constant<int, 2>(), g);
+  if constexpr (MAX > 1) if (rest == 1) fn(std::integral_constant<int, 1>(), g);
 }
 
 // sum_a p[a] v[keys[a]] for HB heads at once, two keys per vdpbf16ps: lane pairs (v_a[i], v_a+1[i])
@@ -344,13 +350,12 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
   const __m512 scale16 = _mm512_set1_ps(scale);
   bool scored = false;
   if constexpr (std::is_same<T, at::BFloat16>::value && (D == 64 || D == 128)) {
-    if (pairs) {  // heads HB at a time (register room: q, the products and a key chunk)
-      constexpr int HB = D == 128 ? 3 : 4;
-      int64_t g = 0;
-      for (; g + HB <= groups; g += HB)
-        score_heads_pairs<D, HB>(q + g * d, k, key_stride, keys.data(), key_bias.data(), n, scale, scores.data() + g * padded, padded);
-      for (; g < groups; ++g)
-        score_heads_pairs<D, 1>(q + g * d, k, key_stride, keys.data(), key_bias.data(), n, scale, scores.data() + g * padded, padded);
+    if (pairs) {  // heads 3 or 4 at a time (register room: q, the products and a key chunk)
+      for (int64_t a0 = 0; a0 < n; a0 += 16)  // a block's key rows stay in L1 for all the heads
+        for_head_blocks<D == 128 ? 3 : 4>(groups, [&](auto hb, int64_t g) {
+          score_block_pairs<D, decltype(hb)::value>(q + g * d, k, key_stride, keys.data() + a0, key_bias.data() + a0,
+                                                    std::min<int64_t>(16, n - a0), scale16, scores.data() + g * padded + a0, padded);
+        });
       scored = true;
     }
   }
@@ -389,13 +394,11 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t a = 0; a < padded; a += 16)
           store16(probs.data() + g * padded + a, _mm512_maskz_loadu_ps(a < n ? first_lanes(n - a) : 0, scores.data() + g * padded + a));
-      // heads HB at a time: each pair of value rows is loaded and interleaved once for all HB
-      constexpr int HB = D == 128 ? 3 : 4;
-      int64_t g = 0;
-      for (; g + HB <= groups; g += HB)
-        weigh_heads_pairs<HB, D>(v, key_stride, keys.data(), n, probs.data() + g * padded, padded, inverse.data() + g, out + g * d);
-      for (; g < groups; ++g)
-        weigh_heads_pairs<1, D>(v, key_stride, keys.data(), n, probs.data() + g * padded, padded, inverse.data() + g, out + g * d);
+      // heads 3 or 4 at a time: each pair of value rows is loaded and interleaved once for them all
+      for_head_blocks<D == 128 ? 3 : 4>(groups, [&](auto hb, int64_t g) {
+        weigh_heads_pairs<decltype(hb)::value, D>(v, key_stride, keys.data(), n, probs.data() + g * padded, padded,
+                                                  inverse.data() + g, out + g * d);
+      });
       return;
     }
   }
