@@ -26,18 +26,18 @@ from specwood.models.transformer import cpu_attention_mask
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "specwood/models/kernels/layer_ops.cpp"
 SOFTMAX = "  // Softmax of each head's scores, in the order of the visible keys."
-WEIGHING = "  if (pairs) {\n    if constexpr"
+SOFTMAX_END = "    inverse[g] = n > 0 ? 1.f / sum16(total) : 0.f;\n  }\n"
 
 
 def with_hook(text: str) -> str:
     """`text` (layer_ops.cpp) keeping the scores before the softmax and the probabilities before the
     values are weighed, returned (and cleared) by a `dump()` function."""
-    for anchor in (SOFTMAX, WEIGHING):
+    for anchor in (SOFTMAX, SOFTMAX_END):
         if anchor not in text:
             raise SystemExit(f"layer_ops.cpp has no line {anchor.strip()!r} to hook; compare revisions with it")
     text = text.replace("namespace {\n", "namespace {\nstd::vector<float> g_dump;\n", 1)
     keep = "  g_dump.insert(g_dump.end(), scores.begin(), scores.end());\n"
-    text = text.replace(SOFTMAX, keep + SOFTMAX, 1).replace(WEIGHING, keep + WEIGHING, 1)
+    text = text.replace(SOFTMAX, keep + SOFTMAX, 1).replace(SOFTMAX_END, SOFTMAX_END + keep, 1)
     return text.replace('  mod.def("attention"',
                         '  mod.def("dump", []() { auto r = g_dump; g_dump.clear(); return r; });\n  mod.def("attention"', 1)
 

@@ -184,17 +184,10 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
 constexpr bool kBf16Pairs = false;
 inline __m512 dot_pairs(__m512 acc, __m512i, __m512i) { return acc; }  // never called
 #endif
-template <typename T>
-inline bool use_pairs(int64_t d) { return kBf16Pairs && std::is_same<T, at::BFloat16>::value && (d == 64 || d == 128); }
 
-// Lane-wise partial products of q and k (d values each); their 16 lanes sum to q . k.
+// Lane-wise partial products of q and k (d values each, widened to fp32); their 16 lanes sum to q . k.
 template <typename T>
-inline __m512 partial_dot(const T* q, const T* k, int64_t d, bool pairs) {
-  if (pairs) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 32) acc = dot_pairs(acc, _mm512_loadu_si512(q + i), _mm512_loadu_si512(k + i));
-    return acc;
-  }
+inline __m512 partial_dot(const T* q, const T* k, int64_t d) {
   __m512 acc = _mm512_mul_ps(load16(q), load16(k));
   for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(load16(q + i), load16(k + i), acc);
   return acc;
@@ -204,8 +197,8 @@ inline __m512 partial_dot(const T* q, const T* k, int64_t d, bool pairs) {
 // visible keys (keys, key_bias: the block's entries), into scores[h * padded] (scaled, key_bias
 // added). Each key's row is loaded once for all HB heads and the heads' q sit in registers (one
 // head at a time loaded q and k for every product: two loads a vdpbf16ps, a quarter of the chip's
-// bf16 rate). A score is the same chain of products as partial_dot's and the same sum16x16 tree,
-// so the result is bit-identical to scoring the heads one by one.
+// bf16 rate). A score is one chain of C products from zero and the sum16x16 tree, whichever heads
+// come with it, so the result is bit-identical to scoring the heads one by one.
 template <int D, int HB>
 void score_block_pairs(const at::BFloat16* q, const at::BFloat16* k, int64_t key_stride, const int32_t* keys,
                        const float* key_bias, int64_t count, __m512 scale16, float* scores, int64_t padded) {
@@ -325,7 +318,8 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
                   int64_t groups, int64_t any_d, float scale, T* out, AttentionScratch& scratch) {
   const int64_t d = D ? D : any_d;
   const int64_t chunks = d / 16;
-  const bool pairs = use_pairs<T>(d);
+  // bf16 pairs (vdpbf16ps) for bf16 heads of 64 or 128 where the CPU has AVX512-BF16
+  constexpr bool pairs = kBf16Pairs && std::is_same<T, at::BFloat16>::value && (D == 64 || D == 128);
   // The visible keys in slot order, 16 bias entries at a time (compressed in a register: Zen 4's
   // compressing store to memory is microcoded and slow).
   std::vector<int32_t>& keys = scratch.keys;
@@ -348,25 +342,22 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
   scores.resize(groups * padded);
   // Scores, 16 keys a block: each key's row is read from L1 by every head of the group.
   const __m512 scale16 = _mm512_set1_ps(scale);
-  bool scored = false;
-  if constexpr (std::is_same<T, at::BFloat16>::value && (D == 64 || D == 128)) {
-    if (pairs) {  // heads 3 or 4 at a time (register room: q, the products and a key chunk)
-      for (int64_t a0 = 0; a0 < n; a0 += 16)  // a block's key rows stay in L1 for all the heads
-        for_head_blocks<D == 128 ? 3 : 4>(groups, [&](auto hb, int64_t g) {
-          score_block_pairs<D, decltype(hb)::value>(q + g * d, k, key_stride, keys.data() + a0, key_bias.data() + a0,
-                                                    std::min<int64_t>(16, n - a0), scale16, scores.data() + g * padded + a0, padded);
-        });
-      scored = true;
-    }
-  }
-  for (int64_t a0 = 0; a0 < n && !scored; a0 += 16) {
-    const int64_t count = std::min<int64_t>(16, n - a0);
-    const __m512 kb = _mm512_maskz_loadu_ps(first_lanes(count), key_bias.data() + a0);
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512 acc[16];
-      for (int64_t i = 0; i < 16; ++i)
-        acc[i] = i < count ? partial_dot(q + g * d, k + keys[a0 + i] * key_stride, d, pairs) : _mm512_setzero_ps();
-      _mm512_storeu_ps(scores.data() + g * padded + a0, _mm512_add_ps(_mm512_mul_ps(sum16x16(acc), scale16), kb));
+  if constexpr (pairs) {  // heads 3 or 4 at a time (register room: q, the products and a key chunk)
+    for (int64_t a0 = 0; a0 < n; a0 += 16)  // a block's key rows stay in L1 for all the heads
+      for_head_blocks<D == 128 ? 3 : 4>(groups, [&](auto hb, int64_t g) {
+        score_block_pairs<D, decltype(hb)::value>(q + g * d, k, key_stride, keys.data() + a0, key_bias.data() + a0,
+                                                  std::min<int64_t>(16, n - a0), scale16, scores.data() + g * padded + a0, padded);
+      });
+  } else {
+    for (int64_t a0 = 0; a0 < n; a0 += 16) {
+      const int64_t count = std::min<int64_t>(16, n - a0);
+      const __m512 kb = _mm512_maskz_loadu_ps(first_lanes(count), key_bias.data() + a0);
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 acc[16];
+        for (int64_t i = 0; i < 16; ++i)
+          acc[i] = i < count ? partial_dot(q + g * d, k + keys[a0 + i] * key_stride, d) : _mm512_setzero_ps();
+        _mm512_storeu_ps(scores.data() + g * padded + a0, _mm512_add_ps(_mm512_mul_ps(sum16x16(acc), scale16), kb));
+      }
     }
   }
   // Softmax of each head's scores, in the order of the visible keys.
@@ -387,20 +378,18 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
     }
     inverse[g] = n > 0 ? 1.f / sum16(total) : 0.f;
   }
-  if (pairs) {
-    if constexpr (std::is_same<T, at::BFloat16>::value && D != 0) {
-      std::vector<at::BFloat16>& probs = scratch.probs;
-      probs.resize(groups * padded);
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t a = 0; a < padded; a += 16)
-          store16(probs.data() + g * padded + a, _mm512_maskz_loadu_ps(a < n ? first_lanes(n - a) : 0, scores.data() + g * padded + a));
-      // heads 3 or 4 at a time: each pair of value rows is loaded and interleaved once for them all
-      for_head_blocks<D == 128 ? 3 : 4>(groups, [&](auto hb, int64_t g) {
-        weigh_heads_pairs<decltype(hb)::value, D>(v, key_stride, keys.data(), n, probs.data() + g * padded, padded,
-                                                  inverse.data() + g, out + g * d);
-      });
-      return;
-    }
+  if constexpr (pairs) {
+    std::vector<at::BFloat16>& probs = scratch.probs;
+    probs.resize(groups * padded);
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t a = 0; a < padded; a += 16)
+        store16(probs.data() + g * padded + a, _mm512_maskz_loadu_ps(a < n ? first_lanes(n - a) : 0, scores.data() + g * padded + a));
+    // heads 3 or 4 at a time: each pair of value rows is loaded and interleaved once for them all
+    for_head_blocks<D == 128 ? 3 : 4>(groups, [&](auto hb, int64_t g) {
+      weigh_heads_pairs<decltype(hb)::value, D>(v, key_stride, keys.data(), n, probs.data() + g * padded, padded,
+                                                inverse.data() + g, out + g * d);
+    });
+    return;
   }
   for (int64_t g = 0; g < groups; ++g) {
     const float* sg = scores.data() + g * padded;
