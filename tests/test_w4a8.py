@@ -192,21 +192,32 @@ def test_cli_accepts_q4():
     assert args.dtype == "q4" and args.draft_dtype == "q4"
 
 
-def test_a_cpu_without_vnni_gets_one_line_naming_int8(monkeypatch):
+def test_a_cpu_without_avx2_gets_one_line_naming_int8(monkeypatch):
     """Where the kernel cannot run, loading q4 stops before any model is read, with one line."""
     import specwood
-    from specwood.models import w4a8
+    from specwood.models import kernels, kquant_kernels, w4a8
 
-    from specwood.models import kernels
-
-    fresh = kernels.CpuKernel(w4a8.KERNEL.name, w4a8.KERNEL.source.name, w4a8.KERNEL.cflags, w4a8.KERNEL.required,
-                              w4a8.KERNEL.use)
+    for module in (kernels, kquant_kernels):
+        monkeypatch.setattr(module, "cpu_flags", lambda: {"sse2", "sse4_2"})  # what such a CPU reports
+    chosen = kquant_kernels.kquant_kernel()
+    assert chosen is kquant_kernels.AVX2_KERNEL  # the least such a CPU would need, named in the line
+    fresh = kernels.CpuKernel(chosen.name, chosen.source.name, chosen.cflags, chosen.required, chosen.use)
     monkeypatch.setattr(w4a8, "KERNEL", fresh)
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx2"})  # what such a CPU reports
     reason = w4a8.q4_unavailable_reason()
-    assert reason is not None and "avx512_vnni" in reason and "--dtype int8" in reason and "\n" not in reason
+    assert reason is not None and "avx2" in reason and "--dtype int8" in reason and "\n" not in reason
     with pytest.raises(specwood.SpecwoodError, match="--dtype int8"):
         specwood.load("/nonexistent/model.gguf", None, dtype="q4", progress=False)
+
+
+def test_the_kernel_is_avx512_vnni_where_the_cpu_has_it_else_avx2(monkeypatch):
+    from specwood.models import kquant_kernels
+
+    cases = [({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, kquant_kernels.VNNI_KERNEL),
+             ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}, kquant_kernels.AVX2_KERNEL),
+             ({"avx2", "fma", "f16c"}, kquant_kernels.AVX2_KERNEL)]
+    for flags, kernel in cases:
+        monkeypatch.setattr(kquant_kernels, "cpu_flags", lambda: flags)
+        assert kquant_kernels.kquant_kernel() is kernel, flags
 
 
 def test_auto_weight_mode_is_q4_for_q4k_gguf_targets_and_for_drafts(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):

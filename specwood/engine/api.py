@@ -393,7 +393,7 @@ def release_freed_memory() -> None:
 
 
 def check_q4(device: str) -> None:
-    """The q4 weight mode's kernel runs here (CPU, AVX512-VNNI, built), else one line saying what to use."""
+    """The q4 weight mode's kernel runs here (CPU, AVX512-VNNI or AVX2, built), else one line saying what to use."""
     if not str(device).startswith("cpu"):
         raise SpecwoodError(f"the q4 weight mode runs on the CPU; with --device {device} use --dtype bf16")
     from specwood.models.w4a8 import require_q4
@@ -475,7 +475,7 @@ def load(
     """Load a target model (a registry name, a .gguf file or a Hugging Face folder) and a draft.
 
     draft="auto" picks the registry's default draft for a registry target (none otherwise);
-    draft=None (or "none") loads no draft. On a CPU with AVX512-VNNI dtype="auto" is "q4" for a GGUF
+    draft=None (or "none") loads no draft. On a CPU with AVX512-VNNI or AVX2 dtype="auto" is "q4" for a GGUF
     of Q4_K weights (the file's Q4_K and Q6_K weights as stored, the rest in bf16) and
     draft_dtype="auto" is "q4-lite" (every weight in 4 bits; q4_runs_here); otherwise dtype="auto"
     is bf16 where it is fast, else fp32, and draft_dtype="auto" runs the draft with int4 weights on

@@ -64,17 +64,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model name/path; 'auto' = the target's default draft; 'none' = no draft. "
                         "Loaded only when the method drafts with a model")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto = q4 for a GGUF of Q4_K weights (the default pair) on CPUs with AVX512-VNNI, else bf16 on "
+                   help="auto = q4 for a GGUF of Q4_K weights (the default pair) on CPUs with AVX2 or AVX512, else bf16 on "
                         "CPUs with AVX512-BF16/AMX and on GPUs, else fp32; q4 = the GGUF's Q4_K, Q5_K, Q6_K and "
                         "Q8_0 weights as the file stores them (Q4_0/Q5_0 as Q8_0, exactly; other types in bf16, one "
                         "line names them) times int8 activations "
-                        "per 32 inputs, on specwood's AVX512-VNNI kernel (CPU): closer to the file than llama.cpp "
+                        "per 32 inputs, on specwood's AVX512-VNNI kernel (or its AVX2 build, same bits) (CPU): closer to the file than llama.cpp "
                         "(KL against the file's weights: 0.0009 on code, llama.cpp 0.0086; BENCHMARKS.md §9); q4-lite = "
                         "every linear in 4 bits (Q6_K requantised): 10%% fewer bytes a step, lossier (KL 0.016, "
                         "~18x q4's); int8 = W8A8 linears (int8 weights, per-token "
                         "int8 activations). Every method is token-identical to ar in every mode")
     p.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPE_CHOICES,
-                   help="auto = q4-lite on CPUs with AVX512-VNNI, else int4 weights on other CPUs (drafts "
+                   help="auto = q4-lite on CPUs with AVX2 or AVX512, else int4 weights on other CPUs (drafts "
                         "never change the output, only the speed), else --dtype")
     p.add_argument("--head", default=None,
                    help="a feature-level draft head for --method head: a file from `specwood train-drafter`, an "

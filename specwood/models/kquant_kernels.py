@@ -1,9 +1,11 @@
 """The k-quant linears' kernel builds: AVX512-VNNI (`kernels/kquants_vnni.cpp`, every call where the
-CPU has it) and AMX tiles (`kernels/kquants_amx.cpp`, calls of many rows where specwood.models.amx
-chose it), and the tile kernel over a C++ model of the tile unit (tests on CPUs without AMX)."""
+CPU has it), the same source on AVX2 + FMA + F16C where it has no AVX512 (`kernels/avx512_on_avx2.h`:
+the same bits, at AVX2's speed), AMX tiles (`kernels/kquants_amx.cpp`, calls of many rows where
+specwood.models.amx chose it), and the tile kernel over a C++ model of the tile unit (tests on CPUs
+without AMX)."""
 from __future__ import annotations
 
-from specwood.models.kernels import AVX512_FLAGS, CpuKernel
+from specwood.models.kernels import AVX512_FLAGS, CpuKernel, cpu_flags
 
 KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
 VNNI_KERNEL = CpuKernel("specwood_kquants_vnni", "kquants_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
@@ -14,3 +16,12 @@ AMX_KERNEL = CpuKernel("specwood_kquants_amx", "kquants_amx.cpp", KERNEL_CFLAGS 
 EMULATED_KERNEL = CpuKernel("specwood_kquants_amx_emulated", "kquants_amx.cpp",
                             KERNEL_CFLAGS + ["-DSPECWOOD_TILE_EMULATION"], VNNI_KERNEL.required,
                             "the emulated AMX path")
+AVX2_KERNEL = CpuKernel("specwood_kquants_avx2", "kquants_vnni.cpp",
+                        ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DSPECWOOD_AVX2"], ("avx2", "fma", "f16c"),
+                        "the q4 weight mode")
+
+
+def kquant_kernel() -> CpuKernel:
+    """The k-quant linears' build for this CPU: AVX512-VNNI where it has that, else AVX2's (whose
+    missing flags, on a CPU with neither, are the least it would need)."""
+    return VNNI_KERNEL if set(VNNI_KERNEL.required) <= cpu_flags() else AVX2_KERNEL

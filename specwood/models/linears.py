@@ -10,7 +10,9 @@ from torch import nn
 
 
 def cpu_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN's packed bf16 linear: it refuses CPUs without AVX512-BW/VL/DQ or AVX-NE-CONVERT."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -104,9 +106,14 @@ def int8_available() -> bool:
 
 
 def qlinear_available() -> bool:
-    """oneDNN's quantised linear with prepacked weights (x86 CPU builds of torch)."""
+    """oneDNN's quantised linear with prepacked weights (x86 CPU builds of torch), on a CPU with a
+    VNNI instruction: without one, oneDNN multiplies u8 by s8 with vpmaddubsw, whose int16 sums of
+    two products saturate (255 * 127 * 2 > 32767), and the results are wrong by some 10%."""
+    from specwood.models.kernels import cpu_flags
+
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
-            and hasattr(torch.ops.onednn, "qlinear_pointwise"))
+            and hasattr(torch.ops.onednn, "qlinear_pointwise")
+            and bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"}))
 
 
 def quantize_weight_int8(w: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,9 +5,10 @@ w = scale * q - min with q in 0..15, the scales and minimums themselves 6-bit co
 factor per 256 inputs. `Q4Linear` keeps exactly that (Q4Weights), so a target read from the GGUF
 runs on the weights llama.cpp runs, at 4.6 bits a weight instead of int8's 8. torch 2.13 has no
 kernel that reads 4-bit weights at this CPU's bandwidth (BENCHMARKS.md §7k, §7l), so the multiply
-is `kernels/kquants_vnni.cpp` (AVX512-VNNI), compiled on first use with torch's cpp_extension and
-cached; the file's Q6_K tensors run on the same kernel as they are stored (specwood.models.q6k). Machines without AVX512-VNNI or a C++ compiler get a one-line error naming the
-alternative (--dtype int8).
+is `kernels/kquants_vnni.cpp` (AVX512-VNNI, or the same source on AVX2 where the CPU has no
+AVX512, with the same bits), compiled on first use with torch's cpp_extension and cached; the
+file's Q6_K tensors run on the same kernel as they are stored (specwood.models.q6k). Machines
+without AVX2 or a C++ compiler get a one-line error naming the alternative (--dtype int8).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from specwood.errors import SpecwoodError
 from specwood.models.amx import tile_path
-from specwood.models.kquant_kernels import KERNEL_CFLAGS, VNNI_KERNEL  # noqa: F401
+from specwood.models.kquant_kernels import KERNEL_CFLAGS, kquant_kernel  # noqa: F401
 
 GROUP = 32
 LANES = 16  # output channels interleaved in one 512-bit register
@@ -26,7 +27,7 @@ BLOCK = 32  # output channels per block of the packed layout (two registers)
 SUPER = 8  # groups per superblock (Q4_K: 256 inputs)
 HEADER_BYTES = 2 * BLOCK * 2  # a superblock's d and dmin, fp16, per channel of a block
 GROUP_STRIDE = 2 * BLOCK + BLOCK * GROUP // 2  # a group's scale and minimum codes, then its nibbles
-KERNEL = VNNI_KERNEL  # KERNEL_CFLAGS, imported with it, is used by benchmarks/q4_kernel_ab.py
+KERNEL = kquant_kernel()  # KERNEL_CFLAGS, imported with it, is used by benchmarks/q4_kernel_ab.py
 
 
 def q4_unavailable_reason() -> str | None:

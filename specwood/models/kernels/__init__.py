@@ -93,6 +93,19 @@ def torch_version() -> str:
     return str(torch.__version__)
 
 
+def local_headers(source: Path) -> list[Path]:
+    """The headers of this folder that `source` includes, and those they include, each once."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        for name in re.findall(r'^#include "([^"]+)"', todo.pop().read_text(), re.MULTILINE):
+            path = source.parent / name
+            if path not in found:
+                found.append(path)
+                todo.append(path)
+    return found
+
+
 class CpuKernel:
     """One extension module: `source` (a file in this folder) built as `name` with `cflags`,
     on CPUs with every flag in `required` (as /proc/cpuinfo names them)."""
@@ -109,8 +122,7 @@ class CpuKernel:
         the compiler flags, torch's and Python's versions and the CPU: a changed source or another
         torch never loads (or waits on) an old build, and a build copied from another CPU is not
         executed."""
-        included = re.findall(r'^#include "([^"]+)"', self.source.read_text(), re.MULTILINE)
-        headers = b"".join((self.source.parent / name).read_bytes() for name in included)
+        headers = b"".join(path.read_bytes() for path in local_headers(self.source))
         key = hashlib.sha256(self.source.read_bytes() + headers + json.dumps(
             [self.cflags, torch_version(), list(sys.version_info[:2]), cpu_identity()]).encode()).hexdigest()[:12]
         return build_directory() / f"{self.name}-{key}"

@@ -75,10 +75,10 @@ void q4_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
           const int8_t* xr = xq + r * k + g * GROUP + c * 8;
           const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
           const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
-          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], u.lo_a, xl);
-          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], u.lo_b, xl);
-          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], u.hi_a, xh);
-          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], u.hi_b, xh);
+          dot[r][0] = dot_codes(dot[r][0], u.lo_a, xl);
+          dot[r][1] = dot_codes(dot[r][1], u.lo_b, xl);
+          dot[r][0] = dot_codes(dot[r][0], u.hi_a, xh);
+          dot[r][1] = dot_codes(dot[r][1], u.hi_b, xh);
         }
       }
       const __m512 sca = _mm512_mul_ps(ucodes16(line), da), scb = _mm512_mul_ps(ucodes16(line + LANES), db);
@@ -121,10 +121,10 @@ void q6_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
             const int8_t* xr = xq + r * k + g * GROUP + c * 8;
             const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
             const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
-            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], u.lo_a, xl);
-            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], u.lo_b, xl);
-            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], u.hi_a, xh);
-            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], u.hi_b, xh);
+            dot[r][0] = dot_codes(dot[r][0], u.lo_a, xl);
+            dot[r][1] = dot_codes(dot[r][1], u.lo_b, xl);
+            dot[r][0] = dot_codes(dot[r][0], u.hi_a, xh);
+            dot[r][1] = dot_codes(dot[r][1], u.hi_b, xh);
           }
         }
         const __m512 sca = _mm512_mul_ps(scodes16(line + s * 32), da);
