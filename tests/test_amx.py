@@ -20,7 +20,10 @@ from specwood.models import amx, amx_probe, kernels
 from specwood.models.kernels import cpu_flags
 from specwood.models.w4a8 import q4_unavailable_reason
 
-pytestmark = pytest.mark.skipif(q4_unavailable_reason() is not None, reason=str(q4_unavailable_reason()))
+# the tile path (and its emulation) is built beside the AVX512-VNNI kernel: an AVX2 machine has neither
+pytestmark = pytest.mark.skipif(bool(amx.VNNI_KERNEL.missing_flags()) or q4_unavailable_reason() is not None,
+                                reason=str(q4_unavailable_reason() or "the AMX path builds on AVX512-VNNI, which "
+                                                                      "this CPU lacks"))
 HAS_AMX = all(f in cpu_flags() for f in amx.AMX_FLAGS)
 NO_AMX = "this CPU has no AMX (amx_tile, amx_int8 missing from /proc/cpuinfo): the real tile kernel cannot run here"
 
