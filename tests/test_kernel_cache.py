@@ -68,5 +68,8 @@ def test_without_a_compiler_generation_runs_on_torch_with_one_line(tmp_path, tin
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     said = [ln for ln in proc.stderr.splitlines() if "run on torch instead" in ln]
-    why = "needs an x86 CPU with" if KERNEL.missing_flags() else "could not be built"  # no AVX512: not even tried
-    assert len(said) == 1 and why in said[0] and "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+    if KERNEL.missing_flags():  # no AVX512: the kernel is never tried, so there is no failure to report
+        assert said == []
+    else:
+        assert len(said) == 1 and "could not be built" in said[0]
