@@ -418,6 +418,14 @@ def gguf_is_q4k(name_or_path: str | os.PathLike[str]) -> bool:
     return bool(types) and 2 * sum(t == Q.Q4_K for t in types) > len(types)
 
 
+def row_exact_attention_here() -> bool:
+    """Whether the layers' kernel (row-exact attention: a row's bits never depend on the other rows
+    or the key count) can run on this CPU; without it attention runs on torch's SDPA, which is not."""
+    from specwood.models.layer_ops import KERNEL as LAYER_KERNEL
+
+    return not LAYER_KERNEL.missing_flags()
+
+
 def q4_runs_here(device: str) -> bool:
     """Whether "auto" may pick the q4 weight mode: a CPU with the kernel's instructions, where the
     kernel builds (compiled here on first use). A failed build says so in one line; the caller
@@ -475,7 +483,7 @@ def load(
     """Load a target model (a registry name, a .gguf file or a Hugging Face folder) and a draft.
 
     draft="auto" picks the registry's default draft for a registry target (none otherwise);
-    draft=None (or "none") loads no draft. On a CPU with AVX512-VNNI or AVX2 dtype="auto" is "q4" for a GGUF
+    draft=None (or "none") loads no draft. On a CPU with AVX512-VNNI dtype="auto" is "q4" for a GGUF
     of Q4_K weights (the file's Q4_K and Q6_K weights as stored, the rest in bf16) and
     draft_dtype="auto" is "q4-lite" (every weight in 4 bits; q4_runs_here); otherwise dtype="auto"
     is bf16 where it is fast, else fp32, and draft_dtype="auto" runs the draft with int4 weights on
@@ -523,6 +531,10 @@ def load(
     q4_target = dtype == "auto" and backend == "torch" and gguf_is_q4k(target)
     q4_draft = draft_dtype == "auto" and draft is not None and draft_backend == "torch"
     if (q4_target or q4_draft) and q4_runs_here(device):
+        # a q4 target by default only where attention is row-exact too (layer_ops.cpp: AVX512); on
+        # torch's attention a tree's node can round apart from a one-token step, so speculation
+        # would not be token-identical to ar there (BENCHMARKS §25): --dtype q4 asks for it anyway
+        q4_target = q4_target and row_exact_attention_here()
         dtype, draft_dtype = ("q4" if q4_target else dtype), ("q4-lite" if q4_draft else draft_dtype)
     if {"q4", "q4-lite"} & {dtype, draft_dtype}:  # before minutes of loading
         check_q4(device)
