@@ -162,23 +162,14 @@ def test_every_type_runs_as_stored_and_every_method_matches_ar(tiny_pair, tiny_t
 
 def test_the_avx2_build_gives_the_avx512_builds_bits():
     """On a CPU with AVX512-VNNI (where AVX2 runs too) both builds of the kernel give every type,
-    row count (tiles of 1-8) and input dtype the same bits: an AVX2 machine runs the model an
-    AVX512 one runs. (On an AVX2-only CPU the AVX2 build is the kernel every other test here checks.)"""
+    row count (whole and partial tiles), thread split and input dtype the same bits: an AVX2 machine
+    runs the model an AVX512 one runs. (On an AVX2-only CPU the AVX2 build is the kernel every other
+    test here checks.)"""
+    from specwood.models import amx_probe
     from specwood.models.kquant_kernels import AVX2_KERNEL, VNNI_KERNEL
-    from test_q6k import random_q6
 
     if VNNI_KERNEL.missing_flags():
         pytest.skip(f"compares against the AVX512-VNNI build: {VNNI_KERNEL.failure or 'no AVX512-VNNI here'}")
     vnni, avx2 = VNNI_KERNEL.load(), AVX2_KERNEL.load()
     assert vnni is not None and avx2 is not None, (VNNI_KERNEL.failure, AVX2_KERNEL.failure)
-    k = 896  # whole and partial superblocks
-    linears = {"q4_linear": Q4Linear(quantize_q4(torch.randn(64, k))), "q5_linear": Q5Linear(random_q5(64, k)),
-               "q6_linear": Q6Linear(random_q6(64, k)), "q8_linear": Q8Linear(random_q8(64, k))}
-    bias = torch.randn(64)
-    for rows in (1, 3, 8, 13):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = (torch.randn(rows, k) * torch.rand(rows, 1) * 10).to(dtype)
-            x[0, :32] = 0
-            for name, lin in linears.items():
-                a, b = getattr(vnni, name)(x, lin.packed, bias), getattr(avx2, name)(x, lin.packed, bias)
-                assert torch.equal(a, b), (name, rows, dtype)
+    assert amx_probe.first_difference(avx2, vnni, rows=(1, 3, 8, 13, 16, 17, 40)) is None
