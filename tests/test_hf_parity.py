@@ -59,8 +59,9 @@ def test_real_default_draft_matches_transformers(real_draft_fp32):
 
 
 def test_quantised_model_exports_the_files_exact_weights(tmp_path, monkeypatch, tiny_tokenizer):
-    """The default mode on a Q4_K_M file (q4: the file's Q4_K and Q6_K values as stored, a fused qkv
-    of two types) exports to transformers (the `hf` benchmark baseline) with the file's weights
+    """q4 on a Q4_K_M file (the file's Q4_K and Q6_K values as stored, a fused qkv of two types; the
+    default mode where our attention is row-exact, asked for by name so every CPU with the kernel runs
+    it) exports to transformers (the `hf` benchmark baseline) with the file's weights
     dequantised exactly: the linears equal the fidelity benchmark's fp32 reference bit for bit,
     the tensors q4 keeps in floats equal it to their dtype's rounding, and the HF twin runs."""
     from specwood.bench.hf_baseline import HFBaseline
@@ -76,7 +77,7 @@ def test_quantised_model_exports_the_files_exact_weights(tmp_path, monkeypatch, 
     cfg = random_tiny_config("qwen2", vocab_size=264, dim=256, intermediate_size=512, eos_token_ids=[256],
                              bos_token_id=None)
     path = str(write_q4_k_m_gguf(tmp_path / "q4km.gguf", cfg, seed=5))
-    q4 = load(path, None, progress=False)  # the default mode
+    q4 = load(path, None, dtype="q4", progress=False)
     assert q4.target.weight_mode == "q4" and isinstance(q4.target.layers[0].attention.wqkv, StackedLinear)
     reference = load(path, None, dtype="fp32", progress=False).target.canonical_state_dict()  # fidelity's
     exported = q4.target.canonical_state_dict(torch.float32)

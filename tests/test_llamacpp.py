@@ -271,7 +271,10 @@ def test_real_target_tree_and_greedy() -> None:
         assert close(m.decode_one(greedy[3]), _fresh(m, ids + greedy[:3], greedy[3]), rel=0.05)
     finally:
         m.close()
-    llm = lc.Llama(str(m.path), n_ctx=256, n_threads=m.n_threads, n_threads_batch=m.n_threads, verbose=False)
+    # Flash attention as our runner has it (llama.cpp's default, "auto"): llama-cpp-python turns it off,
+    # and its other attention path decoded garbage here on an AVX2-only build (Zen 3: 95456, 0, ...).
+    llm = lc.Llama(str(m.path), n_ctx=256, n_threads=m.n_threads, n_threads_batch=m.n_threads,
+                   flash_attn=True, verbose=False)
     theirs = []
     for tok in llm.generate(ids, temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
         theirs.append(int(tok))
