@@ -124,3 +124,35 @@ def test_every_method_matches_ar_on_torch_ops(tiny_tokenizer):
             if p.dim() > 1:
                 p.add_(0.3 * p.std() * torch.randn(p.shape, generator=g))
     assert_every_method_matches_ar(Engine(target, tiny_tokenizer, draft=draft))
+
+
+def test_the_avx2_build_gives_the_avx512_builds_bits():
+    """On an AVX512 CPU (where AVX2 runs too) both builds of layer_ops.cpp give the same bits for
+    every operation, whole and partial vectors, masked keys, fp32 and bf16 -- except bf16 attention
+    with heads of 64 or 128 on a CPU with AVX512-BF16, which multiplies bf16 pairs there (not
+    compared). (On an AVX2-only CPU the AVX2 build is the kernel every other test here checks.)"""
+    from specwood.models.layer_ops import AVX2_KERNEL, AVX512_KERNEL
+
+    if AVX512_KERNEL.missing_flags():
+        pytest.skip(f"compares against the AVX512 build: {AVX512_KERNEL.failure or 'no AVX512 here'}")
+    wide, avx2 = KernelLayerOps(AVX512_KERNEL.load()), KernelLayerOps(AVX2_KERNEL.load())
+    g = torch.Generator().manual_seed(11)
+    for dtype in DTYPES:
+        x, w = (torch.randn(7, 176, generator=g) * 3).to(dtype), torch.randn(176, generator=g).to(dtype)
+        assert torch.equal(wide.rms_norm(x, w, 1e-6), avx2.rms_norm(x, w, 1e-6))
+        gu = (torch.randn(5, 2 * 80, generator=g) * 8).to(dtype)  # exp's clamps at -87 and 88 included
+        assert torch.equal(wide.silu_mul(gu), avx2.silu_mul(gu))
+        for head_dim in (16, 48, 64, 128):  # 48: a partial vector in RoPE's halves
+            B, T, H, Hkv, S = 2, 3, 6, 2, 41
+            qkv = torch.randn(B, T, (H + 2 * Hkv) * head_dim, generator=g).to(dtype)
+            cos, sin = torch.randn(2, B, 1, T, head_dim, generator=g)
+            a, b = wide.rope_qk(qkv.clone(), cos, sin, H, Hkv), avx2.rope_qk(qkv.clone(), cos, sin, H, Hkv)
+            assert all(torch.equal(u, v) for u, v in zip(a, b))
+            if dtype == torch.bfloat16 and head_dim in (64, 128):
+                continue
+            q = torch.randn(B, T, H, head_dim, generator=g).to(dtype)
+            k, v = (torch.randn(B, Hkv, S, head_dim, generator=g).to(dtype) for _ in range(2))
+            mask = torch.rand(B, 1, T, S, generator=g) > 0.4
+            mask[..., 0] = True
+            bias = cpu_attention_mask(mask, H // Hkv, dtype)
+            assert torch.equal(wide.attention(q, k, v, bias), avx2.attention(q, k, v, bias)), (dtype, head_dim)

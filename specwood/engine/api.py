@@ -531,8 +531,8 @@ def load(
     q4_target = dtype == "auto" and backend == "torch" and gguf_is_q4k(target)
     q4_draft = draft_dtype == "auto" and draft is not None and draft_backend == "torch"
     if (q4_target or q4_draft) and q4_runs_here(device):
-        # a q4 target by default only where attention is row-exact too (layer_ops.cpp: AVX512); on
-        # torch's attention a tree's node can round apart from a one-token step, so speculation
+        # a q4 target by default only where attention is row-exact too (layer_ops.cpp: AVX512 or AVX2);
+        # on torch's attention a tree's node can round apart from a one-token step, so speculation
         # would not be token-identical to ar there (BENCHMARKS §25): --dtype q4 asks for it anyway
         q4_target = q4_target and row_exact_attention_here()
         dtype, draft_dtype = ("q4" if q4_target else dtype), ("q4-lite" if q4_draft else draft_dtype)

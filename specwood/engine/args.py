@@ -64,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model name/path; 'auto' = the target's default draft; 'none' = no draft. "
                         "Loaded only when the method drafts with a model")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto = q4 for a GGUF of Q4_K weights (the default pair) on CPUs with AVX512-VNNI, else bf16 on "
+                   help="auto = q4 for a GGUF of Q4_K weights (the default pair) on CPUs with AVX512-VNNI or AVX2, else bf16 on "
                         "CPUs with AVX512-BF16/AMX and on GPUs, else fp32; q4 = the GGUF's Q4_K, Q5_K, Q6_K and "
                         "Q8_0 weights as the file stores them (Q4_0/Q5_0 as Q8_0, exactly; other types in bf16, one "
                         "line names them) times int8 activations "

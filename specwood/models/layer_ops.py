@@ -1,5 +1,6 @@
 """The small operations of a decoder layer -- RMSNorm, the rotary embedding, the SiLU-gated product,
-attention -- in torch operators, or in one C++ call each on an AVX512 CPU (`kernels/layer_ops.cpp`).
+attention -- in torch operators, or in one C++ call each on an AVX512 or AVX2 CPU
+(`kernels/layer_ops.cpp`).
 
 The model's modules hold one of these objects as `ops` and call it; `Transformer.use_layer_kernels`
 swaps the torch implementation for the kernels where they fit. At a few rows a forward the torch
@@ -19,10 +20,23 @@ from specwood.models.rope import apply_rope
 
 # -ffp-contract=off: RoPE's products and sums rounded one by one, as torch's operators do.
 # AVX512-BF16 where the CPU has it: bf16 attention multiplies pairs without widening them.
-KERNEL = CpuKernel("specwood_layer_ops", "layer_ops.cpp",
-                   ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-ffp-contract=off", "-fopenmp"]
-                   + (["-mavx512bf16"] if "avx512_bf16" in cpu_flags() else []),
-                   AVX512_FLAGS, "the fused layer operations")
+AVX512_KERNEL = CpuKernel("specwood_layer_ops", "layer_ops.cpp",
+                          ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-ffp-contract=off", "-fopenmp"]
+                          + (["-mavx512bf16"] if "avx512_bf16" in cpu_flags() else []),
+                          AVX512_FLAGS, "the fused layer operations")
+# The same source on AVX2 + FMA (kernels/avx512_on_avx2.h): the same bits at half the vector width.
+AVX2_KERNEL = CpuKernel("specwood_layer_ops_avx2", "layer_ops.cpp",
+                        ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-DSPECWOOD_AVX2"],
+                        ("avx2", "fma"), "the fused layer operations")
+
+
+def layer_kernel() -> CpuKernel:
+    """This CPU's build: AVX512's where it has that, else AVX2's (whose missing flags, on a CPU with
+    neither, are the least it would need)."""
+    return AVX512_KERNEL if set(AVX512_FLAGS) <= cpu_flags() else AVX2_KERNEL
+
+
+KERNEL = layer_kernel()
 
 
 class TorchLayerOps:

@@ -1,5 +1,6 @@
 // The small operations of a decoder layer for x86 CPUs with AVX512: RMSNorm, the rotary embedding,
-// the SiLU-gated product and attention (any number of query rows, each computed alone).
+// the SiLU-gated product and attention (any number of query rows, each computed alone). With
+// -DSPECWOOD_AVX2 the same source builds for AVX2 + FMA CPUs (avx512_on_avx2.h), to the same bits.
 //
 // Why: at one to a few rows a forward, each of these is a microsecond of arithmetic behind torch's
 // dispatch (a norm is 7 operators, RoPE 9, flash attention's setup tens of microseconds a layer),
@@ -19,6 +20,9 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 #include <immintrin.h>
+#ifdef SPECWOOD_AVX2
+#include "avx512_on_avx2.h"
+#endif
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -171,26 +175,35 @@ inline __m512 sum16x16(const __m512 (&v)[16]) {
   return sum16x16_finish(u);
 }
 
-// bf16 pairs straight into fp32 sums (vdpbf16ps) where the CPU has AVX512-BF16 and the head size
-// is 64 or 128 (compiled in, see attend_token): no widening of q, k or v, and half the multiply instructions. Products of two
-// bf16 values are exact in fp32, so the scores lose nothing; the probabilities go to bf16 for the
-// product with v, as torch's flash attention does for bf16.
-#ifdef __AVX512BF16__
-constexpr bool kBf16Pairs = true;
-inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-}
-#else
-constexpr bool kBf16Pairs = false;
-inline __m512 dot_pairs(__m512 acc, __m512i, __m512i) { return acc; }  // never called
-#endif
-
 // Lane-wise partial products of q and k (d values each, widened to fp32); their 16 lanes sum to q . k.
 template <typename T>
 inline __m512 partial_dot(const T* q, const T* k, int64_t d) {
   __m512 acc = _mm512_mul_ps(load16(q), load16(k));
   for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(load16(q + i), load16(k + i), acc);
   return acc;
+}
+
+// Per-call scratch of one thread.
+struct AttentionScratch {
+  std::vector<int32_t> keys;
+  std::vector<float> key_bias, scores, inverse;
+  std::vector<at::BFloat16> probs;
+};
+
+// out[i] = acc[i / 16] * inverse for i < 16 * chunks: a head's value sums, normalised.
+template <typename T>
+inline void store_normalised(T* out, const __m512* acc, int64_t chunks, float inverse) {
+  const __m512 norm = _mm512_set1_ps(inverse);
+  for (int64_t c = 0; c < chunks; ++c) store16(out + c * 16, _mm512_mul_ps(acc[c], norm));
+}
+
+// bf16 pairs straight into fp32 sums (vdpbf16ps) where the CPU has AVX512-BF16 and the head size
+// is 64 or 128 (compiled in, see attend_token): no widening of q, k or v, and half the multiply instructions. Products of two
+// bf16 values are exact in fp32, so the scores lose nothing; the probabilities go to bf16 for the
+// product with v, as torch's flash attention does for bf16.
+#ifdef __AVX512BF16__
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
 
 // The scores of HB consecutive heads of one query token (q [HB, D]) over one block of up to 16
@@ -279,20 +292,6 @@ inline void in_dimension_order(__m512& lo, __m512& hi) {
   hi = b;
 }
 
-// Per-call scratch of one thread.
-struct AttentionScratch {
-  std::vector<int32_t> keys;
-  std::vector<float> key_bias, scores, inverse;
-  std::vector<at::BFloat16> probs;
-};
-
-// out[i] = acc[i / 16] * inverse for i < 16 * chunks: a head's value sums, normalised.
-template <typename T>
-inline void store_normalised(T* out, const __m512* acc, int64_t chunks, float inverse) {
-  const __m512 norm = _mm512_set1_ps(inverse);
-  for (int64_t c = 0; c < chunks; ++c) store16(out + c * 16, _mm512_mul_ps(acc[c], norm));
-}
-
 // weigh_values_pairs for HB consecutive heads (probs [HB, padded] in bf16, the sums' inverses
 // [HB]), normalised into out [HB, D].
 template <int HB, int D>
@@ -309,6 +308,8 @@ void weigh_heads_pairs(const at::BFloat16* v, int64_t key_stride, const int32_t*
   }
 }
 
+#endif  // __AVX512BF16__
+
 // Attention of one token's `groups` query heads (sharing KV head kvh) over the keys its mask row
 // lets it see. q [groups, d] at q (head stride d), k/v rows at key_stride, bias [S] additive
 // (-inf = masked), out [groups, d]. D: d known at compile time (0: any), so the value sums of the
@@ -319,7 +320,9 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
   const int64_t d = D ? D : any_d;
   const int64_t chunks = d / 16;
   // bf16 pairs (vdpbf16ps) for bf16 heads of 64 or 128 where the CPU has AVX512-BF16
-  constexpr bool pairs = kBf16Pairs && std::is_same<T, at::BFloat16>::value && (D == 64 || D == 128);
+#ifdef __AVX512BF16__
+  constexpr bool pairs = std::is_same<T, at::BFloat16>::value && (D == 64 || D == 128);
+#endif
   // The visible keys in slot order, 16 bias entries at a time (compressed in a register: Zen 4's
   // compressing store to memory is microcoded and slow).
   std::vector<int32_t>& keys = scratch.keys;
@@ -342,13 +345,16 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
   scores.resize(groups * padded);
   // Scores, 16 keys a block: each key's row is read from L1 by every head of the group.
   const __m512 scale16 = _mm512_set1_ps(scale);
+#ifdef __AVX512BF16__
   if constexpr (pairs) {  // heads 3 or 4 at a time (register room: q, the products and a key chunk)
     for (int64_t a0 = 0; a0 < n; a0 += 16)  // a block's key rows stay in L1 for all the heads
       for_head_blocks<D == 128 ? 3 : 4>(groups, [&](auto hb, int64_t g) {
         score_block_pairs<D, decltype(hb)::value>(q + g * d, k, key_stride, keys.data() + a0, key_bias.data() + a0,
                                                   std::min<int64_t>(16, n - a0), scale16, scores.data() + g * padded + a0, padded);
       });
-  } else {
+  } else
+#endif
+  {
     for (int64_t a0 = 0; a0 < n; a0 += 16) {
       const int64_t count = std::min<int64_t>(16, n - a0);
       const __m512 kb = _mm512_maskz_loadu_ps(first_lanes(count), key_bias.data() + a0);
@@ -378,6 +384,7 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
     }
     inverse[g] = n > 0 ? 1.f / sum16(total) : 0.f;
   }
+#ifdef __AVX512BF16__
   if constexpr (pairs) {
     std::vector<at::BFloat16>& probs = scratch.probs;
     probs.resize(groups * padded);
@@ -391,6 +398,7 @@ void attend_token(const T* q, const T* k, const T* v, int64_t key_stride, const 
     });
     return;
   }
+#endif
   for (int64_t g = 0; g < groups; ++g) {
     const float* sg = scores.data() + g * padded;
     __m512 acc[16];
