@@ -12,10 +12,16 @@ more often (+BIAS) must fail hard, so the test has the power to see a bias.
 Only the first decode step speculates here (the first token comes from the prefill), so the
 second token is the one every method's drafting + verification decides; `max_tokens=2`.
 Throughput matters: SAMPLES (a module constant, env SPECWOOD_STAT_SAMPLES overrides it) is sized
-for the CI budget; every test prints its requests/s. Measured on the 2-core CI CPU (one torch
-thread, BATCH 256): ar ~2,200 req/s, pld ~1,450, the draft-model methods 680-920, so this file
-(13 law cases + 3 biased runs) takes ~15 min at 50,000 requests per case and ~60 min at 200,000.
-At 50,000 the biased verifier (+0.05) gives p < 1e-36 (chain), 1e-92 (dyspec), 0 (eagle).
+for the CI budget; every test prints its requests/s. Measured with one torch thread, BATCH 256:
+on a 2-core Zen 4 VM ar ~2,200 req/s, pld ~1,450, the draft-model methods 680-920; on a 2-core
+Zen 3 VM without AVX512 (2026-11-28, CI drew one) ar 814, pld 486, the draft-model methods 190-310,
+so at 50,000 requests per case this file (18 law cases + 4 biased runs) took 69 min of one core
+there, half the whole suite's time. At 50,000 the biased verifier (+0.05) gave p = 6e-43 (chain),
+2e-128 (dyspec), 9e-107 (head), 0 (eagle); the G statistic grows linearly with the sample count,
+so at 25,000 the weakest is still some 1e-21, far below P_BIASED: 25,000 it is, for law and biased
+runs alike (the bias the tests must see is seen by orders of magnitude). The verifiers themselves
+are held to >= 200,000 samples (tests/test_verify_statistics.py), as is the parallel executor
+(tests/test_parallel.py).
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ from specwood.sampling import SamplingParams
 from conftest import (BiasedVerify, exact_first_two_law, g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy,
                       trained_tiny_head)
 
-SAMPLES = int(os.environ.get("SPECWOOD_STAT_SAMPLES", 50_000))  # requests per method and case (see below)
+SAMPLES = int(os.environ.get("SPECWOOD_STAT_SAMPLES", 25_000))  # requests per method and case (see below)
 BIASED_SAMPLES = SAMPLES  # the biased runs must fail at the same sample count
 BATCH = 256  # max_batch of the scheduler: requests per batched step
 V = 32  # vocabulary
@@ -201,7 +207,7 @@ def test_engine_samples_the_target_law(stat_engine, private_plans, case):
 # auto's first step copies the tokens that followed (a "selected" chain) instead of drafting with
 # the model; auto copies only in steps a request has to itself, so these runs go one at a time
 LOOKUP_PROMPT = [20, 3, 4, 16, 0, 2, 15, 17, 20, 3, 4]
-LOOKUP_SAMPLES = SAMPLES // 2  # one request per step is ~4x slower; the biased run still fails by far
+LOOKUP_SAMPLES = SAMPLES  # one request per step is ~4x slower (25,000 as before SAMPLES was halved)
 
 
 def test_auto_copying_from_the_context_samples_the_target_law(stat_engine, private_plans):
