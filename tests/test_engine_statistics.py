@@ -17,9 +17,9 @@ on a 2-core Zen 4 VM ar ~2,200 req/s, pld ~1,450, the draft-model methods 680-92
 Zen 3 VM without AVX512 (2026-11-28, CI drew one) ar 814, pld 486, the draft-model methods 190-310,
 so at 50,000 requests per case this file (18 law cases + 4 biased runs) took 69 min of one core
 there, half the whole suite's time. At 50,000 the biased verifier (+0.05) gave p = 6e-43 (chain),
-2e-128 (dyspec), 9e-107 (head), 0 (eagle); the G statistic grows linearly with the sample count,
-so at 25,000 the weakest is still some 1e-21, far below P_BIASED: 25,000 it is, for law and biased
-runs alike (the bias the tests must see is seen by orders of magnitude). The verifiers themselves
+2e-128 (dyspec), 9e-107 (head), 0 (eagle); at 25,000, measured on that CPU: 3e-18 (chain), 4e-63
+(dyspec), 6e-40 (head), 2e-190 (eagle), and 3e-26 for copied chains, all far below P_BIASED: 25,000
+it is, for law and biased runs alike (the bias the tests must see is seen by orders of magnitude). The verifiers themselves
 are held to >= 200,000 samples (tests/test_verify_statistics.py), as is the parallel executor
 (tests/test_parallel.py).
 """

@@ -197,8 +197,7 @@ def test_a_cpu_without_avx2_gets_one_line_naming_int8(monkeypatch):
     import specwood
     from specwood.models import kernels, kquant_kernels, w4a8
 
-    for module in (kernels, kquant_kernels):
-        monkeypatch.setattr(module, "cpu_flags", lambda: {"sse2", "sse4_2"})  # what such a CPU reports
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "sse4_2"})  # what such a CPU reports
     chosen = kquant_kernels.kquant_kernel()
     assert chosen is kquant_kernels.AVX2_KERNEL  # the least such a CPU would need, named in the line
     fresh = kernels.CpuKernel(chosen.name, chosen.source.name, chosen.cflags, chosen.required, chosen.use)
@@ -210,13 +209,13 @@ def test_a_cpu_without_avx2_gets_one_line_naming_int8(monkeypatch):
 
 
 def test_the_kernel_is_avx512_vnni_where_the_cpu_has_it_else_avx2(monkeypatch):
-    from specwood.models import kquant_kernels
+    from specwood.models import kernels, kquant_kernels
 
     cases = [({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, kquant_kernels.VNNI_KERNEL),
              ({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}, kquant_kernels.AVX2_KERNEL),
              ({"avx2", "fma", "f16c"}, kquant_kernels.AVX2_KERNEL)]
     for flags, kernel in cases:
-        monkeypatch.setattr(kquant_kernels, "cpu_flags", lambda: flags)
+        monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
         assert kquant_kernels.kquant_kernel() is kernel, flags
 
 

@@ -5,7 +5,7 @@ specwood.models.amx chose it), and the tile kernel over a C++ model of the tile 
 without AMX)."""
 from __future__ import annotations
 
-from specwood.models.kernels import AVX512_FLAGS, CpuKernel, cpu_flags
+from specwood.models.kernels import AVX512_FLAGS, CpuKernel, build_for_this_cpu
 
 KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
 VNNI_KERNEL = CpuKernel("specwood_kquants_vnni", "kquants_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
@@ -24,4 +24,4 @@ AVX2_KERNEL = CpuKernel("specwood_kquants_avx2", "kquants_vnni.cpp",
 def kquant_kernel() -> CpuKernel:
     """The k-quant linears' build for this CPU: AVX512-VNNI where it has that, else AVX2's (whose
     missing flags, on a CPU with neither, are the least it would need)."""
-    return VNNI_KERNEL if set(VNNI_KERNEL.required) <= cpu_flags() else AVX2_KERNEL
+    return build_for_this_cpu(VNNI_KERNEL, AVX2_KERNEL)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specwood.models.kernels import AVX512_FLAGS, CpuKernel, cpu_flags
+from specwood.models.kernels import AVX512_FLAGS, CpuKernel, build_for_this_cpu, cpu_flags
 from specwood.models.rope import apply_rope
 
 # -ffp-contract=off: RoPE's products and sums rounded one by one, as torch's operators do.
@@ -28,15 +28,7 @@ AVX512_KERNEL = CpuKernel("specwood_layer_ops", "layer_ops.cpp",
 AVX2_KERNEL = CpuKernel("specwood_layer_ops_avx2", "layer_ops.cpp",
                         ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-DSPECWOOD_AVX2"],
                         ("avx2", "fma"), "the fused layer operations")
-
-
-def layer_kernel() -> CpuKernel:
-    """This CPU's build: AVX512's where it has that, else AVX2's (whose missing flags, on a CPU with
-    neither, are the least it would need)."""
-    return AVX512_KERNEL if set(AVX512_FLAGS) <= cpu_flags() else AVX2_KERNEL
-
-
-KERNEL = layer_kernel()
+KERNEL = build_for_this_cpu(AVX512_KERNEL, AVX2_KERNEL)  # this CPU's build
 
 
 class TorchLayerOps:

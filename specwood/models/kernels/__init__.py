@@ -106,6 +106,12 @@ def local_headers(source: Path) -> list[Path]:
     return found
 
 
+def build_for_this_cpu(preferred: "CpuKernel", fallback: "CpuKernel") -> "CpuKernel":
+    """`preferred` (e.g. an AVX512 build) where this CPU has every flag it needs, else `fallback` (e.g.
+    the same source's AVX2 build), whose missing flags, on a CPU with neither, are the least it needs."""
+    return fallback if preferred.missing_flags() else preferred
+
+
 class CpuKernel:
     """One extension module: `source` (a file in this folder) built as `name` with `cflags`,
     on CPUs with every flag in `required` (as /proc/cpuinfo names them)."""
