@@ -24,6 +24,16 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests on the real pair in fp32 run in one xdist worker (pyproject's `--dist loadgroup`):
+    the session fixture holds 7.6 GB there, and two workers each holding it beside the default
+    mode's load (and a server's) ran CI's 24 GB machine out of memory (a worker killed)."""
+    for item in items:
+        if "real_pair_engine_fp32" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("real_pair_fp32"))
+
+
 # --- runtime fixtures ---
 
 

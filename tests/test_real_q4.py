@@ -77,3 +77,36 @@ def test_reuse_is_bit_exact_in_the_default_mode(real_default_engine, method):
         if turn:
             assert a.cached_tokens >= len(history) - 16
         history = history + a.result.token_ids
+
+
+@pytest.mark.parametrize("lite", [False, True])
+def test_weights_run_as_stored_are_never_decoded(lite):
+    """The q4 load leaves the weights its kernels take from the file undecoded (meta tensors: a 1.5B
+    target's would be 6 GB of fp32 at the load's peak) and builds the model of a full decode to
+    the bit; a weight left undecoded that no kernel takes is an error, never uninitialised memory."""
+    import torch
+
+    from specwood.engine.api import exact_q4_weights, left_in_file
+    from specwood.models.loader import load_checkpoint
+    from specwood.models.registry import resolve_model
+    from specwood.models.transformer import build_model
+
+    name = "qwen2.5-coder-0.5b-instruct"
+    exact = exact_q4_weights(resolve_model(name), True)
+    cfg, full, _ = load_checkpoint(name, dtype=torch.float32)
+    _, lean, _ = load_checkpoint(name, dtype=torch.float32, skip=left_in_file(exact, lite))
+    left = {n for n, t in lean.items() if t.is_meta}
+    layer_linears = {n for n in full if (".attention.w" in n or ".feed_forward.w" in n) and n.endswith("weight")}
+    # q4 takes every matrix (the token table and the head too) as stored; q4-lite only the Q4_K ones
+    assert left == ({n for n in full if n.endswith("weight") and "norm" not in n} if not lite else
+                    {n for n in layer_linears if type(exact[n]).__name__ == "Q4Weights"}), sorted(left)[:5]
+    assert left
+    assert all(tuple(lean[n].shape) == tuple(full[n].shape) for n in left)
+    models = [build_model(cfg, sd, torch.float32, max_positions=64, q4=not lite, q4_lite=lite, q4_exact=exact,
+                          consume=sd is lean) for sd in (full, lean)]
+    assert not lean and models[1].weights_left_in_file
+    logits = [teacher_forced_logits(m, [9707, 11, 1879, 0, 358, 1079, 264, 1273]) for m in models]
+    assert torch.equal(logits[0], logits[1])
+    _, lean, _ = load_checkpoint(name, dtype=torch.float32, skip=left_in_file(exact, lite))
+    with pytest.raises(ValueError, match="not decoded"):
+        build_model(cfg, lean, torch.float32, max_positions=64)

@@ -21,7 +21,7 @@ from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodErr
 from specwood.models.config import ModelConfig
 from specwood.models.linears import int4_available
 from specwood.models.prefix_cache import PrefixCache
-from specwood.models.transformer import Transformer, build_model
+from specwood.models.transformer import Transformer, build_model, weights_taken_as_stored
 from specwood.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -450,6 +450,14 @@ def exact_q4_weights(path: Path, q4: bool) -> dict[str, Any] | None:
     return kquant_weights(path)
 
 
+def left_in_file(exact: dict[str, Any] | None, lite: bool) -> Callable[[Any], set[str]] | None:
+    """For load_checkpoint's `skip`: the weights a q4 build runs from `exact` are never decoded to floats
+    (a 1.5B target's would be 6 GB in fp32, the default mode's load peak on an AVX2 CPU)."""
+    if not exact:
+        return None
+    return lambda config: weights_taken_as_stored(config, exact, lite)
+
+
 def weights_in_floats_note(path: Path, model: Any) -> str:
     """One line naming the weights the q4 mode keeps in floats, with their file types."""
     names = model.weights_in_floats
@@ -506,7 +514,7 @@ def load(
     """
     from specwood.engine.backends import LlamaCppDraft, LlamaCppTarget, RuntimeConfig, check_backends, resolve_runtime
     from specwood.models.loader import load_checkpoint, load_tokenizer
-    from specwood.models.registry import DEFAULT_TARGET, default_draft_for
+    from specwood.models.registry import DEFAULT_TARGET, default_draft_for, resolve_model
 
     device = check_device(device)
     if max_context is not None and max_context < 2:
@@ -548,12 +556,13 @@ def load(
         model: Any = LlamaCppTarget(target, max_context)
         positions = model.max_positions
     else:
-        cfg, sd, path = load_checkpoint(target, dtype=torch_dtype)
+        exact = exact_q4_weights(resolve_model(target), q4 or q4_lite)
+        cfg, sd, path = load_checkpoint(target, dtype=torch_dtype, skip=left_in_file(exact, q4_lite))
         positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
         # the int8 head too: a step's vocabulary matmul in 7.6 instead of 13.7 ms (one row; BENCHMARKS §7f)
         model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8, int8_head=int8,
-                            q4=q4, q4_lite=q4_lite, q4_exact=exact_q4_weights(path, q4 or q4_lite))
-        del sd
+                            q4=q4, q4_lite=q4_lite, q4_exact=exact, consume=True)
+        del sd, exact
         if model.weights_in_floats and progress:
             print(f"[load] {weights_in_floats_note(path, model)}", file=sys.stderr)
     tokenizer = load_tokenizer(target)
@@ -565,12 +574,12 @@ def load(
         dint8, dq4, dq4_lite = draft_dtype == "int8", draft_dtype == "q4", draft_dtype == "q4-lite"
         ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8", "q4", "q4-lite")
                   else resolve_dtype(draft_dtype, device))
-        dcfg, dsd, dpath = load_checkpoint(str(draft), dtype=ddtype)
+        dexact = exact_q4_weights(resolve_model(str(draft)), dq4 or dq4_lite)
+        dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype, skip=left_in_file(dexact, dq4_lite))
         draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8,
-                                  int8_head=dint8, q4=dq4, q4_lite=dq4_lite,
-                                  q4_exact=exact_q4_weights(dpath, dq4 or dq4_lite),
-                                  q4_embeddings=dq4_lite)  # a draft's precision changes speed, never output
-        del dsd
+                                  int8_head=dint8, q4=dq4, q4_lite=dq4_lite, q4_exact=dexact,
+                                  q4_embeddings=dq4_lite, consume=True)  # a draft's precision changes speed, never output
+        del dsd, dexact
     draft_head = None
     if isinstance(head, str) and head.strip().lower() in ("auto", "none"):
         from specwood.drafting.head_files import shipped_head

@@ -10,6 +10,7 @@ import shutil
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,8 +53,12 @@ def load_gguf(
     dtype: torch.dtype = torch.bfloat16,
     layers: range | None = None,
     progress: bool | None = None,
+    skip: Callable[[ModelConfig], Collection[str]] | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a GGUF file -> (config, canonical float weights in ``dtype``); see specwood.models.loader."""
+    """Load a GGUF file -> (config, canonical float weights in ``dtype``); see specwood.models.loader.
+
+    `skip(config)` names weights not to decode: they come back as meta tensors of their shape (a q4
+    build runs them from the file's own values; Transformer.load_canonical leaves them unwritten)."""
     path = Path(path)
     header = read_gguf_header(path)
     config = config_from_gguf(header)
@@ -67,11 +72,15 @@ def load_gguf(
         if li is not None and layers is not None and li not in layers:
             continue
         wanted.append((cname, info))
+    sd: dict[str, torch.Tensor] = {}
+    left = set(skip(config)) if skip is not None else set()
+    for cname, info in [w for w in wanted if w[0] in left]:
+        sd[cname] = torch.empty(tuple(info.shape) or (1,), dtype=dtype, device="meta")
+    wanted = [w for w in wanted if w[0] not in left]
     permute = config.arch in _PERMUTED_QK_ARCHS
     if progress is None:
         progress = header.file_size > (256 << 20) and sys.stderr.isatty()
 
-    sd: dict[str, torch.Tensor] = {}
     # np.memmap rather than mmap.mmap: views into it stay valid however long anything keeps them.
     mm = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, file untouched
     bar = None

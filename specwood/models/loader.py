@@ -5,6 +5,7 @@ Every loader returns ``(ModelConfig, state_dict)`` in the canonical layout of sp
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -16,14 +17,17 @@ from specwood.models.registry import REGISTRY, resolve_model
 
 
 def load_checkpoint(
-    name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, layers: range | None = None
+    name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, layers: range | None = None,
+    skip: Callable[[ModelConfig], Collection[str]] | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
-    """Load a registry model, a .gguf file or a Hugging Face folder -> (config, canonical weights, path)."""
+    """Load a registry model, a .gguf file or a Hugging Face folder -> (config, canonical weights, path).
+
+    `skip` (GGUF files): the weights not to decode, as meta tensors (see load_gguf)."""
     path = resolve_model(name_or_path)
     if path.is_dir():
         config, sd = load_hf_folder(path, dtype, layers)
     else:
-        config, sd = load_gguf(path, dtype, layers)
+        config, sd = load_gguf(path, dtype, layers, skip=skip)
     if str(name_or_path).strip().lower() in REGISTRY:
         config.name = str(name_or_path).strip().lower()  # registry names are what reports should show
     elif not config.name:

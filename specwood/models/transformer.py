@@ -334,19 +334,9 @@ class Transformer(nn.Module):
                                           quantize_q4)
 
         self.q4_lite = lite
-        exact = {name: w for name, w in (exact or {}).items() if not lite or type(w) is Q4Weights}
+        exact = usable_exact(exact, lite)
         kinds = {Q4Weights: Q4Linear, Q5Weights: Q5Linear, Q6Weights: Q6Linear, Q8Weights: Q8Linear}
-        parts = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"), "attention.wo": ("attention.wo",),
-                 "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"), "feed_forward.w2": ("feed_forward.w2",)}
-        targets: list[tuple[nn.Module, str, list[str]]] = []
-        for local, i in enumerate(self.layer_range):
-            for fused, sources in parts.items():
-                owner_name, attr = fused.split(".")
-                targets.append((getattr(self.layers[local], owner_name), attr,
-                                [f"layers.{i}.{src}.weight" for src in sources]))
-        if self.output is not None:
-            tied = self.config.tie_embeddings and "output.weight" not in exact
-            targets.append((self, "output", ["tok_embeddings.weight" if tied else "output.weight"]))
+        targets = self._q4_targets(exact)
         if self.tok_embeddings is not None and exact.get("tok_embeddings.weight") is not None:
             self.tok_embeddings = QuantEmbedding(exact["tok_embeddings.weight"], self.dtype)  # kept exactly
         elif self.tok_embeddings is not None and embeddings and self.config.dim % GROUP == 0:
@@ -371,6 +361,36 @@ class Transformer(nn.Module):
                 in_floats += [n for n, f in zip(names, found) if f is None]
         return in_floats
 
+    def _q4_targets(self, exact: dict[str, KQuantWeights]) -> list[tuple[nn.Module, str, list[str]]]:
+        """The linears quantize_q4 puts on the k-quant kernels: (owner, attribute, canonical source names)."""
+        parts = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"), "attention.wo": ("attention.wo",),
+                 "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"), "feed_forward.w2": ("feed_forward.w2",)}
+        targets: list[tuple[nn.Module, str, list[str]]] = []
+        for local, i in enumerate(self.layer_range):
+            for fused, sources in parts.items():
+                owner_name, attr = fused.split(".")
+                targets.append((getattr(self.layers[local], owner_name), attr,
+                                [f"layers.{i}.{src}.weight" for src in sources]))
+        if self.output is not None:
+            tied = self.config.tie_embeddings and "output.weight" not in exact
+            targets.append((self, "output", ["tok_embeddings.weight" if tied else "output.weight"]))
+        return targets
+
+    def weights_taken_as_stored(self, exact: dict[str, KQuantWeights] | None, lite: bool = False) -> set[str]:
+        """The canonical weights quantize_q4(exact, lite=lite) runs from the file's own values and never
+        reads in floats: a loader need not decode them (a 1.5B target in fp32 would be 6 GB for nothing)."""
+        from specwood.models.w4a8 import Q4Linear
+
+        exact = usable_exact(exact, lite)
+        taken, needed = set(), set()
+        for owner, attr, names in self._q4_targets(exact):
+            child = getattr(owner, attr)
+            fits = type(child) is nn.Linear and Q4Linear.fits(child.out_features, child.in_features)
+            (taken if fits and all(n in exact for n in names) else needed).update(names)
+        if self.tok_embeddings is not None:
+            (taken if "tok_embeddings.weight" in exact else needed).add("tok_embeddings.weight")
+        return taken - needed
+
     @property
     def weight_mode(self) -> str:
         """How the linears hold their weights: q4 (the file's k-quants), q4-lite, int8, int4, or the
@@ -388,34 +408,42 @@ class Transformer(nn.Module):
 
     # --- weights in canonical (loader) names ---------------------------------------------------
 
-    def load_canonical(self, sd: dict[str, torch.Tensor]) -> None:
-        """Take weights named as the loaders name them (separate q/k/v and gate/up) and fuse them."""
+    def load_canonical(self, sd: dict[str, torch.Tensor], consume: bool = False) -> None:
+        """Take weights named as the loaders name them (separate q/k/v and gate/up) and fuse them.
+
+        A meta tensor in `sd` stands for a weight the loader left in the file (weights_taken_as_stored):
+        its parameter stays unwritten, for quantize_q4 to replace. `consume` empties `sd` layer by
+        layer, so a fused copy never coexists with all of its sources (the load's peak memory)."""
         c = self.config
         own: dict[str, torch.Tensor] = {}
+        take = sd.pop if consume else sd.__getitem__
         try:
             if self.is_first:
-                own["tok_embeddings.weight"] = sd["tok_embeddings.weight"]
+                own["tok_embeddings.weight"] = take("tok_embeddings.weight")
             if self.is_last:
-                own["norm.weight"] = sd["norm.weight"]
-                own["output.weight"] = sd["output.weight"] if "output.weight" in sd else sd["tok_embeddings.weight"]
+                own["norm.weight"] = take("norm.weight")
+                own["output.weight"] = (take("output.weight") if "output.weight" in sd else
+                                        own["tok_embeddings.weight"] if self.is_first else take("tok_embeddings.weight"))
             for local, i in enumerate(self.layer_range):
                 p, q = f"layers.{i}.", f"layers.{local}."
-                own[q + "attention_norm.weight"] = sd[p + "attention_norm.weight"]
-                own[q + "ffn_norm.weight"] = sd[p + "ffn_norm.weight"]
-                qkv = [sd[p + f"attention.w{n}.weight"] for n in "qkv"]
-                own[q + "attention.wqkv.weight"] = torch.cat(qkv)
+                own[q + "attention_norm.weight"] = take(p + "attention_norm.weight")
+                own[q + "ffn_norm.weight"] = take(p + "ffn_norm.weight")
+                own[q + "attention.wqkv.weight"] = torch.cat([take(p + f"attention.w{n}.weight") for n in "qkv"])
                 if c.qkv_bias:
-                    own[q + "attention.wqkv.bias"] = torch.cat([sd[p + f"attention.w{n}.bias"] for n in "qkv"])
-                own[q + "attention.wo.weight"] = sd[p + "attention.wo.weight"]
-                own[q + "feed_forward.w13.weight"] = torch.cat([sd[p + "feed_forward.w1.weight"], sd[p + "feed_forward.w3.weight"]])
-                own[q + "feed_forward.w2.weight"] = sd[p + "feed_forward.w2.weight"]
+                    own[q + "attention.wqkv.bias"] = torch.cat([take(p + f"attention.w{n}.bias") for n in "qkv"])
+                own[q + "attention.wo.weight"] = take(p + "attention.wo.weight")
+                own[q + "feed_forward.w13.weight"] = torch.cat([take(p + "feed_forward.w1.weight"),
+                                                                take(p + "feed_forward.w3.weight")])
+                own[q + "feed_forward.w2.weight"] = take(p + "feed_forward.w2.weight")
         except KeyError as e:
             raise ModelFileError(f"checkpoint is missing tensor {e.args[0]} (incomplete or wrong model file)") from None
         params = dict(self.named_parameters())
+        self.weights_left_in_file = {name for name, t in own.items() if t.is_meta}
         for name, t in own.items():
             if params[name].shape != t.shape:
                 raise ModelFileError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
-            params[name].data = t.to(device=params[name].device, dtype=params[name].dtype)
+            if not t.is_meta:
+                params[name].data = t.to(device=params[name].device, dtype=params[name].dtype)
         if self.is_first and self.is_last and c.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight  # one copy in memory
 
@@ -453,12 +481,26 @@ class Transformer(nn.Module):
         return sd
 
 
+def usable_exact(exact: dict[str, KQuantWeights] | None, lite: bool) -> dict[str, KQuantWeights]:
+    """The file's quantised weights a q4 build runs as stored: all of them, or with `lite` (q4-lite)
+    the Q4_K ones only (the rest are requantised to 4 bits from floats)."""
+    from specwood.models.w4a8 import Q4Weights
+
+    return {name: w for name, w in (exact or {}).items() if not lite or type(w) is Q4Weights}
+
+
+def weights_taken_as_stored(config: ModelConfig, exact: dict[str, KQuantWeights] | None, lite: bool = False) -> set[str]:
+    """Transformer.weights_taken_as_stored for a model of `config`, before any weight is read."""
+    with torch.device("meta"):
+        return Transformer(config).weights_taken_as_stored(exact, lite)
+
+
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu", layers: range | None = None,
                 max_positions: int | None = None, pack: bool = True, int4: bool = False, int8: bool = False,
                 int8_head: bool = False, q4: bool = False, q4_lite: bool = False,
                 q4_exact: dict[str, KQuantWeights] | None = None,
-                q4_embeddings: bool = False, layer_kernels: bool = True) -> Transformer:
+                q4_embeddings: bool = False, layer_kernels: bool = True, consume: bool = False) -> Transformer:
     """Instantiate (without random init) and load canonical weights; bf16 on a CPU gets packed
     weights (see PackedLinear) unless `pack` is False, int4 weights with `int4` (drafts), or W8A8
     int8 layer linears with `int8` (`dtype` is then the activations' dtype; `int8_head` quantises
@@ -467,14 +509,15 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     up in `model.weights_in_floats`); `q4_lite` quantises those to 4 bits instead (int8 where a
     shape does not fit the kernel), and `q4_embeddings` stores any token table in 4 bits too
     (drafts). On a CPU with AVX512 the layers' small operations run on our kernels unless
-    `layer_kernels` is False (see specwood.models.layer_ops)."""
+    `layer_kernels` is False (see specwood.models.layer_ops). `consume` lets the load empty
+    `state_dict` as it goes (the caller's last use of it)."""
     if sum((int4, int8, q4 or q4_lite)) > 1:
         raise ValueError("int4, int8 and q4 weights exclude each other")
     with torch.device("meta"):
         model = Transformer(config, layers, max_positions)
     model = model.to(dtype).to_empty(device=device)  # allocate once, in the final dtype
     model.rope_cos, model.rope_sin = rope_tables(config, model.max_positions, device)  # fp32 tables
-    model.load_canonical(state_dict)
+    model.load_canonical(state_dict, consume=consume)
     model = model.eval().requires_grad_(False)
     if int4:
         model.quantize_int4()
@@ -482,6 +525,9 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
         model.weights_in_floats = model.quantize_q4(q4_exact, embeddings=q4_embeddings, lite=q4_lite)
         if q4_lite:
             model.quantize_int8(head=True)  # linears of shapes the q4 kernel cannot take
+    unwritten = model.weights_left_in_file & {name for name, _ in model.named_parameters()}
+    if unwritten:  # a weight left in the file that no kernel took would be read uninitialised
+        raise ValueError(f"weights {sorted(unwritten)[:3]} were not decoded and no q4 kernel took them")
     if int8:
         if not model.quantize_int8(head=int8_head):
             raise SpecwoodError("int8 weights need torch._int_mm (torch >= 2.2)")
