@@ -91,22 +91,27 @@ def test_weights_run_as_stored_are_never_decoded(lite):
     from specwood.models.registry import resolve_model
     from specwood.models.transformer import build_model
 
-    name = "qwen2.5-coder-0.5b-instruct"
+    name, tokens = "qwen2.5-coder-0.5b-instruct", [9707, 11, 1879, 0, 358, 1079, 264, 1273]
     exact = exact_q4_weights(resolve_model(name), True)
+
+    def build(sd: dict) -> torch.nn.Module:
+        return build_model(cfg, sd, torch.float32, max_positions=64, q4=not lite, q4_lite=lite, q4_exact=exact,
+                           consume=True)  # one model at a time, each emptying its dict: CI's memory is shared
+
     cfg, full, _ = load_checkpoint(name, dtype=torch.float32)
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    reference = teacher_forced_logits(build(full), tokens)
     _, lean, _ = load_checkpoint(name, dtype=torch.float32, skip=left_in_file(exact, lite))
     left = {n for n, t in lean.items() if t.is_meta}
-    layer_linears = {n for n in full if (".attention.w" in n or ".feed_forward.w" in n) and n.endswith("weight")}
+    layer_linears = {n for n in shapes if (".attention.w" in n or ".feed_forward.w" in n) and n.endswith("weight")}
     # q4 takes every matrix (the token table and the head too) as stored; q4-lite only the Q4_K ones
-    assert left == ({n for n in full if n.endswith("weight") and "norm" not in n} if not lite else
+    assert left == ({n for n in shapes if n.endswith("weight") and "norm" not in n} if not lite else
                     {n for n in layer_linears if type(exact[n]).__name__ == "Q4Weights"}), sorted(left)[:5]
-    assert left
-    assert all(tuple(lean[n].shape) == tuple(full[n].shape) for n in left)
-    models = [build_model(cfg, sd, torch.float32, max_positions=64, q4=not lite, q4_lite=lite, q4_exact=exact,
-                          consume=sd is lean) for sd in (full, lean)]
-    assert not lean and models[1].weights_left_in_file
-    logits = [teacher_forced_logits(m, [9707, 11, 1879, 0, 358, 1079, 264, 1273]) for m in models]
-    assert torch.equal(logits[0], logits[1])
+    assert left and all(tuple(lean[n].shape) == shapes[n] for n in left)
+    model = build(lean)
+    assert not full and not lean and model.weights_left_in_file
+    assert torch.equal(teacher_forced_logits(model, tokens), reference)
+    del model
     _, lean, _ = load_checkpoint(name, dtype=torch.float32, skip=left_in_file(exact, lite))
     with pytest.raises(ValueError, match="not decoded"):
         build_model(cfg, lean, torch.float32, max_positions=64)
