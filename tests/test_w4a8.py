@@ -239,3 +239,11 @@ def test_auto_weight_mode_is_q4_for_q4k_gguf_targets_and_for_drafts(tiny_checkpo
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx2", "avx512f"})  # no VNNI
     engine = specwood.load(files.gguf, files.gguf, progress=False)
     assert engine.draft_model.weight_mode == ("int4" if int4_available() else engine.target.weight_mode)
+
+
+def test_quantising_in_row_chunks_gives_the_whole_tables_values():
+    """quantize_q4 takes a big table `rows` at a time (its float temporaries are twice the table);
+    every field equals one pass over the whole, a chunk ending inside a 32-row block included."""
+    w = torch.randn(5000, 256, generator=torch.Generator().manual_seed(3)) * torch.rand(5000, 1) * 4
+    whole, chunked = quantize_q4(w, rows=10 ** 9), quantize_q4(w, rows=1000)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))

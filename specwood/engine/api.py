@@ -21,7 +21,7 @@ from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodErr
 from specwood.models.config import ModelConfig
 from specwood.models.linears import int4_available
 from specwood.models.prefix_cache import PrefixCache
-from specwood.models.transformer import Transformer, build_model, weights_taken_as_stored
+from specwood.models.transformer import Transformer, build_model, usable_exact, weights_taken_as_stored
 from specwood.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -440,14 +440,14 @@ def q4_runs_here(device: str) -> bool:
     return True
 
 
-def exact_q4_weights(path: Path, q4: bool) -> dict[str, Any] | None:
-    """For the q4 weight modes: the GGUF's own quantised values (gguf_kquants.kquant_weights; None for other
-    sources and modes)."""
+def exact_q4_weights(path: Path, q4: bool, lite: bool = False) -> dict[str, Any] | None:
+    """For the q4 weight modes: the GGUF's own quantised values the mode runs as stored
+    (gguf_kquants.kquant_weights; with `lite` the Q4_K ones only; None for other sources and modes)."""
     if not q4 or path.is_dir():
         return None
     from specwood.models.gguf_kquants import kquant_weights
 
-    return kquant_weights(path)
+    return usable_exact(kquant_weights(path), lite)
 
 
 def left_in_file(exact: dict[str, Any] | None, lite: bool) -> Callable[[Any], set[str]] | None:
@@ -556,7 +556,7 @@ def load(
         model: Any = LlamaCppTarget(target, max_context)
         positions = model.max_positions
     else:
-        exact = exact_q4_weights(resolve_model(target), q4 or q4_lite)
+        exact = exact_q4_weights(resolve_model(target), q4 or q4_lite, q4_lite)
         cfg, sd, path = load_checkpoint(target, dtype=torch_dtype, skip=left_in_file(exact, q4_lite))
         positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
         # the int8 head too: a step's vocabulary matmul in 7.6 instead of 13.7 ms (one row; BENCHMARKS §7f)
@@ -574,7 +574,7 @@ def load(
         dint8, dq4, dq4_lite = draft_dtype == "int8", draft_dtype == "q4", draft_dtype == "q4-lite"
         ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8", "q4", "q4-lite")
                   else resolve_dtype(draft_dtype, device))
-        dexact = exact_q4_weights(resolve_model(str(draft)), dq4 or dq4_lite)
+        dexact = exact_q4_weights(resolve_model(str(draft)), dq4 or dq4_lite, dq4_lite)
         dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype, skip=left_in_file(dexact, dq4_lite))
         draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8,
                                   int8_head=dint8, q4=dq4, q4_lite=dq4_lite, q4_exact=dexact,

@@ -96,12 +96,15 @@ def _split_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.clamp_(0, 63).to(torch.uint8).reshape(n, -1)[:, :groups], factor
 
 
-def quantize_q4(w: torch.Tensor) -> Q4Weights:
+def quantize_q4(w: torch.Tensor, rows: int = 16384) -> Q4Weights:
     """Float weight [N, K] -> Q4Weights: per group of 32 inputs, a minimum covering the group's
     lowest value and a scale splitting the rest of its range in 15 steps, both as 6-bit codes of
     an fp16 factor per superblock (Q4_K's form); the 4-bit codes are rounded against the stored
-    values, so each weight is within half a step of its float."""
+    values, so each weight is within half a step of its float. Rows are independent: `rows` at a
+    time, so a token table's float temporaries stay small (1.2 GB for a whole 0.5B one)."""
     n, k = w.shape
+    if n > rows:
+        return Q4Weights.cat([quantize_q4(w[i:i + rows], rows) for i in range(0, n, rows)])
     g = w.float().reshape(n, k // GROUP, GROUP)
     sub_mins, super_mins = _split_codes((-g.amin(-1)).clamp(min=0))
     mins = sub_mins.float() * _per_group(super_mins, k // GROUP)
