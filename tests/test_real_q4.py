@@ -105,6 +105,7 @@ def test_weights_run_as_stored_are_never_decoded(lite):
     left = {n for n, t in lean.items() if t.is_meta}
     layer_linears = {n for n in shapes if (".attention.w" in n or ".feed_forward.w" in n) and n.endswith("weight")}
     # q4 takes every matrix (the token table and the head too) as stored; q4-lite only the Q4_K ones
+    # (in this file no fused linear mixes Q4_K with another type, which would keep all its parts in floats)
     assert left == ({n for n in shapes if n.endswith("weight") and "norm" not in n} if not lite else
                     {n for n in layer_linears if type(exact[n]).__name__ == "Q4Weights"}), sorted(left)[:5]
     assert left and all(tuple(lean[n].shape) == shapes[n] for n in left)

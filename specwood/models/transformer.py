@@ -412,8 +412,9 @@ class Transformer(nn.Module):
         """Take weights named as the loaders name them (separate q/k/v and gate/up) and fuse them.
 
         A meta tensor in `sd` stands for a weight the loader left in the file (weights_taken_as_stored):
-        its parameter stays unwritten, for quantize_q4 to replace. `consume` empties `sd` layer by
-        layer, so a fused copy never coexists with all of its sources (the load's peak memory)."""
+        its parameter stays unwritten, for quantize_q4 to replace. `consume` removes from `sd` what
+        it takes as it goes, so each layer's sources are freed once fused instead of all of them
+        staying beside all the fused copies (the load's peak memory)."""
         c = self.config
         own: dict[str, torch.Tensor] = {}
         take = sd.pop if consume else sd.__getitem__
@@ -510,7 +511,8 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     shape does not fit the kernel), and `q4_embeddings` stores any token table in 4 bits too
     (drafts). On a CPU with AVX512 the layers' small operations run on our kernels unless
     `layer_kernels` is False (see specwood.models.layer_ops). `consume` lets the load empty
-    `state_dict` as it goes (the caller's last use of it)."""
+    `state_dict` as it goes (the caller's last use of it). Meta tensors in `state_dict` are weights
+    left in the file for the q4 kernels to take (weights_taken_as_stored); ValueError if one is not."""
     if sum((int4, int8, q4 or q4_lite)) > 1:
         raise ValueError("int4, int8 and q4 weights exclude each other")
     with torch.device("meta"):
