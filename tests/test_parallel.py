@@ -38,7 +38,9 @@ from conftest import BiasedVerify, exact_first_two_law, g_test, make_tiny_model,
 
 PROMPTS = ["def add(a, b):", "Once upon a time", "1, 2, 3, 4, 5, 1, 2, 3,"]
 DEADLINE_S = 90  # per test, unless listed in DEADLINES
-DEADLINES = {"test_sampling_first_two_tokens_follow_the_target": 900, "test_biased_verifier_is_caught": 200,
+# The deadlines catch hangs, so they are ~2x the slowest run seen: on the 2-core Zen 3 CI draws the
+# 200k-request G-test took 882 s beside a second xdist worker (and ran past an earlier 900 s deadline)
+DEADLINES = {"test_sampling_first_two_tokens_follow_the_target": 1800, "test_biased_verifier_is_caught": 400,
              "test_cli_parallel": 120}
 _executors: list[ParallelExecutor] = []
 
@@ -551,8 +553,9 @@ def test_server_on_the_parallel_executor(engine):
 # under the guess that matched (or sampled plainly after a miss): exactly the parallel-only logic.
 # Requests run in lock-step batches of BATCH through ONE worker process.
 
-# requests per case (env SPECWOOD_PARALLEL_STAT_SAMPLES sets all three): ~650 requests/s on the
-# 2-core CI CPU, so the 200k-sample case takes ~5 min and the rest ~2 min
+# requests per case (env SPECWOOD_PARALLEL_STAT_SAMPLES sets all three): ~650 requests/s on a 2-core
+# Zen 4, ~320 on an idle 2-core Zen 3 and ~225 there beside a second xdist worker, so the 200k-sample
+# case takes 5-15 min and the rest 2-6 min
 STAT_SAMPLES = {"single": 200_000, "multi": 50_000, "biased": 20_000}
 if os.environ.get("SPECWOOD_PARALLEL_STAT_SAMPLES"):
     STAT_SAMPLES = dict.fromkeys(STAT_SAMPLES, int(os.environ["SPECWOOD_PARALLEL_STAT_SAMPLES"]))

@@ -9,9 +9,16 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
+_references: list = []
+
+
+@pytest.fixture()
 def references(real_pair_engine_fp32):
-    return [real_pair_engine_fp32.generate(p, max_tokens=64) for p in PROMPTS]
+    """Our autoregressive outputs, computed once per process (the pair is held only while
+    consecutive tests use it: conftest's `_held_models`)."""
+    if not _references:
+        _references.extend(real_pair_engine_fp32.generate(p, max_tokens=64) for p in PROMPTS)
+    return _references
 
 
 @pytest.mark.parametrize("method", METHODS)
