@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
@@ -198,7 +199,7 @@ def tiny_pair():
 _held_models: dict[str, object] = {}
 
 
-def _held(name: str, load):
+def _held(name: str, load: Callable[[], object]) -> object:
     if name not in _held_models:
         _held_models[name] = load()
     return _held_models[name]

@@ -16,8 +16,8 @@ _references: list = []
 def references(real_pair_engine_fp32):
     """Our autoregressive outputs, computed once per process (the pair is held only while
     consecutive tests use it: conftest's `_held_models`)."""
-    if not _references:
-        _references.extend(real_pair_engine_fp32.generate(p, max_tokens=64) for p in PROMPTS)
+    if not _references:  # all or nothing: a failure part way must not leave fewer references
+        _references[:] = [real_pair_engine_fp32.generate(p, max_tokens=64) for p in PROMPTS]
     return _references
 
 
