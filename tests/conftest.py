@@ -209,8 +209,10 @@ def _held(name: str, load: Callable[[], object]) -> object:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     yield  # the test and its teardown ran; pytest has dropped its fixture values
     wanted = set(getattr(nextitem, "fixturenames", ()))
-    for name in [n for n in _held_models if n not in wanted]:
+    unwanted = [n for n in _held_models if n not in wanted]
+    for name in unwanted:
         del _held_models[name]
+    if unwanted:
         gc.collect()
 
 

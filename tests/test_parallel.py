@@ -38,8 +38,8 @@ from conftest import BiasedVerify, exact_first_two_law, g_test, make_tiny_model,
 
 PROMPTS = ["def add(a, b):", "Once upon a time", "1, 2, 3, 4, 5, 1, 2, 3,"]
 DEADLINE_S = 90  # per test, unless listed in DEADLINES
-# The deadlines catch hangs, so they are ~2x the slowest run seen: on the 2-core Zen 3 CI draws the
-# 200k-request G-test took 882 s beside a second xdist worker (and ran past an earlier 900 s deadline)
+# The deadlines catch hangs; the G-tests' are ~2x their slowest run seen: on the 2-core Zen 3 CI draws
+# the 200k-request one took 882 s beside a second xdist worker (and ran past an earlier 900 s deadline)
 DEADLINES = {"test_sampling_first_two_tokens_follow_the_target": 1800, "test_biased_verifier_is_caught": 400,
              "test_cli_parallel": 120}
 _executors: list[ParallelExecutor] = []
