@@ -173,3 +173,18 @@ def test_the_avx2_build_gives_the_avx512_builds_bits():
     vnni, avx2 = VNNI_KERNEL.load(), AVX2_KERNEL.load()
     assert vnni is not None and avx2 is not None, (VNNI_KERNEL.failure, AVX2_KERNEL.failure)
     assert amx_probe.first_difference(avx2, vnni, rows=(1, 3, 8, 13, 16, 17, 40)) is None
+
+
+def test_the_avx2_dots_give_the_emulated_avx512_loops_bits():
+    """The AVX2 build's own integer dots (one quarter of a block at a time, products summed in int16)
+    give the bits of the AVX512 build's loop emulated on AVX2, which gives that build's bits (the
+    emulation is lane for lane, test above): every type, tile and sub-tile size, thread split and
+    input dtype. Runs on any CPU with AVX2, so on the AVX2-only machines that use that build."""
+    from specwood.models import amx_probe
+    from specwood.models.kquant_kernels import AVX2_EMULATED_DOTS_KERNEL, AVX2_KERNEL
+
+    if AVX2_KERNEL.missing_flags():
+        pytest.skip(f"needs AVX2: {', '.join(AVX2_KERNEL.missing_flags())} missing")
+    avx2, emulated = AVX2_KERNEL.load(), AVX2_EMULATED_DOTS_KERNEL.load()
+    assert avx2 is not None and emulated is not None, (AVX2_KERNEL.failure, AVX2_EMULATED_DOTS_KERNEL.failure)
+    assert amx_probe.first_difference(avx2, emulated, rows=(1, 2, 3, 4, 5, 6, 7, 8, 13, 17, 40)) is None

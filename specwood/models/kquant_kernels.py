@@ -16,9 +16,14 @@ AMX_KERNEL = CpuKernel("specwood_kquants_amx", "kquants_amx.cpp", KERNEL_CFLAGS 
 EMULATED_KERNEL = CpuKernel("specwood_kquants_amx_emulated", "kquants_amx.cpp",
                             KERNEL_CFLAGS + ["-DSPECWOOD_TILE_EMULATION"], VNNI_KERNEL.required,
                             "the emulated AMX path")
-AVX2_KERNEL = CpuKernel("specwood_kquants_avx2", "kquants_vnni.cpp",
-                        ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DSPECWOOD_AVX2"], ("avx2", "fma", "f16c"),
+AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DSPECWOOD_AVX2"]
+AVX2_KERNEL = CpuKernel("specwood_kquants_avx2", "kquants_vnni.cpp", AVX2_CFLAGS, ("avx2", "fma", "f16c"),
                         "the q4 weight mode")
+# the AVX2 build with the AVX512 build's loop for the integer dots, emulated (tests: the AVX2 dots'
+# own loop must give its bits on any CPU with AVX2)
+AVX2_EMULATED_DOTS_KERNEL = CpuKernel("specwood_kquants_avx2_emulated_dots", "kquants_vnni.cpp",
+                                      AVX2_CFLAGS + ["-DSPECWOOD_EMULATED_DOTS"], AVX2_KERNEL.required,
+                                      "the emulated AVX512 dots")
 
 
 def kquant_kernel() -> CpuKernel:

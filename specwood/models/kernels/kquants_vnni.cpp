@@ -47,6 +47,141 @@ inline void store_tile(const __m512 (&acc)[TILE][2], float* y, int64_t n, int64_
   }
 }
 
+// One group's integer dots for TILE rows: dot[r][h] (16 channels of half h, int32) = the codes of
+// the group's 32 inputs times row r's activation codes (xq: row 0's group, rows k apart). On AVX2
+// the loop below is the AVX512 one emulated only with -DSPECWOOD_EMULATED_DOTS (a test's reference).
+#if !defined(SPECWOOD_AVX2) || defined(SPECWOOD_EMULATED_DOTS)
+template <int TILE, bool FIFTH>
+inline void q4_group_dots(const uint8_t* wg, const int8_t* xq, int64_t k, __m512i (&dot)[TILE][2]) {
+  for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {
+    const Chunk u = q4_chunk<FIFTH>(wg, c);
+    for (int r = 0; r < TILE; ++r) {
+      const int8_t* xr = xq + r * k + c * 8;
+      const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
+      const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
+      dot[r][0] = dot_codes(dot[r][0], u.lo_a, xl);
+      dot[r][1] = dot_codes(dot[r][1], u.lo_b, xl);
+      dot[r][0] = dot_codes(dot[r][0], u.hi_a, xh);
+      dot[r][1] = dot_codes(dot[r][1], u.hi_b, xh);
+    }
+  }
+}
+
+// Q6_K's sub-block s of a group (chunks 2s and 2s+1), its top bits at `bits`.
+template <int TILE>
+inline void q6_subblock_dots(const uint8_t* wg, const uint8_t* bits, int s, const int8_t* xq, int64_t k,
+                             __m512i (&dot)[TILE][2]) {
+  for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+  const __m512i ha = _mm512_loadu_si512(bits + s * 64), hb = _mm512_loadu_si512(bits + 128 + s * 64);
+  for (int cc = 0; cc < 2; ++cc) {
+    const int c = 2 * s + cc;
+    const Chunk u = q6_chunk(wg, ha, hb, c, cc);
+    for (int r = 0; r < TILE; ++r) {
+      const int8_t* xr = xq + r * k + c * 8;
+      const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
+      const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
+      dot[r][0] = dot_codes(dot[r][0], u.lo_a, xl);
+      dot[r][1] = dot_codes(dot[r][1], u.lo_b, xl);
+      dot[r][0] = dot_codes(dot[r][0], u.hi_a, xh);
+      dot[r][1] = dot_codes(dot[r][1], u.hi_b, xh);
+    }
+  }
+}
+#else
+// AVX2 has 16 registers of 256 bits: the emulated 512-bit loop above holds 4 per row of dots and
+// spills from two rows on. Here one quarter of the block (8 channels, 32 bytes of codes) for up to
+// SUBTILE rows at a time (the codes unpacked again for the next rows: a few instructions against
+// their multiplies), each row's products summed in int16 (vpmaddubsw) and widened to int32
+// (vpmaddwd by ones) only when the int16 sums could overflow: with codes <= c_max and activations
+// |x| <= 127 a vpmaddubsw lane is at most 2 * c_max * 127 in magnitude, and PER_WIDEN of them fit
+// in int16. The int32 dots are the integers vpdpbusd gives, so the bits are the AVX512 build's (the
+// float epilogue is shared).
+constexpr int SUBTILE = 4;
+
+inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+inline __m256i widen16(__m256i sums) { return _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); }
+inline __m256i& quarter(__m512i& v, int q) { return q % 2 ? v.hi : v.lo; }
+
+// Quarter q of a Q4_K / Q5_K group for ROWS rows from row r0.
+template <int ROWS, bool FIFTH, int TILE>
+inline void q4_quarter_dots(const uint8_t* wg, int q, const int8_t* xq, int64_t k, int r0, __m512i (&dot)[TILE][2]) {
+  constexpr int PER_WIDEN = FIFTH ? 4 : 8;  // Q4_K codes <= 15: 8 x 3810; Q5_K codes <= 31: 4 x 7874
+  const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+  const uint8_t* codes = wg + (q / 2) * HALF_BYTES + (q % 2) * 32;  // half q / 2, its channels 0-7 or 8-15
+  __m256i sums[ROWS], wide[ROWS];
+  for (int r = 0; r < ROWS; ++r) sums[r] = wide[r] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * 64));
+    __m256i lo = _mm256_and_si256(p, low), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+    if constexpr (FIFTH) {  // the 64-bit masks of q4_chunk, 32 bits of them for this quarter
+      uint32_t m[2];
+      for (int n = 0; n < 2; ++n) std::memcpy(m + n, wg + GROUP_BYTES + ((q / 2) * 4 + c) * 16 + n * 8 + (q % 2) * 4, 4);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(avx2::byte_mask32(m[0]), fifth));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(avx2::byte_mask32(m[1]), fifth));
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const int8_t* xr = xq + (r0 + r) * k + c * 8;
+      sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast4(xr)));
+      sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 4)));
+    }
+    if ((2 * (c + 1)) % PER_WIDEN == 0) {
+      for (int r = 0; r < ROWS; ++r) {
+        wide[r] = _mm256_add_epi32(wide[r], widen16(sums[r]));
+        sums[r] = _mm256_setzero_si256();
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) quarter(dot[r0 + r][q / 2], q) = wide[r];
+}
+
+template <int TILE, bool FIFTH>
+inline void q4_group_dots(const uint8_t* wg, const int8_t* xq, int64_t k, __m512i (&dot)[TILE][2]) {
+  for (int q = 0; q < 4; ++q) {
+    int r0 = 0;
+    for (; r0 + SUBTILE <= TILE; r0 += SUBTILE) q4_quarter_dots<SUBTILE, FIFTH>(wg, q, xq, k, r0, dot);
+    if constexpr (TILE % SUBTILE != 0) q4_quarter_dots<TILE % SUBTILE, FIFTH>(wg, q, xq, k, r0, dot);
+  }
+}
+
+// Quarter q of Q6_K's sub-block s for ROWS rows from row r0. Codes <= 63: a vpmaddubsw lane up to
+// 16002, so two (one chunk's low and high inputs) a widening.
+template <int ROWS, int TILE>
+inline void q6_quarter_dots(const uint8_t* wg, const uint8_t* bits, int s, int q, const int8_t* xq, int64_t k, int r0,
+                            __m512i (&dot)[TILE][2]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const uint8_t* codes = wg + (q / 2) * HALF_BYTES + (q % 2) * 32;
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + (q / 2) * 128 + s * 64 + (q % 2) * 32));
+  __m256i wide[ROWS];
+  for (int r = 0; r < ROWS; ++r) wide[r] = _mm256_setzero_si256();
+  for (int cc = 0; cc < 2; ++cc) {
+    const int c = 2 * s + cc;
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * 64));
+    // q6_chunk's top bits: of the low nibbles at bits 0-1 (cc 0) or 4-5 (cc 1), of the high at 2-3 or 6-7
+    const __m256i tl = cc ? h : _mm256_slli_epi16(h, 4), th = cc ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(p, low), _mm256_and_si256(tl, top));
+    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), low), _mm256_and_si256(th, top));
+    for (int r = 0; r < ROWS; ++r) {
+      const int8_t* xr = xq + (r0 + r) * k + c * 8;
+      const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xr)),
+                                            _mm256_maddubs_epi16(hi, broadcast4(xr + 4)));
+      wide[r] = _mm256_add_epi32(wide[r], widen16(sums));
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) quarter(dot[r0 + r][q / 2], q) = wide[r];
+}
+
+template <int TILE>
+inline void q6_subblock_dots(const uint8_t* wg, const uint8_t* bits, int s, const int8_t* xq, int64_t k,
+                             __m512i (&dot)[TILE][2]) {
+  for (int q = 0; q < 4; ++q) {
+    int r0 = 0;
+    for (; r0 + SUBTILE <= TILE; r0 += SUBTILE) q6_quarter_dots<SUBTILE>(wg, bits, s, q, xq, k, r0, dot);
+    if constexpr (TILE % SUBTILE != 0) q6_quarter_dots<TILE % SUBTILE>(wg, bits, s, q, xq, k, r0, dot);
+  }
+}
+#endif
+
 // Q4_K (and Q5_K, FIFTH): one block of 32 output channels (two registers of 16) for TILE rows.
 // d * sc is exact in fp32 (11 by 6 bits), so the weights are exactly the file's.
 template <int TILE, bool FIFTH>
@@ -68,19 +203,7 @@ void q4_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
       const uint8_t* wg = line + 64;
       prefetch(line, L::stride + L::header);  // headers included, at a superblock's start
       __m512i dot[TILE][2];
-      for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
-        const Chunk u = q4_chunk<FIFTH>(wg, c);
-        for (int r = 0; r < TILE; ++r) {
-          const int8_t* xr = xq + r * k + g * GROUP + c * 8;
-          const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
-          const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
-          dot[r][0] = dot_codes(dot[r][0], u.lo_a, xl);
-          dot[r][1] = dot_codes(dot[r][1], u.lo_b, xl);
-          dot[r][0] = dot_codes(dot[r][0], u.hi_a, xh);
-          dot[r][1] = dot_codes(dot[r][1], u.hi_b, xh);
-        }
-      }
+      q4_group_dots<TILE, FIFTH>(wg, xq + g * GROUP, k, dot);
       const __m512 sca = _mm512_mul_ps(ucodes16(line), da), scb = _mm512_mul_ps(ucodes16(line + LANES), db);
       const __m512 mna = _mm512_mul_ps(ucodes16(line + 2 * LANES), ma), mnb = _mm512_mul_ps(ucodes16(line + 3 * LANES), mb);
       for (int r = 0; r < TILE; ++r)
@@ -112,21 +235,7 @@ void q6_tile(const uint8_t* w, const Activations& a, const float* xs, const int3
       prefetch(line, Q6Layout::stride + Q6Layout::header);
       for (int s = 0; s < 2; ++s) {
         __m512i dot[TILE][2];
-        for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
-        const __m512i ha = _mm512_loadu_si512(bits + s * 64), hb = _mm512_loadu_si512(bits + 128 + s * 64);
-        for (int cc = 0; cc < 2; ++cc) {
-          const int c = 2 * s + cc;
-          const Chunk u = q6_chunk(wg, ha, hb, c, cc);
-          for (int r = 0; r < TILE; ++r) {
-            const int8_t* xr = xq + r * k + g * GROUP + c * 8;
-            const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
-            const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
-            dot[r][0] = dot_codes(dot[r][0], u.lo_a, xl);
-            dot[r][1] = dot_codes(dot[r][1], u.lo_b, xl);
-            dot[r][0] = dot_codes(dot[r][0], u.hi_a, xh);
-            dot[r][1] = dot_codes(dot[r][1], u.hi_b, xh);
-          }
-        }
+        q6_subblock_dots<TILE>(wg, bits, s, xq + g * GROUP, k, dot);
         const __m512 sca = _mm512_mul_ps(scodes16(line + s * 32), da);
         const __m512 scb = _mm512_mul_ps(scodes16(line + s * 32 + LANES), db);
         for (int r = 0; r < TILE; ++r)
