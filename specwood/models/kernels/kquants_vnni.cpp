@@ -51,20 +51,24 @@ inline void store_tile(const __m512 (&acc)[TILE][2], float* y, int64_t n, int64_
 // the group's 32 inputs times row r's activation codes (xq: row 0's group, rows k apart). On AVX2
 // the loop below is the AVX512 one emulated only with -DSPECWOOD_EMULATED_DOTS (a test's reference).
 #if !defined(SPECWOOD_AVX2) || defined(SPECWOOD_EMULATED_DOTS)
+// Chunk u's codes times each row's 8 activations of the chunk (x: row 0's, rows k apart).
+template <int TILE>
+inline void chunk_dots(const Chunk& u, const int8_t* x, int64_t k, __m512i (&dot)[TILE][2]) {
+  for (int r = 0; r < TILE; ++r) {
+    const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * k));
+    const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * k + 4));
+    dot[r][0] = dot_codes(dot[r][0], u.lo_a, xl);
+    dot[r][1] = dot_codes(dot[r][1], u.lo_b, xl);
+    dot[r][0] = dot_codes(dot[r][0], u.hi_a, xh);
+    dot[r][1] = dot_codes(dot[r][1], u.hi_b, xh);
+  }
+}
+
 template <int TILE, bool FIFTH>
 inline void q4_group_dots(const uint8_t* wg, const int8_t* xq, int64_t k, __m512i (&dot)[TILE][2]) {
   for (int r = 0; r < TILE; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
   for (int c = 0; c < 4; ++c) {
-    const Chunk u = q4_chunk<FIFTH>(wg, c);
-    for (int r = 0; r < TILE; ++r) {
-      const int8_t* xr = xq + r * k + c * 8;
-      const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
-      const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
-      dot[r][0] = dot_codes(dot[r][0], u.lo_a, xl);
-      dot[r][1] = dot_codes(dot[r][1], u.lo_b, xl);
-      dot[r][0] = dot_codes(dot[r][0], u.hi_a, xh);
-      dot[r][1] = dot_codes(dot[r][1], u.hi_b, xh);
-    }
+    chunk_dots(q4_chunk<FIFTH>(wg, c), xq + c * 8, k, dot);
   }
 }
 
@@ -76,16 +80,7 @@ inline void q6_subblock_dots(const uint8_t* wg, const uint8_t* bits, int s, cons
   const __m512i ha = _mm512_loadu_si512(bits + s * 64), hb = _mm512_loadu_si512(bits + 128 + s * 64);
   for (int cc = 0; cc < 2; ++cc) {
     const int c = 2 * s + cc;
-    const Chunk u = q6_chunk(wg, ha, hb, c, cc);
-    for (int r = 0; r < TILE; ++r) {
-      const int8_t* xr = xq + r * k + c * 8;
-      const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr));
-      const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4));
-      dot[r][0] = dot_codes(dot[r][0], u.lo_a, xl);
-      dot[r][1] = dot_codes(dot[r][1], u.lo_b, xl);
-      dot[r][0] = dot_codes(dot[r][0], u.hi_a, xh);
-      dot[r][1] = dot_codes(dot[r][1], u.hi_b, xh);
-    }
+    chunk_dots(q6_chunk(wg, ha, hb, c, cc), xq + c * 8, k, dot);
   }
 }
 #else
