@@ -303,3 +303,45 @@ def test_gguf_llama_logits_match_original_weights(tmp_path: Path) -> None:
     cfg2, sd2 = load_gguf(path, torch.float32)
     tokens = torch.arange(10)
     assert torch.allclose(reference_logits(cfg2, sd2, tokens), reference_logits(cfg, sd, tokens))
+
+
+# ----------------------------------------------------------------------------- lazy decoding
+
+
+def test_lazy_gguf_decodes_each_weight_when_taken(tmp_path: Path) -> None:
+    """load_gguf(lazy=True) gives the eager load's weights (llama.cpp's permuted q/k undone too), each
+    decoded only when taken; a file cut in its tensor data fails as the eager load does."""
+    cfg = random_tiny_config("llama", qkv_bias=True)
+    path = write_llama_cpp_style(tmp_path / "lazy.gguf", cfg, random_state_dict(cfg, seed=4), "Q8_0")
+    _, eager = load_gguf(path, torch.float32)
+    _, lazy = load_gguf(path, torch.float32, lazy=True)
+    assert set(lazy) == set(eager) and lazy.pending == set(eager)
+    assert torch.equal(lazy["layers.0.attention.wq.weight"], eager["layers.0.attention.wq.weight"])
+    assert lazy.pending == set(eager) - {"layers.0.attention.wq.weight"}
+    for name in list(lazy):
+        assert torch.equal(lazy.pop(name), eager[name]), name
+    assert not lazy and not lazy.pending
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ModelFileError, match="cut.gguf"):
+        _, part = load_gguf(cut, torch.float32, lazy=True)
+        for name in list(part):
+            part.pop(name)
+
+
+def test_q4_lite_build_from_a_lazy_load_equals_the_eager_one(tmp_path: Path) -> None:
+    """q4-lite requantises each layer as load_canonical puts it in place: from a lazily decoded state
+    dict (what Engine loads drafts from) the model is the one an eager load builds, bit for bit."""
+    from specwood.models.transformer import build_model
+    from specwood.engine.api import q4_runs_here
+
+    if not q4_runs_here("cpu"):
+        pytest.skip("the q4 kernels need AVX2 or AVX512 here")
+    cfg = random_tiny_config("qwen2")
+    path = write_gguf(tmp_path / "lite.gguf", cfg, random_state_dict(cfg, seed=5), "Q8_0")
+    models = [build_model(cfg, load_gguf(path, torch.float32, lazy=lazy)[1], torch.float32, q4_lite=True,
+                          q4_embeddings=True, consume=True, max_positions=64) for lazy in (False, True)]
+    tokens = torch.tensor([[3, 17, 99, 5, 42]])
+    logits = [m(tokens, torch.arange(5)) for m in models]
+    assert torch.equal(logits[0], logits[1])

@@ -447,7 +447,7 @@ def exact_q4_weights(path: Path, q4: bool, lite: bool = False) -> dict[str, Any]
         return None
     from specwood.models.gguf_kquants import kquant_weights
 
-    return usable_exact(kquant_weights(path), lite)
+    return usable_exact(kquant_weights(path, q4k_only=lite), lite)
 
 
 def left_in_file(exact: dict[str, Any] | None, lite: bool) -> Callable[[Any], set[str]] | None:
@@ -557,7 +557,7 @@ def load(
         positions = model.max_positions
     else:
         exact = exact_q4_weights(resolve_model(target), q4 or q4_lite, q4_lite)
-        cfg, sd, path = load_checkpoint(target, dtype=torch_dtype, skip=left_in_file(exact, q4_lite))
+        cfg, sd, path = load_checkpoint(target, dtype=torch_dtype, skip=left_in_file(exact, q4_lite), lazy=q4_lite)
         positions = min(max_context, cfg.max_position_embeddings) if max_context else cfg.max_position_embeddings
         # the int8 head too: a step's vocabulary matmul in 7.6 instead of 13.7 ms (one row; BENCHMARKS §7f)
         model = build_model(cfg, sd, torch_dtype, device, max_positions=positions, int8=int8, int8_head=int8,
@@ -565,6 +565,7 @@ def load(
         del sd, exact
         if model.weights_in_floats and progress:
             print(f"[load] {weights_in_floats_note(path, model)}", file=sys.stderr)
+    release_freed_memory()  # the target's decoded copies: the draft's load peaks on top of what is left
     tokenizer = load_tokenizer(target)
     draft_model: Any = None
     if draft is not None and draft_backend == "llama.cpp":
@@ -575,7 +576,8 @@ def load(
         ddtype = (torch.bfloat16 if int4 else torch_dtype if draft_dtype in ("auto", "int8", "q4", "q4-lite")
                   else resolve_dtype(draft_dtype, device))
         dexact = exact_q4_weights(resolve_model(str(draft)), dq4 or dq4_lite, dq4_lite)
-        dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype, skip=left_in_file(dexact, dq4_lite))
+        # q4-lite decodes each weight as the build takes it and requantises each layer as it arrives
+        dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype, skip=left_in_file(dexact, dq4_lite), lazy=dq4_lite)
         draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8,
                                   int8_head=dint8, q4=dq4, q4_lite=dq4_lite, q4_exact=dexact,
                                   q4_embeddings=dq4_lite, consume=True)  # a draft's precision changes speed, never output

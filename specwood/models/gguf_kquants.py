@@ -72,16 +72,19 @@ def _q6k_parts(blocks: torch.Tensor, rows: int) -> Q6Weights:
                      _f16_rows(blocks[:, 208:210], rows))
 
 
-def kquant_weights(path: str | os.PathLike[str], layers: range | None = None) -> dict[str, KQuantWeights]:
+def kquant_weights(path: str | os.PathLike[str], layers: range | None = None,
+                   q4k_only: bool = False) -> dict[str, KQuantWeights]:
     """The layers' quantised weight tensors (and such a token table or output head) of a GGUF file
     as llama.cpp holds them: canonical name -> Q4Weights, Q5Weights, Q6Weights or Q8Weights (the
     codes, their scale codes and fp16 factors; Q4_0 and Q5_0 as the same values in Q8_0's form).
     For the q4 weight mode, which runs these values on our kernels instead of requantising floats
-    (specwood.models.w4a8, specwood.models.q6k, specwood.models.q8_0)."""
+    (specwood.models.w4a8, specwood.models.q6k, specwood.models.q8_0). `q4k_only`: the Q4_K tensors
+    alone (all that q4-lite runs as stored; the others are not read)."""
     from gguf.constants import GGMLQuantizationType as Q
 
-    readers = {Q.Q4_K: _q4k_parts, Q.Q5_K: _q5k_parts, Q.Q6_K: _q6k_parts, Q.Q8_0: _q8_0_parts,
-               Q.Q4_0: _q4_0_parts, Q.Q5_0: _q5_0_parts}
+    readers = {Q.Q4_K: _q4k_parts} if q4k_only else {
+        Q.Q4_K: _q4k_parts, Q.Q5_K: _q5k_parts, Q.Q6_K: _q6k_parts, Q.Q8_0: _q8_0_parts,
+        Q.Q4_0: _q4_0_parts, Q.Q5_0: _q5_0_parts}
     path = Path(path)
     header = read_gguf_header(path)
     config = config_from_gguf(header)

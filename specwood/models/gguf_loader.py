@@ -54,11 +54,14 @@ def load_gguf(
     layers: range | None = None,
     progress: bool | None = None,
     skip: Callable[[ModelConfig], Collection[str]] | None = None,
+    lazy: bool = False,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a GGUF file -> (config, canonical float weights in ``dtype``); see specwood.models.loader.
 
     `skip(config)` names weights not to decode: they come back as meta tensors of their shape (a q4
-    build runs them from the file's own values; Transformer.load_canonical leaves them unwritten)."""
+    build runs them from the file's own values; Transformer.load_canonical leaves them unwritten).
+    `lazy`: each weight is decoded when it is first taken from the returned DecodedOnUse (for a
+    build that requantises each layer as it loads it: the floats of one layer at a time)."""
     path = Path(path)
     header = read_gguf_header(path)
     config = config_from_gguf(header)
@@ -83,6 +86,23 @@ def load_gguf(
 
     # np.memmap rather than mmap.mmap: views into it stay valid however long anything keeps them.
     mm = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, file untouched
+    if lazy:
+        for cname, info in wanted:
+            sd[cname] = torch.empty(tuple(info.shape) or (1,), dtype=dtype, device="meta")
+        validate_state_dict(config, sd, path, layers)
+        infos = dict(wanted)
+
+        def decode(cname: str) -> torch.Tensor:
+            try:
+                t = dequantize_tensor(mm, infos[cname], dtype, path)
+            except (ValueError, RuntimeError) as e:
+                raise ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}") from None
+            return _unpermuted(t, cname, config) if permute else t
+
+        if config.rope_scaling and config.rope_scaling.get("rope_type") == "freq_factors":
+            config.rope_scaling["freq_factors"] = dequantize_tensor(
+                mm, header.tensors["rope_freqs.weight"], torch.float32, path).tolist()
+        return config, DecodedOnUse(sd, set(infos), decode)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -93,11 +113,7 @@ def load_gguf(
     def convert(item: tuple[str, GGUFTensorInfo]) -> torch.Tensor:
         cname, info = item
         t = dequantize_tensor(mm, info, dtype, path)
-        if permute and cname.endswith(("attention.wq.weight", "attention.wq.bias")):
-            t = unpermute_qk(t, config.n_heads).contiguous()
-        elif permute and cname.endswith(("attention.wk.weight", "attention.wk.bias")):
-            t = unpermute_qk(t, config.n_kv_heads).contiguous()
-        return t
+        return _unpermuted(t, cname, config) if permute else t
 
     # Parallel over tensors (torch releases the GIL) with single-threaded torch ops: intra-op OpenMP
     # threads spin at barriers and were 7x slower than one thread on a busy 2-core machine.
@@ -121,6 +137,39 @@ def load_gguf(
         mm = None  # drops the mapping; not `del`, which pyflakes misreads in convert()'s closure
     validate_state_dict(config, sd, path, layers)
     return config, sd
+
+
+def _unpermuted(t: torch.Tensor, cname: str, config: ModelConfig) -> torch.Tensor:
+    """q and k of the archs whose GGUF conversion permuted them, back in the checkpoint's order."""
+    if cname.endswith(("attention.wq.weight", "attention.wq.bias")):
+        return unpermute_qk(t, config.n_heads).contiguous()
+    if cname.endswith(("attention.wk.weight", "attention.wk.bias")):
+        return unpermute_qk(t, config.n_kv_heads).contiguous()
+    return t
+
+
+class DecodedOnUse(dict):
+    """A state dict whose `pending` weights are decoded from the file when first read (`[name]`,
+    `pop`); until then they hold meta tensors of their shape. Only item access decodes: iterate
+    over it with keys, not values or items."""
+
+    def __init__(self, placeholders: dict[str, torch.Tensor], pending: set[str],
+                 decode: Callable[[str], torch.Tensor]):
+        super().__init__(placeholders)
+        self.pending, self._decode = pending, decode
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.pending:
+            super().__setitem__(name, self._decode(name))
+            self.pending.discard(name)
+        return super().__getitem__(name)
+
+    def pop(self, name: str, *default: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if name not in self:
+            return super().pop(name, *default)
+        value = self[name]
+        super().pop(name)
+        return value
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -18,16 +18,17 @@ from specwood.models.registry import REGISTRY, resolve_model
 
 def load_checkpoint(
     name_or_path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, layers: range | None = None,
-    skip: Callable[[ModelConfig], Collection[str]] | None = None,
+    skip: Callable[[ModelConfig], Collection[str]] | None = None, lazy: bool = False,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
     """Load a registry model, a .gguf file or a Hugging Face folder -> (config, canonical weights, path).
 
-    `skip` (GGUF files): the weights not to decode, as meta tensors (see load_gguf)."""
+    `skip` (GGUF files): the weights not to decode, as meta tensors; `lazy` (GGUF files): each weight
+    decoded when first taken (see load_gguf)."""
     path = resolve_model(name_or_path)
     if path.is_dir():
         config, sd = load_hf_folder(path, dtype, layers)
     else:
-        config, sd = load_gguf(path, dtype, layers, skip=skip)
+        config, sd = load_gguf(path, dtype, layers, skip=skip, lazy=lazy)
     if str(name_or_path).strip().lower() in REGISTRY:
         config.name = str(name_or_path).strip().lower()  # registry names are what reports should show
     elif not config.name:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import groupby
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -316,7 +317,7 @@ class Transformer(nn.Module):
         return swapped
 
     def quantize_q4(self, exact: dict[str, KQuantWeights] | None = None, embeddings: bool = False,
-                    lite: bool = False) -> list[str]:
+                    lite: bool = False, layers: Sequence[int] | None = None) -> list[str]:
         """Put the linears, the vocabulary head included, on our k-quant kernels
         (specwood.models.w4a8, specwood.models.q6k) where their shapes fit.
 
@@ -327,7 +328,8 @@ class Transformer(nn.Module):
         others stay in floats, in the model's dtype, and their names are returned so the loader can
         say so: never silently coarser than the file. With `lite` (q4-lite, and drafts) they are
         quantised to 4 bits from their floats instead, and with `embeddings` any token table is
-        stored in 4 bits: faster, lossier (BENCHMARKS.md, fidelity)."""
+        stored in 4 bits: faster, lossier (BENCHMARKS.md, fidelity). `layers` (local indices): those
+        layers' linears only (a load quantising each layer as it arrives), no token table or head."""
         from specwood.models.q6k import Q6Linear, Q6Weights
         from specwood.models.q8_0 import Q8Linear, Q8Weights
         from specwood.models.w4a8 import (GROUP, Q4Linear, Q4Weights, Q5Linear, Q5Weights, QuantEmbedding, StackedLinear,
@@ -336,10 +338,11 @@ class Transformer(nn.Module):
         self.q4_lite = lite
         exact = usable_exact(exact, lite)
         kinds = {Q4Weights: Q4Linear, Q5Weights: Q5Linear, Q6Weights: Q6Linear, Q8Weights: Q8Linear}
-        targets = self._q4_targets(exact)
-        if self.tok_embeddings is not None and exact.get("tok_embeddings.weight") is not None:
+        targets = self._q4_targets(exact, layers)
+        table = self.tok_embeddings if layers is None else None
+        if table is not None and exact.get("tok_embeddings.weight") is not None:
             self.tok_embeddings = QuantEmbedding(exact["tok_embeddings.weight"], self.dtype)  # kept exactly
-        elif self.tok_embeddings is not None and embeddings and self.config.dim % GROUP == 0:
+        elif table is not None and embeddings and self.config.dim % GROUP == 0:
             self.tok_embeddings = QuantEmbedding(quantize_q4(self.tok_embeddings.weight.data), self.dtype)
         in_floats = []
         for owner, attr, names in targets:
@@ -361,16 +364,21 @@ class Transformer(nn.Module):
                 in_floats += [n for n, f in zip(names, found) if f is None]
         return in_floats
 
-    def _q4_targets(self, exact: dict[str, KQuantWeights]) -> list[tuple[nn.Module, str, list[str]]]:
-        """The linears quantize_q4 puts on the k-quant kernels: (owner, attribute, canonical source names)."""
+    def _q4_targets(self, exact: dict[str, KQuantWeights],
+                    layers: Sequence[int] | None = None) -> list[tuple[nn.Module, str, list[str]]]:
+        """The linears quantize_q4 puts on the k-quant kernels: (owner, attribute, canonical source
+        names); with `layers` (local indices) those layers' only."""
         parts = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"), "attention.wo": ("attention.wo",),
                  "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"), "feed_forward.w2": ("feed_forward.w2",)}
         targets: list[tuple[nn.Module, str, list[str]]] = []
-        for local, i in enumerate(self.layer_range):
+        for local in range(len(self.layer_range)) if layers is None else layers:
+            i = self.layer_range[local]
             for fused, sources in parts.items():
                 owner_name, attr = fused.split(".")
                 targets.append((getattr(self.layers[local], owner_name), attr,
                                 [f"layers.{i}.{src}.weight" for src in sources]))
+        if layers is not None:
+            return targets
         if self.output is not None:
             tied = self.config.tie_embeddings and "output.weight" not in exact
             targets.append((self, "output", ["tok_embeddings.weight" if tied else "output.weight"]))
@@ -408,43 +416,56 @@ class Transformer(nn.Module):
 
     # --- weights in canonical (loader) names ---------------------------------------------------
 
-    def load_canonical(self, sd: dict[str, torch.Tensor], consume: bool = False) -> None:
+    def load_canonical(self, sd: dict[str, torch.Tensor], consume: bool = False,
+                       after_layer: Callable[[int], None] | None = None) -> None:
         """Take weights named as the loaders name them (separate q/k/v and gate/up) and fuse them.
 
         A meta tensor in `sd` stands for a weight the loader left in the file (weights_taken_as_stored):
         its parameter stays unwritten, for quantize_q4 to replace. `consume` removes from `sd` what
         it takes as it goes, so each layer's sources are freed once fused instead of all of them
-        staying beside all the fused copies (the load's peak memory)."""
+        staying beside all the fused copies (the load's peak memory). `after_layer(local)` runs once
+        each layer's weights are in place (build_model quantises the layer there)."""
         c = self.config
-        own: dict[str, torch.Tensor] = {}
         take = sd.pop if consume else sd.__getitem__
+        params = dict(self.named_parameters())
+        self.weights_left_in_file = set()
+
+        def put(own: dict[str, torch.Tensor]) -> None:
+            for name, t in own.items():
+                param = params.pop(name)  # not kept here: after_layer may replace its module
+                if param.shape != t.shape:
+                    raise ModelFileError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
+                if t.is_meta:
+                    self.weights_left_in_file.add(name)
+                else:
+                    param.data = t.to(device=param.device, dtype=param.dtype)
+
         try:
+            own: dict[str, torch.Tensor] = {}
             if self.is_first:
                 own["tok_embeddings.weight"] = take("tok_embeddings.weight")
             if self.is_last:
                 own["norm.weight"] = take("norm.weight")
                 own["output.weight"] = (take("output.weight") if "output.weight" in sd else
                                         own["tok_embeddings.weight"] if self.is_first else take("tok_embeddings.weight"))
+            put(own)
             for local, i in enumerate(self.layer_range):
                 p, q = f"layers.{i}.", f"layers.{local}."
-                own[q + "attention_norm.weight"] = take(p + "attention_norm.weight")
-                own[q + "ffn_norm.weight"] = take(p + "ffn_norm.weight")
-                own[q + "attention.wqkv.weight"] = torch.cat([take(p + f"attention.w{n}.weight") for n in "qkv"])
+                own = {q + "attention_norm.weight": take(p + "attention_norm.weight"),
+                       q + "ffn_norm.weight": take(p + "ffn_norm.weight"),
+                       q + "attention.wqkv.weight": torch.cat([take(p + f"attention.w{n}.weight") for n in "qkv"])}
                 if c.qkv_bias:
                     own[q + "attention.wqkv.bias"] = torch.cat([take(p + f"attention.w{n}.bias") for n in "qkv"])
                 own[q + "attention.wo.weight"] = take(p + "attention.wo.weight")
                 own[q + "feed_forward.w13.weight"] = torch.cat([take(p + "feed_forward.w1.weight"),
                                                                 take(p + "feed_forward.w3.weight")])
                 own[q + "feed_forward.w2.weight"] = take(p + "feed_forward.w2.weight")
+                put(own)
+                del own
+                if after_layer is not None:
+                    after_layer(local)
         except KeyError as e:
             raise ModelFileError(f"checkpoint is missing tensor {e.args[0]} (incomplete or wrong model file)") from None
-        params = dict(self.named_parameters())
-        self.weights_left_in_file = {name for name, t in own.items() if t.is_meta}
-        for name, t in own.items():
-            if params[name].shape != t.shape:
-                raise ModelFileError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
-            if not t.is_meta:
-                params[name].data = t.to(device=params[name].device, dtype=params[name].dtype)
         if self.is_first and self.is_last and c.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight  # one copy in memory
 
@@ -519,8 +540,11 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
         model = Transformer(config, layers, max_positions)
     model = model.to(dtype).to_empty(device=device)  # allocate once, in the final dtype
     model.rope_cos, model.rope_sin = rope_tables(config, model.max_positions, device)  # fp32 tables
-    model.load_canonical(state_dict, consume=consume)
     model = model.eval().requires_grad_(False)
+    # q4-lite requantises each layer as it arrives: with a lazily decoded state dict the load holds
+    # one layer's floats, not the whole model's (a 0.5B draft's 2 GB in fp32)
+    after_layer = (lambda local: model.quantize_q4(q4_exact, lite=True, layers=[local])) if q4_lite else None
+    model.load_canonical(state_dict, consume=consume, after_layer=after_layer)
     if int4:
         model.quantize_int4()
     if q4 or q4_lite:
