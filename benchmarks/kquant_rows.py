@@ -19,13 +19,12 @@ import argparse
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from specwood.models.amx_probe import random_packed
+from specwood.models.amx_probe import random_packed, time_ms
 from specwood.models.kquant_kernels import kquant_kernel
 
 KERNELS = Path(__file__).resolve().parents[1] / "specwood" / "models" / "kernels"
@@ -48,22 +47,12 @@ def build_at(revision: str, work: Path) -> Any:
                 extra_cflags=spec.cflags, verbose=False)
 
 
-def best_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1000
-
-
 def alternate(builds: dict[str, Any], run: Callable[[Any], Any], rounds: int, repeats: int) -> dict[str, float]:
     """The best time of `run(build)` per build, the builds alternated round by round (drift hits both)."""
     times: dict[str, list[float]] = {name: [] for name in builds}
     for r in range(rounds):
         for name in (list(builds) if r % 2 == 0 else list(builds)[::-1]):
-            times[name].append(best_ms(lambda: run(builds[name]), repeats))
+            times[name].append(time_ms(lambda: run(builds[name]), repeats))
     return {name: min(t) for name, t in times.items()}
 
 
