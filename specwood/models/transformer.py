@@ -6,9 +6,9 @@ mask, and a pipeline stage is the same class built over a layer range.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
