@@ -76,9 +76,13 @@ def load_gguf(
             continue
         wanted.append((cname, info))
     sd: dict[str, torch.Tensor] = {}
+
+    def placeholder(info: GGUFTensorInfo) -> torch.Tensor:
+        return torch.empty(tuple(info.shape) or (1,), dtype=dtype, device="meta")
+
     left = set(skip(config)) if skip is not None else set()
     for cname, info in [w for w in wanted if w[0] in left]:
-        sd[cname] = torch.empty(tuple(info.shape) or (1,), dtype=dtype, device="meta")
+        sd[cname] = placeholder(info)
     wanted = [w for w in wanted if w[0] not in left]
     permute = config.arch in _PERMUTED_QK_ARCHS
     if progress is None:
@@ -86,22 +90,33 @@ def load_gguf(
 
     # np.memmap rather than mmap.mmap: views into it stay valid however long anything keeps them.
     mm = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, file untouched
+
+    def convert(item: tuple[str, GGUFTensorInfo]) -> torch.Tensor:
+        cname, info = item
+        t = dequantize_tensor(mm, info, dtype, path)
+        return _unpermuted(t, cname, config) if permute else t
+
+    def file_error(e: Exception) -> ModelFileError:  # view/reshape failures: a tensor table inconsistent with the data
+        return ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}")
+
+    try:
+        if config.rope_scaling and config.rope_scaling.get("rope_type") == "freq_factors":
+            freqs = dequantize_tensor(mm, header.tensors["rope_freqs.weight"], torch.float32, path)
+            config.rope_scaling["freq_factors"] = freqs.tolist()
+    except (ValueError, RuntimeError) as e:
+        raise file_error(e) from None
     if lazy:
         for cname, info in wanted:
-            sd[cname] = torch.empty(tuple(info.shape) or (1,), dtype=dtype, device="meta")
+            sd[cname] = placeholder(info)
         validate_state_dict(config, sd, path, layers)
         infos = dict(wanted)
 
         def decode(cname: str) -> torch.Tensor:
             try:
-                t = dequantize_tensor(mm, infos[cname], dtype, path)
+                return convert((cname, infos[cname]))
             except (ValueError, RuntimeError) as e:
-                raise ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}") from None
-            return _unpermuted(t, cname, config) if permute else t
+                raise file_error(e) from None
 
-        if config.rope_scaling and config.rope_scaling.get("rope_type") == "freq_factors":
-            config.rope_scaling["freq_factors"] = dequantize_tensor(
-                mm, header.tensors["rope_freqs.weight"], torch.float32, path).tolist()
         return config, DecodedOnUse(sd, set(infos), decode)
     bar = None
     if progress:
@@ -109,11 +124,6 @@ def load_gguf(
 
         bar = tqdm(total=sum(i.n_bytes for _, i in wanted), desc=f"loading {path.name}", unit="B",
                    unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False, dynamic_ncols=True)
-
-    def convert(item: tuple[str, GGUFTensorInfo]) -> torch.Tensor:
-        cname, info = item
-        t = dequantize_tensor(mm, info, dtype, path)
-        return _unpermuted(t, cname, config) if permute else t
 
     # Parallel over tensors (torch releases the GIL) with single-threaded torch ops: intra-op OpenMP
     # threads spin at barriers and were 7x slower than one thread on a busy 2-core machine.
@@ -125,11 +135,8 @@ def load_gguf(
                 sd[cname] = t
                 if bar is not None:
                     bar.update(info.n_bytes)
-        if config.rope_scaling and config.rope_scaling.get("rope_type") == "freq_factors":
-            freqs = dequantize_tensor(mm, header.tensors["rope_freqs.weight"], torch.float32, path)
-            config.rope_scaling["freq_factors"] = freqs.tolist()
-    except (ValueError, RuntimeError) as e:  # view/reshape failures: a tensor table inconsistent with the data
-        raise ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}") from None
+    except (ValueError, RuntimeError) as e:
+        raise file_error(e) from None
     finally:
         _single_torch_thread_exit()
         if bar is not None:

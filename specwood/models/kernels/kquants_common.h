@@ -125,9 +125,10 @@ inline torch::Tensor finish_linear(torch::Tensor y, const torch::Tensor& x, cons
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-// vpdpbusd on codes below 128 (Q4_K's, Q5_K's, Q6_K's) by activations in -127..127: the AVX2 build
-// then sums products in int16 pairs (exact for such operands), three instructions where the
-// general case (Q8_0's codes + 128) takes nine.
+// vpdpbusd on codes below 128 (Q4_K's, Q5_K's, Q6_K's) by activations in -127..127: emulated on AVX2
+// (the AVX512 loop built with -DSPECWOOD_EMULATED_DOTS, the AVX2 dots' test reference) it sums
+// products in int16 pairs (exact for such operands), three instructions where the general case
+// (Q8_0's codes + 128) takes nine.
 inline __m512i dot_codes(__m512i acc, __m512i codes, __m512i x) {
 #ifdef SPECWOOD_AVX2
   return avx2::dpbusd_small(acc, codes, x);
