@@ -12,6 +12,7 @@ from specwood.engine.api import Engine
 from specwood.engine.executor import Executor
 from specwood.engine.parallel import ParallelExecutor
 from specwood.engine.specpipe.launch import PipelineExecutor
+from specwood.engine.request import State
 from specwood.engine.scheduler import Scheduler
 from specwood.engine.sequential import SequentialExecutor
 from specwood.errors import DeadlineExceeded, SpecwoodError
@@ -75,6 +76,26 @@ def test_one_workload_through_every_executor(engine, name):
             assert req.error is None, (name, i, req.error)
             assert req.result.token_ids == ref, (name, i)
     assert scheduler.idle and scheduler.failure is None
+
+
+def test_a_step_answers_its_requests_after_its_record_is_observed(engine):
+    """The server's /metrics observe each step's record: a client answered by a step must find that
+    step counted when it scrapes right after (the sequential executor steps one decode step)."""
+    scheduler = Scheduler(make_executor("sequential", engine), max_batch=4, max_queue=8)
+    requests = [scheduler.make_request(engine, p, max_tokens=n, raw=True, method="dyspec")
+                for p, n in zip(PROMPTS, MAX_TOKENS)]
+    seen: list[list[tuple[bool, bool]]] = []  # per observed record: each request finished?, answered?
+    scheduler.observers.append(lambda rec: seen.append([(r.state is State.FINISHED, r.done.is_set())
+                                                        for r in requests]))
+    for req in requests:
+        scheduler.submit(req)
+    scheduler.run_until_done(requests)
+    assert all(r.error is None and r.done.is_set() for r in requests)
+    for i in range(len(requests)):
+        # the step that finished request i was observed before i was answered, and only that one
+        states = [record[i] for record in seen]
+        assert states.count((True, False)) == 1, (i, states)
+        assert states.index((True, False)) == len([s for s in states if s == (False, False)]), (i, states)
 
 
 class SlowConsumer:

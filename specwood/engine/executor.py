@@ -66,6 +66,10 @@ class Executor(ABC):
     # steps in the scheduler's own thread (the server's main thread): False for an executor whose
     # work runs in other processes and whose step mostly waits (signals reach only the main thread)
     steps_in_caller: bool = True
+    # its step is one decode step whose StepRecord it returns: the scheduler answers the requests it
+    # finished once the record is observed (metrics). False for an executor whose step runs a whole
+    # batch (an early finisher must not wait for the rest) or records nothing
+    records_steps: bool = False
 
     def bind(self, finish: FinishCallback, fail: FailCallback) -> None:
         """The scheduler's ends of a request: `finish(req, result=None)`, `fail(req, error)`."""

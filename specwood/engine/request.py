@@ -209,11 +209,13 @@ class Request:
 
     # --- the end (the executor has released the request's cache rows) ---
 
-    def complete(self, result: GenerationResult | None = None) -> None:
-        """Finished: build the result (or take the executor's) and tell whoever waits."""
+    def complete(self, result: GenerationResult | None = None, notify: bool = True) -> None:
+        """Finished: build the result (or take the executor's) and, unless the caller will later
+        (`notify`), tell whoever waits."""
         self.state = State.FINISHED
         self.result = result if result is not None else self.out.finish(self.method, self.stats_dict())
-        self._notify()
+        if notify:
+            self.notify()
 
     def fail(self, error: BaseException) -> None:
         """Failed with `error`: a SpecwoodError's text is the user's message, anything else an
@@ -221,9 +223,9 @@ class Request:
         self.state = State.FINISHED
         self.error = str(error) if isinstance(error, SpecwoodError) else f"internal error: {type(error).__name__}: {error}"
         self.exception = error
-        self._notify()
+        self.notify()
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
         self.done.set()
         if self.on_finish is not None:
             try:

@@ -57,6 +57,10 @@ class Scheduler:
         self._loop_done = threading.Event()
         self._stopping = False
         self.steps = 0
+        # requests the step under way finished: told once the step's metrics are recorded, so a
+        # client that scrapes /metrics after its answer sees the step that made it
+        self._held: list[Request] | None = None
+        self._stepping_thread: int | None = None
 
     def __getattr__(self, name: str) -> Any:
         executor = self.__dict__.get("executor")
@@ -177,14 +181,21 @@ class Scheduler:
                 self._finish(req, cancelled=True)
         if not self.running:
             return False
-        record = self.executor.step(list(self.running))
-        self.steps += 1
-        if record is not None:
-            for observe in self.observers:
-                try:
-                    observe(record)
-                except Exception:  # noqa: BLE001 - a metrics observer must not stop decoding
-                    pass
+        if self.executor.records_steps:
+            self._held, self._stepping_thread = [], threading.get_ident()
+        try:
+            record = self.executor.step(list(self.running))
+            self.steps += 1
+            if record is not None:
+                for observe in self.observers:
+                    try:
+                        observe(record)
+                    except Exception:  # noqa: BLE001 - a metrics observer must not stop decoding
+                        pass
+        finally:
+            held, self._held, self._stepping_thread = self._held or [], None, None
+            for req in held:
+                req.notify()
         return True
 
     # --- the end of a request -------------------------------------------------------------------
@@ -199,7 +210,10 @@ class Scheduler:
         self._release(req)
         if cancelled and not req.out.finished:
             req.out.finish_reason = "cancelled"
-        req.complete(result)
+        hold = self._held is not None and self._stepping_thread == threading.get_ident()
+        req.complete(result, notify=not hold)
+        if hold:
+            self._held.append(req)
 
     def _fail(self, req: Request, error: BaseException) -> None:
         try:

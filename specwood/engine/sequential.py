@@ -41,6 +41,7 @@ class SequentialExecutor(Executor):
     """Batched steps in this process: `max_batch` cache rows, continuous batching (see the module)."""
 
     name = "sequential"
+    records_steps = True
     reuse: PrefixReuse | None = None  # prefix reuse across requests (specwood.engine.prefix_reuse)
     kv_budget: int | None = None  # bytes for the rows and the prefix cache (None: static rows)
 
