@@ -14,7 +14,7 @@ forward), nothing for drafting.
 The bound per category is ar time / oracle time. With `--model-gain G`, steps where nothing can be
 copied go G times faster (the draft model at its best), for the bound of model + copies.
 
-    python benchmarks/suffix_bound.py [--limit 3] [--max-tokens 256] [--max-draft 47] [--model-gain 1.2] [--row-ms 3.8]
+    python benchmarks/suffix_bound.py [--limit 3] [--max-tokens 256] [--max-draft 47] [--model-gain 1.2] [--row-ms MS]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from suffix import DEFAULT_WORKLOADS as WORKLOADS  # noqa: E402
+from kquant_rows import int8_peak_rate  # noqa: E402
 from suffix import load_items, second_turn  # noqa: E402
 
 import specwood  # noqa: E402
@@ -36,6 +37,14 @@ from specwood.planner.starter import starter_plan  # noqa: E402
 def as_text(ids: list[int]) -> str:
     """Token ids as one character each, so `in` finds runs of tokens (ids map past the ASCII range)."""
     return "".join(chr(0x1000 + t) for t in ids)
+
+
+def row_macs(model: Any) -> int:
+    """The multiply-adds one verified row costs in the target's linears (its head included); a
+    linear made of parts (a stacked qkv) counts through its parts."""
+    linear = lambda m: hasattr(m, "in_features")  # noqa: E731
+    return sum(m.in_features * m.out_features for m in model.modules()
+               if linear(m) and not any(linear(c) for c in list(m.modules())[1:]))
 
 
 def oracle_steps(answer: list[int], seen_before: str, prompt: list[int], max_draft: int) -> list[int]:
@@ -73,8 +82,9 @@ def main() -> int:
     ap.add_argument("--max-draft", type=int, default=47, help="the longest chain one step verifies (T_v timed to 48)")
     ap.add_argument("--model-gain", type=float, default=1.2,
                     help="the draft model's speed-up on steps with nothing to copy (auto --no-suffix on open chat)")
-    ap.add_argument("--row-ms", type=float, default=3.8,
-                    help="a verify row's cost at the chip's int8 peak (BENCHMARKS.md §19c), for the kernel's bound")
+    ap.add_argument("--row-ms", type=float,
+                    help="a verify row's cost for the kernel's bound (default: the target's multiply-adds a row at "
+                         "this chip's measured int8 peak, kquant_rows.py --peak)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     items = load_items(a.workloads, a.limit)
@@ -105,6 +115,8 @@ def main() -> int:
         print(f"{item['id']:9s} {r['tokens']:4d} tokens, {len(steps):4d} oracle steps "
               f"({r['tokens'] / max(len(steps), 1):.1f} tokens/step), {100 * r['copied_share']:.0f}% copied, "
               f"bound {bound([r], None, 1.0):.2f}x ar", flush=True)
+    if a.row_ms is None:
+        a.row_ms = 1e3 * row_macs(engine.target) / int8_peak_rate()
     cases = [(None, 1.0), (None, a.model_gain), (a.row_ms * 1e-3, a.model_gain)]
     cases = list(dict.fromkeys(cases))
     name = lambda c: ("measured T_v" if c[0] is None else f"{c[0] * 1e3:g} ms a row") + f", model x{c[1]:g}"  # noqa: E731
