@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from suffix import DEFAULT_WORKLOADS as WORKLOADS  # noqa: E402
 from kquant_rows import int8_peak_rate  # noqa: E402
+from suffix import DEFAULT_WORKLOADS as WORKLOADS  # noqa: E402
 from suffix import load_items, second_turn  # noqa: E402
 
 import specwood  # noqa: E402
