@@ -11,8 +11,8 @@ import pytest
 from specwood.engine.api import Engine
 from specwood.engine.executor import Executor
 from specwood.engine.parallel import ParallelExecutor
-from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.request import State
+from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.scheduler import Scheduler
 from specwood.engine.sequential import SequentialExecutor
 from specwood.errors import DeadlineExceeded, SpecwoodError
@@ -95,7 +95,7 @@ def test_a_step_answers_its_requests_after_its_record_is_observed(engine):
         # the step that finished request i was observed before i was answered, and only that one
         states = [record[i] for record in seen]
         assert states.count((True, False)) == 1, (i, states)
-        assert states.index((True, False)) == len([s for s in states if s == (False, False)]), (i, states)
+        assert states.index((True, False)) == states.count((False, False)), (i, states)
 
 
 class SlowConsumer:
