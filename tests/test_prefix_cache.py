@@ -269,3 +269,183 @@ def test_the_kv_pool_moves_committed_slots_only_through_its_interface():
     assert not torch.equal(pool.k[:, 2, :, 2], pool.k[:, 1, :, 2])  # only the slots asked for
     with pytest.raises(ContextLengthError):
         pool.put_slots(0, 6, k, v)
+
+
+# --- the cache alone: its radix index against a brute-force model ---------------------------------
+
+def _pool(max_len: int = 48, rows: int = 2):
+    from specwood.models.cache import KVCache
+
+    return KVCache(n_layers=1, n_kv_heads=1, head_dim=1, max_len=max_len, batch=rows)  # 8 bytes a slot
+
+
+def _fill(pool, row: int, tokens: list[int]) -> None:
+    """The row holds `tokens`: its K slots are the token ids (V their negatives), so a restored
+    row shows which tokens' K/V it got."""
+    t = torch.tensor(tokens, dtype=torch.float32)
+    pool.k[0, row, 0, :len(tokens), 0] = t
+    pool.v[0, row, 0, :len(tokens), 0] = -t
+    pool.lengths[row] = len(tokens)
+
+
+def _restored(pool, row: int) -> list[int]:
+    n = pool.lengths[row]
+    k, v = pool.k[0, row, 0, :n, 0], pool.v[0, row, 0, :n, 0]
+    assert torch.equal(v, -k)
+    return [int(x) for x in k]
+
+
+class ReferencePrefixCache:
+    """What PrefixCache promises, by scanning every entry: (pool, scope, tokens) least recently
+    used first. Where several entries hold the longest match, any may be the one touched: the
+    model follows the one the cache touched (its newest entry), after checking it was allowed."""
+
+    def __init__(self, budget: int, per_slot: int):
+        self.budget, self.per_slot = budget, per_slot
+        self.entries: list[tuple[int, str, tuple[int, ...]]] = []
+
+    @staticmethod
+    def shared(a, b) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    def best(self, pool: int, scope: str, want: tuple[int, ...]) -> int:
+        return max((self.shared(t, want) for p, s, t in self.entries if (p, s) == (pool, scope)), default=0)
+
+    def touch(self, key, allowed) -> None:
+        assert key in self.entries and allowed(key), key
+        self.entries.remove(key)
+        self.entries.append(key)
+
+    def store(self, pool: int, scope: str, new: tuple[int, ...], touched) -> None:
+        if len(new) * self.per_slot > self.budget:
+            return
+        mine = [e for e in self.entries if (e[0], e[1]) == (pool, scope)]
+        if any(t[:len(new)] == new for _, _, t in mine):
+            self.touch(touched, lambda e: (e[0], e[1]) == (pool, scope) and e[2][:len(new)] == new)
+            return
+        self.entries = [e for e in self.entries if not ((e[0], e[1]) == (pool, scope) and new[:len(e[2])] == e[2])]
+        while self.entries and self.per_slot * (sum(len(t) for _, _, t in self.entries) + len(new)) > self.budget:
+            self.entries.pop(0)
+        self.entries.append((pool, scope, new))
+
+
+def _key(entry) -> tuple[int, str, tuple[int, ...]]:
+    return entry.pool, entry.scope, tuple(entry.tokens.tolist())
+
+
+def _check_against_reference(seed: int, steps: int, budget_tokens: int, alphabet: int, longest: int) -> None:
+    rnd = random.Random(seed)
+    pools = [_pool(max_len=longest), _pool(max_len=longest)]
+    cache = PrefixCache(budget_tokens * pools[0].bytes_per_slot)
+    ref = ReferencePrefixCache(cache.budget_bytes, pools[0].bytes_per_slot)
+    stems = [[rnd.randrange(alphabet) for _ in range(longest)] for _ in range(4)]  # shared openings
+    for _ in range(steps):
+        pool = rnd.choice(pools)
+        scope = rnd.choice(["", "a", "b"])
+        stem = rnd.choice(stems)
+        cut = rnd.randrange(longest)
+        tokens = stem[:cut] + [rnd.randrange(alphabet) for _ in range(rnd.randrange(1, longest - cut + 1))]
+        if rnd.random() < 0.5:
+            _fill(pool, 0, tokens)
+            cache.store(pool, 0, tokens, scope=scope)
+            if cache.entries:
+                ref.store(id(pool), scope, tuple(tokens), _key(cache.entries[-1]))
+        else:
+            limit = rnd.randrange(len(tokens) + 1)
+            want = tuple(tokens[:limit])
+            before = cache.entries
+            got = cache.restore(pool, 1, tokens, limit, scope=scope)
+            assert got == ref.best(id(pool), scope, want)
+            assert _restored(pool, 1) == list(want[:got])
+            if got:
+                ref.touch(_key(cache.entries[-1]),
+                          lambda e: e[:2] == (id(pool), scope) and ref.shared(e[2], want) == got)
+            else:
+                assert cache.entries == before  # nothing touched
+        assert [_key(e) for e in cache.entries] == ref.entries
+        assert cache.nbytes == sum(e.nbytes for e in cache.entries) <= cache.budget_bytes
+        assert cache.cached_tokens == sum(len(e.tokens) for e in cache.entries)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_radix_index_matches_a_brute_force_scan(seed):
+    """Random stores and lookups over two pools and three scopes, small alphabets (prefixes shared,
+    split and merged often): every lookup's length and restored K/V, every entry kept, dropped
+    or evicted, and the LRU order are the brute-force model's; first with room for everything,
+    then under a budget that evicts."""
+    _check_against_reference(seed, steps=400, budget_tokens=10 ** 6, alphabet=3, longest=12)
+    _check_against_reference(seed + 100, steps=400, budget_tokens=60, alphabet=3, longest=12)
+
+
+def test_thousands_of_entries_give_the_longest_match():
+    """3,000 entries of one pool: each lookup's length is the longest common prefix over all of
+    them, and the K/V restored are those tokens'."""
+    rnd = random.Random(4)
+    pool = _pool(max_len=40)
+    cache = PrefixCache(10 ** 9)
+    stems = [[rnd.randrange(50) for _ in range(40)] for _ in range(30)]
+    held: list[list[int]] = []
+    for _ in range(3000):
+        stem = rnd.choice(stems)
+        tokens = stem[:rnd.randrange(40)]
+        tokens += [rnd.randrange(50) for _ in range(40 - len(tokens))]
+        _fill(pool, 0, tokens)
+        cache.store(pool, 0, tokens)
+        held.append(tokens)
+    assert len(cache.entries) == len({tuple(t) for t in held})  # all length 40: none holds another
+    for _ in range(300):
+        stem = rnd.choice(stems)
+        query = stem[:rnd.randrange(41)] + [rnd.randrange(50) for _ in range(rnd.randrange(10))]
+        want = max(ReferencePrefixCache.shared(t, query) for t in held)
+        assert cache.restore(pool, 1, query, len(query)) == want
+        assert _restored(pool, 1) == query[:want]
+
+
+def test_a_scope_never_sees_nor_changes_another_scopes_entries():
+    pool = _pool()
+    cache = PrefixCache(10 ** 6)
+    a = [1, 2, 3, 4, 5, 6]
+    _fill(pool, 0, a)
+    cache.store(pool, 0, a, scope="tenant-a")
+    assert cache.restore(pool, 1, a, 6, scope="tenant-b") == 0  # another scope: nothing
+    assert cache.restore(pool, 1, a, 6) == 0  # nor the default scope
+    _fill(pool, 0, a + [7, 8])  # extends a's entry: a's stays
+    cache.store(pool, 0, a + [7, 8], scope="tenant-b")
+    _fill(pool, 0, a[:3])  # held inside a's entry: stored for b, a's not touched
+    cache.store(pool, 0, a[:3], scope="tenant-b")
+    assert [(e.scope, e.tokens.tolist()) for e in cache.entries] == [("tenant-a", a), ("tenant-b", a + [7, 8])]
+    assert cache.restore(pool, 1, a + [7, 9], 10, scope="tenant-a") == 6
+    assert cache.restore(pool, 1, a + [7, 9], 10, scope="tenant-b") == 7
+    _fill(pool, 0, a + [7, 8, 9])  # within its scope an entry is still dropped when extended
+    cache.store(pool, 0, a + [7, 8, 9], scope="tenant-b")
+    assert [(e.scope, len(e.tokens)) for e in cache.entries] == [("tenant-a", 6), ("tenant-b", 9)]
+
+
+def test_lru_order_and_eviction_under_the_shared_budget():
+    """Entries go least recently used first, whatever their scope: a lookup or a store of a held
+    sequence makes an entry the newest."""
+    pool = _pool()
+    per = pool.bytes_per_slot
+    cache = PrefixCache(12 * per)
+    seqs = {"x": [1, 1, 1, 1], "y": [2, 2, 2, 2], "z": [3, 3, 3, 3]}
+    for name, toks in seqs.items():
+        _fill(pool, 0, toks)
+        cache.store(pool, 0, toks, scope=name)
+    assert cache.restore(pool, 1, [1, 1, 9], 3, scope="x") == 2  # x is now the newest
+    _fill(pool, 0, [2, 2])
+    cache.store(pool, 0, [2, 2], scope="y")  # held inside y's entry: y is touched, nothing stored
+    assert [e.scope for e in cache.entries] == ["z", "x", "y"] and cache.stats.stored == 3
+    _fill(pool, 0, [4, 4, 4, 4, 4])
+    cache.store(pool, 0, [4, 4, 4, 4, 4], scope="w")  # 17 tokens > 12: z goes, then x
+    assert [e.scope for e in cache.entries] == ["y", "w"] and cache.stats.evictions == 2
+    assert cache.nbytes == 9 * per and cache.cached_tokens == 9
+    cache.set_budget(5 * per)
+    assert [e.scope for e in cache.entries] == ["w"] and cache.stats.evictions == 3
+    cache.set_budget(0)
+    assert cache.entries == [] and cache.nbytes == 0 and cache._roots == {}  # no empty trees left behind
+    _fill(pool, 0, [5] * 6)
+    cache.store(pool, 0, [5] * 6)  # larger than the budget: not kept
+    assert cache.entries == []
