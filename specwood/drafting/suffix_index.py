@@ -4,8 +4,10 @@ Tokens live in a ring of `capacity` slots (absolute positions grow for ever; pos
 slot p % capacity and is live while p >= total - capacity), so memory is fixed and eviction is
 first in, first out and free: a write overwrites the oldest token. Every live position e whose
 last `anchor` tokens (tokens[e - anchor + 1 .. e]) hold no separator is linked to the previous
-position with the same anchor (a hash chain, as LZ77 compressors keep one), and `head` maps an
-anchor to its newest position.
+position whose anchor hashes to the same bucket (a hash chain, as LZ77 compressors keep one), and
+`head` maps a bucket to its newest position. A bucket may hold other anchors (and other scopes'):
+a query skips positions whose anchor tokens or scope are not its own, so what it finds is exactly
+what a chain per anchor would give.
 
 A query with the context's tail walks the anchor's chain over its `max_occurrences` newest live
 occurrences, extends each match backwards (up to `max_match` tokens) and keeps those with the
@@ -14,16 +16,27 @@ longest match that are followed by at least one token; what followed each of the
 suffix-tree node of the longest matched suffix, with its counts: the number of continuations
 that start with a path is that path's count (specwood.drafting.suffix_tree builds the tree).
 
-Cost per step: O(new tokens) to append, O(max_occurrences * max_match + continuations) to query,
-whatever the context length; a context longer than the ring drafts from its newest `capacity`
-tokens. Documents (finished answers) are separated by SEPARATOR, so no match or continuation
-crosses from one into the next.
+Scopes (tenants): each document is written under one scope (a write under another scope starts a
+new document), and a query sees only its own scope's occurrences; another scope's writes change
+what it finds only by pushing old tokens out of the shared ring.
+
+Memory: four flat arrays, 4 + 4 + 8 bytes a slot (token, scope id, chain link) and 8 bytes a
+bucket (one bucket a slot, rounded up to a power of two): 24-32 bytes a token, whatever was
+written (`nbytes`). Cost per step: O(new tokens) to append, O(max_occurrences * max_match +
+continuations) to query (plus the rare other anchors sharing the bucket), whatever the context
+length; a context longer than the ring drafts from its newest `capacity` tokens. Documents
+(finished answers) are separated by SEPARATOR, so no match or continuation crosses from one into
+the next.
 """
 from __future__ import annotations
 
+from array import array
 from typing import Sequence
 
 SEPARATOR = -1
+_NONE = -(1 << 62)  # no position: below every ring's base, so a chain walk stops on it
+_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing's odd multiplier (2^64 / golden ratio)
+_MASK64 = (1 << 64) - 1
 
 
 class SuffixIndex:
@@ -35,9 +48,13 @@ class SuffixIndex:
         self.anchor = anchor
         self.max_match = max_match
         self.max_occurrences = max_occurrences
-        self.tokens: list[int] = [SEPARATOR] * capacity
-        self.prev: list[int] = [-1] * capacity  # slot -> previous absolute position with the same anchor
-        self.head: dict[tuple[int, ...], int] = {}
+        self.tokens = array("i", [SEPARATOR]) * capacity
+        self.scopes = array("i", [0]) * capacity  # slot -> the scope id its document was written under
+        self.prev = array("q", [_NONE]) * capacity  # slot -> previous absolute position in its bucket
+        self.bits = max(4, (capacity - 1).bit_length())
+        self.head = array("q", [_NONE]) * (1 << self.bits)  # bucket -> its newest position
+        self.scope_ids: dict[str, int] = {"": 0}
+        self.scope = 0  # the scope of the document being written
         self.total = 0  # positions ever written
 
     # --- writing -----------------------------------------------------------------------------------
@@ -52,65 +69,91 @@ class SuffixIndex:
         """Live positions (tokens and separators)."""
         return self.total - self.base
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Append tokens to the current document."""
-        cap, a, toks, prev, head = self.capacity, self.anchor, self.tokens, self.prev, self.head
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the index's arrays (all of its memory but a few objects)."""
+        return sum(a.itemsize * len(a) for a in (self.tokens, self.scopes, self.prev, self.head))
+
+    def _bucket(self, key: int) -> int:
+        """The bucket of an anchor folded into one int (with its scope)."""
+        return ((key * _MIX) & _MASK64) >> (64 - self.bits)
+
+    def _key(self, anchor: Sequence[int], scope: int) -> int:
+        key = scope
+        for t in anchor:
+            key = key * 0x100000001B3 + t + 1  # an FNV-like fold; any fold works, the chain checks tokens
+        return key
+
+    def extend(self, tokens: Sequence[int], scope: str = "") -> None:
+        """Append tokens to the current document (under `scope`: a document has one; tokens of
+        another scope close it first)."""
+        sid = self.scope_ids.setdefault(scope, len(self.scope_ids))
+        if sid != self.scope:
+            self.end_document()
+            self.scope = sid
+        cap, a, toks, scopes, prev, head = self.capacity, self.anchor, self.tokens, self.scopes, self.prev, self.head
+        shift = 64 - self.bits
         e = self.total
+        before = toks[(e - 1) % cap] if e else SEPARATOR  # the token written last
         for t in tokens:
             slot = e % cap
             toks[slot] = t
-            prev[slot] = -1
-            base = e + 1 - cap  # the oldest live position once e is written (may be < 0)
+            scopes[slot] = sid
             if t != SEPARATOR and e + 1 >= a and a <= cap:
                 if a == 2:  # the default, spelled out: this loop is the per-prompt cost
-                    key = (toks[(e - 1) % cap], t)
+                    if before != SEPARATOR:
+                        b = ((((sid * 0x100000001B3 + before + 1) * 0x100000001B3 + t + 1) * _MIX) & _MASK64) >> shift
+                        prev[slot] = head[b]  # a link to an overwritten position ends the chain (below base)
+                        head[b] = e
                 else:
-                    key = tuple(toks[(e - i) % cap] for i in range(a - 1, -1, -1))
-                if SEPARATOR not in key:
-                    last = head.get(key)
-                    if last is not None and last >= base:
-                        prev[slot] = last
-                    head[key] = e
+                    anchor = [toks[(e - i) % cap] for i in range(a - 1, -1, -1)]
+                    if SEPARATOR not in anchor:
+                        b = self._bucket(self._key(anchor, sid))
+                        prev[slot] = head[b]
+                        head[b] = e
+            before = t
             e += 1
         self.total = e
-        if len(head) > 4 * cap + 1024:  # anchors whose every occurrence was overwritten
-            self._forget_stale()
 
     def end_document(self) -> None:
         """Close the current document: nothing matches or continues across the boundary."""
-        if self.total and self.tokens[(self.total - 1) % self.capacity] != SEPARATOR:
-            self.extend([SEPARATOR])
+        e = self.total
+        if e and self.tokens[(e - 1) % self.capacity] != SEPARATOR:
+            self.tokens[e % self.capacity] = SEPARATOR  # a separator has no anchor: nothing to link
+            self.scopes[e % self.capacity] = self.scope
+            self.total = e + 1
 
     def clear(self) -> None:
         self.__init__(self.capacity, self.anchor, self.max_match, self.max_occurrences)
-
-    def _forget_stale(self) -> None:
-        base = self.base
-        self.head = {k: e for k, e in self.head.items() if e >= base}
 
     # --- reading -----------------------------------------------------------------------------------
 
     def token_at(self, position: int) -> int:
         return self.tokens[position % self.capacity]
 
-    def find(self, tail: Sequence[int], max_depth: int) -> tuple[int, list[list[int]]]:
+    def find(self, tail: Sequence[int], max_depth: int, scope: str = "") -> tuple[int, list[list[int]]]:
         """The longest match length of `tail`'s end (0: none) and the continuations, newest
-        occurrence first, of the occurrences that match that long."""
+        occurrence first, of the occurrences (in `scope`'s documents) that match that long."""
         a = self.anchor
-        if len(tail) < a or max_depth < 1:
+        sid = self.scope_ids.get(scope)
+        if len(tail) < a or max_depth < 1 or sid is None:
             return 0, []
-        key = tuple(tail[-a:])
-        pos = self.head.get(key)
-        base, total, cap, toks, prev = self.base, self.total, self.capacity, self.tokens, self.prev
+        key = [*tail[-a:]]
+        if SEPARATOR in key:
+            return 0, []
+        pos = self.head[self._bucket(self._key(key, sid))]
+        base, total, cap, toks, scopes, prev = self.base, self.total, self.capacity, self.tokens, self.scopes, self.prev
         limit = min(self.max_match, len(tail))
         best, ends = 0, []
-        for _ in range(self.max_occurrences):
-            if pos is None or pos - a + 1 < base:  # the anchor's first token was overwritten
+        seen = 0
+        while seen < self.max_occurrences:
+            if pos - a + 1 < base:  # the anchor's first token was overwritten (or no more positions)
                 break
             e = pos
             pos = prev[e % cap]
-            if pos == -1:
-                pos = None
+            if scopes[e % cap] != sid or any(toks[(e - a + 1 + i) % cap] != key[i] for i in range(a)):
+                continue  # another anchor (or scope) in the same bucket
+            seen += 1
             if e + 1 >= total or toks[(e + 1) % cap] == SEPARATOR:
                 continue  # nothing followed this occurrence (yet)
             m = a
