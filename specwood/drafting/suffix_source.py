@@ -2,8 +2,11 @@
 output, and over every answer the server gave before (one global index per model and server).
 
 Only committed tokens enter either index: a request's own stream is the context plus its root
-(all verified), and its answer goes into the global index when it ends. The global index starts
-empty, fills from answers given, and holds at most `cache_tokens` tokens (oldest overwritten).
+(all verified), and its answer goes into the global index when it ends -- what the request
+committed, never a grammar's forced run that the target cut short (see `SuffixSource.close`).
+The global index starts empty, fills from answers given, and holds at most `cache_tokens` tokens
+(oldest overwritten). Answers carry a scope (a tenant): a request drafts only from its own
+scope's answers.
 Each step both are asked; the proposal with the larger expected accepted length drafts. The tree
 is deterministic, so it is verified with the "selected" rule, lossless under sampling.
 """
@@ -22,7 +25,7 @@ from specwood.drafting.suffix_tree import SuffixDraft, continuation_tree
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
 
-DEFAULT_CACHE_TOKENS = 1 << 19  # the global index's bound: some 40-90 MB of Python lists and anchor dict
+DEFAULT_CACHE_TOKENS = 1 << 19  # the global index's bound: 12 MiB (24 bytes a token; measured with tracemalloc)
 DEFAULT_WINDOW = 1 << 16  # a request's own index: its newest tokens, so a huge context costs no more
 ANSWER_LEAD = 4  # prompt tokens kept before an answer in the global index (the chat template's end)
 
@@ -46,18 +49,25 @@ class SuffixCache:
     def size(self) -> int:
         return self.index.size
 
-    def add_answer(self, prompt_tail: Sequence[int], output: Sequence[int]) -> None:
+    @property
+    def nbytes(self) -> int:
+        """Bytes the index holds (fixed by its capacity)."""
+        return self.index.nbytes
+
+    def add_answer(self, prompt_tail: Sequence[int], output: Sequence[int], scope: str = "") -> None:
+        """Keep an answer (after the last prompt tokens) as one document of `scope`."""
         if not output:
             return
         with self.lock:
             self.index.end_document()
-            self.index.extend([*prompt_tail[-ANSWER_LEAD:], *output])
+            self.index.extend([*prompt_tail[-ANSWER_LEAD:], *output], scope)
             self.index.end_document()
             self.answers += 1
 
-    def find(self, tail: Sequence[int], max_depth: int) -> tuple[int, list[list[int]]]:
+    def find(self, tail: Sequence[int], max_depth: int, scope: str = "") -> tuple[int, list[list[int]]]:
+        """What followed `tail`'s end in `scope`'s answers (SuffixIndex.find)."""
         with self.lock:
-            match, conts = self.index.find(tail, max_depth)
+            match, conts = self.index.find(tail, max_depth, scope)
             self.queries += 1
             self.hits += bool(conts)
         return match, conts
@@ -68,7 +78,7 @@ class SuffixCache:
             self.queries = self.hits = self.answers = 0
 
     def stats(self) -> dict[str, Any]:
-        return {"tokens": self.size, "capacity": self.capacity, "answers": self.answers,
+        return {"tokens": self.size, "capacity": self.capacity, "bytes": self.nbytes, "answers": self.answers,
                 "queries": self.queries, "hits": self.hits,
                 "hit_rate": round(self.hits / self.queries, 4) if self.queries else 0.0}
 
@@ -112,11 +122,13 @@ class SuffixOptions:
 
 
 class SuffixSource:
-    """One request's suffix drafting: its own index over prompt + output, and the global cache."""
+    """One request's suffix drafting: its own index over prompt + output, and the global cache
+    (the answers of `scope` only, and its answer kept under `scope`)."""
 
     def __init__(self, cache: SuffixCache | None, prompt_len: int, max_tokens: int = 0, window: int = DEFAULT_WINDOW,
-                 eos_ids: Container[int] = ()):
+                 eos_ids: Container[int] = (), scope: str = ""):
         self.cache = cache
+        self.scope = scope
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
         self.eos_ids = eos_ids
@@ -124,10 +136,15 @@ class SuffixSource:
         self.room = max(64, min(window, prompt_len + max_tokens + 2)) if max_tokens else window
         self.local: SuffixIndex | None = None  # built at the first proposal (sized to the request)
         self.seen = 0  # tokens of context + root already in `local`
-        self._context: list[int] | None = None  # the request's context, as passed (the engine extends it in place)
         self._indexed_before_root = -1  # the context token the last sync indexed just before its root
         self._indexed_root = -1  # the root the last sync indexed (observe() moves `_root` on)
-        self._root: int | None = None
+        self._root: int | None = None  # the last step's next token (observe)
+        # what the request committed, for close(): see _committed
+        self._synced: tuple[list[int], int, int] | None = None  # the last step's (context list, its length, root)
+        self._observed = False  # the last synced step's verdict came back (observe)
+        self._accepted: list[int] | None = None  # its accepted path after the root, where told
+        self._live: list[int] | None = None  # the request's own context list: the one that grows after a step
+        self._sure = prompt_len  # leading tokens of every later context known committed
         self._closed = False
         self.steps = self.local_wins = self.global_wins = 0
         self.builds = 0  # local indexes built: one a request, unless a forced run was cut short
@@ -136,6 +153,7 @@ class SuffixSource:
         """Bring the local index up to context + [root]. Normally an extension of what it saw;
         where it is not (a step drafted after a grammar's forced run that was then cut short),
         the index is built afresh so that it holds only what the request committed."""
+        self._note_step(context, root)
         if self.local is not None and not self._extends(context, root):
             self.local, self.seen = None, 0
         if self.local is not None and len(context) + 1 == self.seen:  # this step's, already held
@@ -147,7 +165,7 @@ class SuffixSource:
         self.local.extend(context[max(self.seen, len(context) + 1 - self.local.capacity):])
         self.local.extend([root])
         self.seen = len(context) + 1
-        self._context, self._root, self._indexed_root = context, root, root
+        self._root, self._indexed_root = root, root
         # a value, not the list: the engine extends the context in place, so the list's last token moves
         self._indexed_before_root = context[-1] if context else -1
 
@@ -169,7 +187,7 @@ class SuffixSource:
         match, conts = self.local.find(tail, depth)
         found = [continuation_tree(root, conts, budget, min_prob, match)]
         if self.cache is not None and use_global:
-            g_match, g_conts = self.cache.find(tail, depth)
+            g_match, g_conts = self.cache.find(tail, depth, self.scope)
             if g_conts:
                 found.append(continuation_tree(root, g_conts, budget, min_prob, g_match))
                 found[-1].source = "global"
@@ -190,22 +208,56 @@ class SuffixSource:
         self.count(best)
         return best
 
-    def observe(self, next_token: int) -> None:
+    def observe(self, next_token: int, accepted: Sequence[int] | None = None) -> None:
+        """The step's verdict: its next token, and (where the caller has the tree) the tokens of
+        the accepted path after the root. It comes only when the tree's drafted part was tested:
+        after a grammar's forced run, only when the target took the whole run."""
         self._root = next_token
+        self._observed = True
+        self._accepted = list(accepted) if accepted is not None else None
+
+    def _note_step(self, context: list[int], root: int) -> None:
+        """A step starts: what the previous one tells about the committed tokens. The engine
+        passes the request's own context list, which it extends in place after the step; a step
+        after a grammar's forced run gets a copy extended by the run, which the target may cut."""
+        if self._synced is not None:
+            before, n, _ = self._synced
+            if len(before) > n:  # grew after its step: the request's own list
+                self._live = before
+            if self._observed:  # that step's context and root (and its path, where told) were kept
+                path = len(self._accepted) + 1 if self._accepted is not None else 0
+                self._sure = max(self._sure, n + 1 + path)
+            if before is context and len(context) == n:  # the same step asked again
+                return
+        self._synced, self._observed, self._accepted = (context, len(context), root), False, None
+
+    def _committed(self) -> list[int]:
+        """The request's committed tokens (prompt first), at its end: its own context list and the
+        last next token where known; after a forced run whose verdict never came (the target cut
+        it short, or nothing was drafted after it) only what earlier steps confirmed, never the
+        run's refused tokens."""
+        context, n, root = self._synced
+        live = context if len(context) > n else self._live
+        if live is not None:  # every token in it was accepted (the engine appends accepted paths only)
+            return [*live, self._root] if self._observed else list(live)
+        if self._observed:  # a forced run taken whole, on a copy that never grows
+            return [*context[:n], root, *([*self._accepted, self._root] if self._accepted is not None else [])]
+        return list(context[:self._sure])
 
     def close(self) -> None:
         """The request ended: its answer (committed tokens only) goes into the global cache."""
         if self._closed:
             return
         self._closed = True
-        if self.cache is not None and self._context is not None:
-            context = self._context
-            answer = [*context[self.prompt_len:], self._root] if self._root is not None else context[self.prompt_len:]
+        if self.cache is not None and self._synced is not None:
+            committed = self._committed()
+            answer = committed[self.prompt_len:]
             # a step's accepted path may run past the end: the answer is what the request emitted
             answer = answer[:self.max_tokens] if self.max_tokens else answer
             end = next((i for i, t in enumerate(answer) if t in self.eos_ids), None)
             answer = answer if end is None else answer[:end + 1]
-            self.cache.add_answer(context[max(0, self.prompt_len - ANSWER_LEAD):self.prompt_len], answer)
+            self.cache.add_answer(committed[max(0, self.prompt_len - ANSWER_LEAD):self.prompt_len], answer,
+                                  self.scope)
 
     def stats(self) -> dict[str, Any]:
         return {"suffix_steps": self.steps, "suffix_local_wins": self.local_wins,
@@ -237,7 +289,7 @@ class SuffixShape(ShapeBase):
         return self.last.tree
 
     def on_step(self, tree: Any, verdict: Any, cost: Any = None) -> None:
-        self.source.observe(verdict.next_token)
+        self.source.observe(verdict.next_token, [tree.tokens[i] for i in verdict.accepted])
 
     def close(self) -> None:
         self.source.close()
