@@ -254,6 +254,7 @@ def test_the_server_fills_the_cache_from_concurrent_requests_and_reports_it(engi
     others = [c.stats() for c in suffix_caches() if c is not cache]
     assert m["specwood:suffix_cache_tokens"] == cache.size + sum(o["tokens"] for o in others) and cache.size > 0
     assert m["specwood:suffix_cache_capacity_tokens"] == 4096 + sum(o["capacity"] for o in others)
+    assert m["specwood:suffix_cache_bytes"] == cache.nbytes + sum(o["bytes"] for o in others) > 0
     assert m["specwood:suffix_cache_answers"] == 18 + sum(o["answers"] for o in others)
     assert 0 < m["specwood:suffix_cache_hit_rate"] <= 1
     live = [cache.index.token_at(q) for q in range(cache.index.base, cache.index.total)]
@@ -332,3 +333,29 @@ def test_the_trust_in_a_suffix_draft_is_learnt_per_source():
     shape = SuffixOrModelShape(None, None, 1, 1.0, lambda x: 0.04, lambda x: 0.0,
                                lambda match, source: fresh.ratio(1, match, source))
     assert earlier.expected > own.expected and shape.pick([own, earlier]) is own
+
+
+def test_with_a_grammar_the_global_cache_keeps_only_what_the_request_emitted(engine):
+    """Grammars that force runs (fixed text, JSON keys): the answer each request leaves in the
+    global cache is what it emitted (its last token may be missing, where the last step was a
+    forced run whose verdict the source never got), never a forced token the target refused."""
+    import llguidance
+
+    grammars = [llguidance.LLMatcher.grammar_from_lark('start: "The quick brown fox jumps over: " /[a-z]{2,6}/ "."'),
+                llguidance.LLMatcher.grammar_from_json_schema(
+                    {"type": "object", "properties": {"id": {"type": "integer", "maximum": 999},
+                                                      "tag": {"enum": ["red", "green", "blue"]}},
+                     "required": ["id", "tag"], "additionalProperties": False},
+                    overrides={"whitespace_flexible": False})]
+    cache = suffix_cache_for(engine)
+    eos = set(engine.eos_token_ids or ())
+    for grammar in grammars:
+        for prompt in PROMPTS:
+            cache.clear()
+            out = engine.generate(prompt, max_tokens=40, raw=True, grammar=grammar, method="suffix")
+            assert out.stats.get("grammar_forced_tokens", 0) > 0
+            live = [cache.index.token_at(p) for p in range(cache.index.base, cache.index.total)]
+            assert live[-1] == -1 and -1 not in live[:-1]
+            answer = live[:-1][min(4, len(live) - 1):]
+            emitted = [*out.token_ids, *([t for t in answer[-1:] if t in eos])]  # an EOS ends it, unseen
+            assert answer == emitted[:len(answer)] and len(answer) >= len(out.token_ids) - 1, (prompt, answer, out.token_ids)

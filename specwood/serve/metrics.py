@@ -98,6 +98,8 @@ class ServerMetrics:
         for name, doc, key in (("suffix_cache_tokens", "Tokens held by the global suffix cache", "tokens"),
                                ("suffix_cache_capacity_tokens", "The global suffix cache's bound "
                                 "(--suffix-cache-tokens)", "capacity"),
+                               ("suffix_cache_bytes", "Bytes held by the global suffix cache's index (fixed by "
+                                "its capacity)", "bytes"),
                                ("suffix_cache_answers", "Answers added to the global suffix cache", "answers"),
                                ("suffix_cache_queries", "Lookups in the global suffix cache", "queries"),
                                ("suffix_cache_hits", "Lookups that found a continuation", "hits"),
