@@ -277,6 +277,18 @@ class Engine:
 
         return json_schema_grammar(json_schema)
 
+    def prepare_grammars(self) -> None:
+        """Build llguidance's view of the tokenizer now (~1 s of Python on a 150k vocabulary,
+        holding the GIL): a server does it at start, not inside its first grammar request. A
+        tokenizer it cannot read is left alone (a grammar request then gets the error)."""
+        from specwood.constrain.matcher import ll_tokenizer
+        from specwood.errors import GrammarError
+
+        try:
+            ll_tokenizer(self.tokenizer, self.target.config.vocab_size, self.eos_token_ids)
+        except GrammarError:
+            pass
+
     def processors_for(self, params: SamplingParams, prompt_ids: list[int], cache_scope: str | None = "") -> Any:
         """The request's per-path logits processors, None when it has none (it then pays nothing).
         A grammar is compiled for this tokenizer here (once per cache scope: `grammar_matcher`): a

@@ -186,6 +186,9 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     prompt_limit = PromptLimit(getattr(engine, "tokenizer", None), max_context, why)
     created = P.now()
     tool_format = grammars.ToolFormat.of(engine.tokenizer)  # the tool-call tags, as the vocabulary has them
+    prepare_grammars = getattr(engine, "prepare_grammars", None)
+    if prepare_grammars is not None:  # not inside the first grammar request, where its GIL stalls every other
+        prepare_grammars()
     token_bytes = TokenBytes(engine.tokenizer)
 
     submitted = asyncio.Event()  # wakes the queue-time sampler (set on the event loop)
