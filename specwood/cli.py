@@ -101,16 +101,37 @@ def access_of(args: argparse.Namespace) -> Any:
     def names(value: str | None) -> tuple[str, ...]:
         return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
-    if args.api_key is not None and not args.api_key.strip():
+    keys = list(args.api_key) if args.api_key else [os.environ["SPECWOOD_API_KEY"]] \
+        if os.environ.get("SPECWOOD_API_KEY") is not None else []
+    if any(not k.strip() for k in keys):
         raise SpecwoodError("--api-key (or SPECWOOD_API_KEY) is empty; give a key or leave it unset")
+    if args.api_keys_file is not None:
+        keys += read_keys_file(args.api_keys_file)
     hosts = names(args.allowed_hosts) if args.allowed_hosts is not None else None
-    return Access(api_key=args.api_key, key_scope=args.api_key_scope, allowed_origins=names(args.allowed_origins),
-                  allowed_hosts=hosts)
+    return Access(api_key=keys[0] if keys else None, more_keys=tuple(keys[1:]), key_scope=args.api_key_scope,
+                  allowed_origins=names(args.allowed_origins), allowed_hosts=hosts)
+
+
+def read_keys_file(path: str) -> list[str]:
+    """The API keys of a keys file: one a line; blank lines and lines starting with '#' skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecwoodError(f"--api-keys-file {path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise SpecwoodError(f"--api-keys-file {path}: holds no key (one key a line; '#' starts a comment)")
+    bad = next((k for k in keys if any(c.isspace() for c in k)), None)
+    if bad is not None:
+        raise SpecwoodError(f"--api-keys-file {path}: a key holds whitespace (one key a line, nothing else on it)")
+    return keys
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specwood.serve.app import DEFAULT_MAX_CONTEXT, bind_socket, serve
     from specwood.serve.kv_memory import parse_size
+    from specwood.serve.tenancy import Sharing
 
     # cheap checks first, so a typo or a busy port fails before the model load
     check_backend_args(args)
@@ -147,7 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor,
               background=planner, max_body_bytes=args.max_body_bytes, access=access, drain_timeout=args.drain_timeout,
               request_timeout=args.request_timeout, read_timeout=args.read_timeout,
-              max_connections=args.max_connections, kv_memory=kv_memory)
+              max_connections=args.max_connections, kv_memory=kv_memory,
+              sharing=Sharing(shared_cache=args.shared_cache, specwood_stats=args.specwood_stats))
     finally:
         sock.close()
         if planner is not None and planner.poll() is None:
@@ -235,9 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot before new ones get 503 (default 64)")
-    s.add_argument("--api-key", default=os.environ.get("SPECWOOD_API_KEY"),
+    s.add_argument("--api-key", action="append", default=None,
                    help="require this key ('Authorization: Bearer KEY', as OpenAI clients send it) on /v1/*; "
-                        "default: $SPECWOOD_API_KEY, else none")
+                        "give it several times for several tenants, whose requests never reuse each other's "
+                        "cached work (docs/server.md, Isolation); default: $SPECWOOD_API_KEY, else none")
+    s.add_argument("--api-keys-file", default=None,
+                   help="a file of API keys, one a line ('#' comments): each key a tenant, as --api-key")
+    s.add_argument("--no-shared-cache", dest="shared_cache", action="store_false",
+                   help="no reuse across requests at all: no prefix cache, no suffix drafts from other requests' "
+                        "answers, no prompt computed once for concurrent requests (docs/server.md, Isolation)")
+    s.add_argument("--no-specwood-stats", dest="specwood_stats", action="store_false",
+                   help="leave the per-request speculation statistics (specwood_stats: acceptance, which drafts "
+                        "won, timings) out of responses; /metrics still counts them")
     s.add_argument("--api-key-scope", default="v1", choices=("v1", "all"),
                    help="v1: the key guards /v1/* (default); all: /health and /metrics too")
     s.add_argument("--allowed-origins", default="",

@@ -16,9 +16,11 @@ from specwood.errors import SpecwoodError
 
 # sources(model) -> a draft source for one request on that model (the scheduler's pooled rows)
 SourceFactory = Callable[[Any], Any]
-# new_drafter(sources, prompt_len, max_tokens, load) -> Drafter, once per request; load: the
-# requests that will share its decode steps (itself included, `admission_load`)
-DrafterFactory = Callable[[SourceFactory, int, int, int], Drafter]
+# new_drafter(sources, prompt_len, max_tokens, load, scope) -> Drafter, once per request; load: the
+# requests that will share its decode steps (itself included, `admission_load`); scope: the
+# request's cache scope (Request.cache_scope): state shared across requests (the suffix cache's
+# answers) is read and written only within it, None: shared with no other request
+DrafterFactory = Callable[[SourceFactory, int, int, int, "str | None"], Drafter]
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ def prepare_method(engine: Any, name: str, options: dict[str, Any] | None = None
 
 
 def _prepare_ar(engine: Any, options: dict[str, Any]) -> DrafterFactory:
-    return lambda sources, prompt_len, max_tokens, load=1: Drafter()
+    return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter()
 
 
 def _shape_method(name: str, needs_draft: bool, options: tuple[str, ...]) -> Method:
@@ -149,8 +151,8 @@ def _shape_method(name: str, needs_draft: bool, options: tuple[str, ...]) -> Met
 
         shape = make_shape(name, **opts)
         if not needs_draft:
-            return lambda sources, prompt_len, max_tokens, load=1: Drafter(None, shape)
-        return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(engine.draft_model), shape)
+            return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(None, shape)
+        return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(sources(engine.draft_model), shape)
 
     executors = ("sequential",) if name == "pld" else ("sequential", "pipeline")  # pipeline: PP + SpecInfer
     return Method(name, SHAPE_SUMMARIES[name], needs_draft, options, prepare, executors=executors)
@@ -197,7 +199,7 @@ def _prepare_early_exit(engine: Any, options: dict[str, Any]) -> DrafterFactory:
         raise SpecwoodError(f"exit_layer must be an integer, got {layer!r}")
     shape = _shape_option("early-exit", options, "chain")
     model = early_exit_model(engine.target, layer)
-    return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(model), shape)
+    return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(sources(model), shape)
 
 
 def _prepare_head(engine: Any, options: dict[str, Any]) -> DrafterFactory:
@@ -207,7 +209,7 @@ def _prepare_head(engine: Any, options: dict[str, Any]) -> DrafterFactory:
                             "made by `specwood train-drafter`")
     shape = _shape_option("head", dict(options), "eagle")
     # the head reads the prompt from the target's prefill features, in its first draft forward
-    return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(head), shape, defer_draft_prefill=True)
+    return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(sources(head), shape, defer_draft_prefill=True)
 
 
 register(Method("ar", "plain autoregressive decoding (the baseline)", False, (), _prepare_ar))
@@ -232,8 +234,11 @@ def _prepare_suffix(engine: Any, options: dict[str, Any]) -> DrafterFactory:
     opts = SuffixOptions(**{k: v for k, v in options.items() if k in ("budget", "depth")})
     eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
 
-    def new_drafter(sources: SourceFactory, prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
-        shape = SuffixShape(SuffixSource(cache, prompt_len, max_tokens, eos_ids=eos), opts)
+    def new_drafter(sources: SourceFactory, prompt_len: int, max_tokens: int, load: int = 1,
+                    scope: str | None = "") -> Drafter:
+        # scope None: a request that shares nothing with others drafts from its own text only
+        source = SuffixSource(cache if scope is not None else None, prompt_len, max_tokens, eos_ids=eos, scope=scope or "")
+        shape = SuffixShape(source, opts)
         return Drafter(None, shape, extra_stats=shape.source.stats)
 
     return new_drafter
@@ -249,7 +254,7 @@ def _prepare_duo(engine: Any, options: dict[str, Any]) -> DrafterFactory:
     from specwood.drafting.multi_sequence import make_multi_sequence
 
     shape = make_multi_sequence(**options)
-    return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(engine.draft_model), shape)
+    return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(sources(engine.draft_model), shape)
 
 
 # DuoDecoding's drafting policy; in-process (draft then verify) here, draft and target at the same

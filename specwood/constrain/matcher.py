@@ -6,6 +6,7 @@ it is refused with one line (GrammarError) when the request is built, never mid-
 """
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any
 
@@ -35,12 +36,40 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: set[int] | list[int])
         return ll
 
 
-def grammar_matcher(ll_tok: Any, grammar: str) -> Any:
-    """A fresh matcher for `grammar` (an llguidance grammar string), or GrammarError saying why not."""
-    import llguidance
+MAX_COMPILED = 64  # compiled grammars kept (a tools grammar of many schemas: a few MB at most)
+_COMPILED: "collections.OrderedDict[tuple[int, str, str], tuple[Any, Any]]" = collections.OrderedDict()
 
+
+def grammar_matcher(ll_tok: Any, grammar: str, scope: str | None = "") -> Any:
+    """A fresh matcher for `grammar` (an llguidance grammar string), or GrammarError saying why not.
+
+    Compiling is the expensive part (a tools grammar of many schemas: up to seconds), so each
+    grammar is compiled once per tokenizer and cache scope (Request.cache_scope: how fast a
+    grammar compiles must not tell one tenant what another sent) and kept (the MAX_COMPILED
+    used last); a request gets a copy of the compiled matcher in its start state. Scope None:
+    compiled for this request alone."""
     if not isinstance(grammar, str) or not grammar.strip():
         raise GrammarError("grammar must be a non-empty llguidance grammar string")
+    if scope is None:
+        return _compile(ll_tok, grammar)
+    key = (id(ll_tok), scope, grammar)
+    with _LOCK:
+        compiled = _COMPILED.get(key)
+        if compiled is not None and compiled[0] is ll_tok:
+            _COMPILED.move_to_end(key)
+            return compiled[1].deep_copy()
+    matcher = _compile(ll_tok, grammar)
+    with _LOCK:
+        _COMPILED[key] = (ll_tok, matcher)
+        _COMPILED.move_to_end(key)
+        while len(_COMPILED) > MAX_COMPILED:
+            _COMPILED.popitem(last=False)
+        return matcher.deep_copy()
+
+
+def _compile(ll_tok: Any, grammar: str) -> Any:
+    import llguidance
+
     try:
         problem = llguidance.LLMatcher.validate_grammar(grammar, ll_tok)
     except Exception as e:  # noqa: BLE001 - not even a grammar document

@@ -194,10 +194,15 @@ class Engine:
         repetition_penalty: float = 1.0,
         min_p: float = 0.0,
         logprobs: int | None = None,
+        cache_scope: str | None = "",
         **method_options: Any,
     ) -> Request:
         """A request ready to `submit` to `scheduler` (default: the engine's own). Raises a
         SpecwoodError for bad input (sampling parameters, lengths, methods and their options).
+
+        `cache_scope`: requests reuse each other's work (K/V of a shared prefix, suffix drafts
+        from earlier answers) only within one scope ("" by default: all share); None shares
+        nothing with any other request. The server gives each tenant and `cache_salt` its own.
 
         Constraints and shaping (specwood.constrain, docs/structured.md): `grammar` (an llguidance
         grammar string) or `json_schema` (a dict, compiled to one), `logit_bias` ({token id: bias}),
@@ -231,7 +236,7 @@ class Engine:
             raise SpecwoodError("stop must be a string or a list of strings")
         factory = prepared if prepared is not None else self.prepare(method, method_options)
         load = scheduler.admission_load if isinstance(scheduler, Scheduler) else 1  # an executor alone: 1
-        drafter = factory(scheduler.draft_source, len(prompt_ids), max_tokens, load)
+        drafter = factory(scheduler.draft_source, len(prompt_ids), max_tokens, load, cache_scope)
         repeatable = getattr(drafter.shape, "repeatable", None)
         if repeatable is not None and params.seed is not None and not params.greedy:
             repeatable()  # the same seed, the same trees: no choice by measured time (auto)
@@ -239,7 +244,7 @@ class Engine:
                            emit_limit=self.emit_limit)
         return Request(prompt_ids, max_tokens, params, drafter, out, method=method, device=self.device,
                        extra_stats=drafter.extra_stats, on_finish=on_finish, request_id=request_id,
-                       processors=self.processors_for(params, prompt_ids))
+                       processors=self.processors_for(params, prompt_ids, cache_scope), cache_scope=cache_scope)
 
     # --- constraints and shaping (specwood.constrain) -------------------------------------------
 
@@ -272,9 +277,22 @@ class Engine:
 
         return json_schema_grammar(json_schema)
 
-    def processors_for(self, params: SamplingParams, prompt_ids: list[int]) -> Any:
+    def prepare_grammars(self) -> None:
+        """Build llguidance's view of the tokenizer now (~1 s of Python on a 150k vocabulary,
+        holding the GIL): a server does it at start, not inside its first grammar request. A
+        tokenizer it cannot read is left alone (a grammar request then gets the error)."""
+        from specwood.constrain.matcher import ll_tokenizer
+        from specwood.errors import GrammarError
+
+        try:
+            ll_tokenizer(self.tokenizer, self.target.config.vocab_size, self.eos_token_ids)
+        except GrammarError:
+            pass
+
+    def processors_for(self, params: SamplingParams, prompt_ids: list[int], cache_scope: str | None = "") -> Any:
         """The request's per-path logits processors, None when it has none (it then pays nothing).
-        A grammar is compiled for this tokenizer here: a bad one fails the request before it runs."""
+        A grammar is compiled for this tokenizer here (once per cache scope: `grammar_matcher`): a
+        bad one fails the request before it runs."""
         if not params.processed:
             return None
         from specwood.constrain.matcher import grammar_matcher, ll_tokenizer
@@ -283,7 +301,7 @@ class Engine:
         V = self.target.config.vocab_size
         matcher = None
         if params.grammar is not None:
-            matcher = grammar_matcher(ll_tokenizer(self.tokenizer, V, self.eos_token_ids), params.grammar)
+            matcher = grammar_matcher(ll_tokenizer(self.tokenizer, V, self.eos_token_ids), params.grammar, cache_scope)
         return Processors(params, prompt_ids, V, matcher, self.eos_token_ids)
 
     def generate(

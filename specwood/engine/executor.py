@@ -100,6 +100,14 @@ class Executor(ABC):
         """A draft source for one request on `model` (None where the executor drafts itself)."""
         return None
 
+    def lacks_draft_pool(self, model: Any) -> bool:
+        """Whether `model` needs a KV pool that `add_draft_pool` must make first (on the stepping
+        thread: Scheduler.draft_source sees to it)."""
+        return False
+
+    def add_draft_pool(self, model: Any) -> None:
+        """Allocate `model`'s KV pool, within the executor's memory budget (stepping thread only)."""
+
     def make_request(self, engine: Any, prompt: Any, *, scheduler: Any, **kwargs: Any) -> "Request":
         """A request for this executor (Engine.new_request's arguments); an executor that keeps
         state per request makes it here."""

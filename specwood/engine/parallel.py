@@ -280,14 +280,14 @@ class ParallelExecutor(Executor):
         options = {k: kwargs.pop(k) for k in ("budget", "depth", "max_sequences") if k in kwargs}
         options = {k: v for k, v in options.items() if v is not None}
         unknown = sorted(set(kwargs) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "raw",
-                                        "on_text", "on_finish", "request_id"})
+                                        "on_text", "on_finish", "request_id", "cache_scope"})
         if unknown:
             raise SpecwoodError(f"method 'duo' does not use option(s) {', '.join(unknown)} "
                                 "(it takes budget, depth, max_sequences)")
         shape = make_multi_sequence(**options)
         state = _Duo(shape, options.get("budget"))
 
-        def factory(sources: Any, prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
+        def factory(sources: Any, prompt_len: int, max_tokens: int, load: int = 1, scope: str | None = "") -> Drafter:
             return Drafter(None, shape)
 
         req = self.engine.new_request(prompt, method=method, scheduler=scheduler or self, prepared=factory, **kwargs)

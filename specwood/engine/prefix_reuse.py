@@ -11,6 +11,10 @@ Where it applies: the target on our torch runtime, unless the request's draft he
 target's features (it must see every prompt token's); a draft model on a shared pool
 (`ModelDraftSource`). Other sources (n-gram lookup, llama.cpp drafts, draft heads) prefill as
 before.
+
+Reuse stays within a request's cache scope (Request.cache_scope: a server's tenant and
+`cache_salt`): entries, running rows and newcomers of another scope are never matched, so no
+request can learn another scope's prompts from what it finds cached. None: nothing is shared.
 """
 from __future__ import annotations
 
@@ -24,12 +28,13 @@ from specwood.models.prefix_cache import PrefixCache, common_prefix, token_array
 
 
 def target_reusable(req: Request) -> bool:
-    return not wants_features(req)
+    return req.cache_scope is not None and not wants_features(req)
 
 
 def draft_reusable(req: Request) -> bool:
     src = req.drafter.source
-    return type(src) is ModelDraftSource and src.pool is not None and src.row is not None
+    return (req.cache_scope is not None and type(src) is ModelDraftSource and src.pool is not None
+            and src.row is not None)
 
 
 class PrefixReuse:
@@ -41,12 +46,13 @@ class PrefixReuse:
 
     # --- the rows running requests hold -------------------------------------------------------
 
-    def _live_target(self) -> list[tuple[int, Sequence[int]]]:
-        return [(r.row, r.context) for r in self.running if r.row is not None and target_reusable(r)]
+    def _live_target(self, scope: str | None) -> list[tuple[int, Sequence[int]]]:
+        return [(r.row, r.context) for r in self.running
+                if r.row is not None and r.cache_scope == scope and target_reusable(r)]
 
-    def _live_draft(self, pool: KVCache) -> list[tuple[int, Sequence[int]]]:
+    def _live_draft(self, pool: KVCache, scope: str | None) -> list[tuple[int, Sequence[int]]]:
         return [(r.drafter.source.row, r.context) for r in self.running
-                if draft_reusable(r) and r.drafter.source.cache is pool]
+                if r.cache_scope == scope and draft_reusable(r) and r.drafter.source.cache is pool]
 
     # --- admission, progress, the end ---------------------------------------------------------
 
@@ -56,11 +62,13 @@ class PrefixReuse:
         first token."""
         n = len(req.prompt_ids)
         if target_reusable(req):
-            req.prefilled = self.cache.restore(target, req.row, req.prompt_ids, n - 1, self._live_target(), "target")
+            req.prefilled = self.cache.restore(target, req.row, req.prompt_ids, n - 1, self._live_target(req.cache_scope),
+                                               "target", scope=req.cache_scope)
             req.cached_tokens = req.prefilled
         if draft_reusable(req):
             src = req.drafter.source
-            got = self.cache.restore(src.cache, src.row, req.prompt_ids, n, self._live_draft(src.cache), "draft")
+            got = self.cache.restore(src.cache, src.row, req.prompt_ids, n, self._live_draft(src.cache, req.cache_scope),
+                                     "draft", scope=req.cache_scope)
             if src.pending:  # a deferred draft prefill: what is left waits for its first forward
                 src.pending = list(req.prompt_ids[got:])
             else:
@@ -78,10 +86,10 @@ class PrefixReuse:
         extended by the next turn's, and both would be kept)."""
         tokens = req.context[:len(req.prompt_ids) + len(req.out.token_ids)]
         if req.row is not None and target_reusable(req):
-            self.cache.store(target, req.row, tokens)
+            self.cache.store(target, req.row, tokens, scope=req.cache_scope)
         if draft_reusable(req):
             src = req.drafter.source
-            self.cache.store(src.cache, src.row, tokens)
+            self.cache.store(src.cache, src.row, tokens, scope=req.cache_scope)
 
     # --- newcomers prefilling together ----------------------------------------------------------
 
@@ -92,12 +100,13 @@ class PrefixReuse:
             n = len(req.prompt_ids)
             if target_reusable(req) and req.prefilled == target.lengths[req.row]:
                 before = req.prefilled
-                req.prefilled = self.cache.extend(target, req.row, req.prompt_ids, n - 1, self._live_target())
+                req.prefilled = self.cache.extend(target, req.row, req.prompt_ids, n - 1,
+                                                  self._live_target(req.cache_scope))
                 req.cached_tokens += req.prefilled - before
             src = req.drafter.source
             if draft_reusable(req) and not src.pending and req.draft_prefilled == src.length:
                 req.draft_prefilled = self.cache.extend(src.cache, src.row, req.prompt_ids, n,
-                                                        self._live_draft(src.cache), "draft")
+                                                        self._live_draft(src.cache, req.cache_scope), "draft")
 
     @staticmethod
     def followers(requests: list[Request], draft: bool) -> set[Request]:
@@ -114,7 +123,8 @@ class PrefixReuse:
                 continue
             ids = token_array(req.prompt_ids)
             here = done(req)
-            if any(done(lead) == here and common_prefix(lead_ids, ids) > here + 1 for lead, lead_ids in leaders):
+            if any(lead.cache_scope == req.cache_scope and done(lead) == here and common_prefix(lead_ids, ids) > here + 1
+                   for lead, lead_ids in leaders):
                 out.add(req)
             else:
                 leaders.append((req, ids))

@@ -141,8 +141,11 @@ class Request:
                  out: OutputStream, *, method: str, device: torch.device | str = "cpu",
                  extra_stats: Callable[[], dict[str, Any]] | None = None,
                  on_finish: Callable[["Request"], None] | None = None, request_id: str | None = None,
-                 processors: Processors | None = None):
+                 processors: Processors | None = None, cache_scope: str | None = ""):
         self.id = request_id or f"req-{next(_ids)}"
+        # who may reuse this request's work and whose it may reuse (prefix cache, running rows,
+        # the suffix cache): requests of the same scope only; None: no other request
+        self.cache_scope = cache_scope
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
         self.params = params

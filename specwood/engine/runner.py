@@ -98,6 +98,9 @@ class RunnerExecutor(SequentialExecutor):
         # one request at a time: a torch draft gets a one-row cache of its own
         return ModelDraftSource(model) if isinstance(model, Transformer) else model.new_source()
 
+    def lacks_draft_pool(self, model: Any) -> bool:
+        return False  # no pools: each draft source brings its own one-row cache
+
     def ensure_room(self, needed: int, idle: bool = True) -> None:
         if needed > self.runner.n_ctx:
             raise ContextLengthError(f"the request needs {needed} context tokens but the model's context holds "

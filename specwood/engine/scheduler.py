@@ -10,6 +10,7 @@ driven by the caller (Engine.generate, tests) or by a loop (`start()` in a backg
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import sys
 import threading
 import time
@@ -61,6 +62,7 @@ class Scheduler:
         # client that scrapes /metrics after its answer sees the step that made it
         self._held: list[Request] | None = None
         self._stepping_thread: int | None = None
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []  # run_on_loop's
 
     def __getattr__(self, name: str) -> Any:
         executor = self.__dict__.get("executor")
@@ -85,7 +87,32 @@ class Scheduler:
         self.executor.ensure_room(needed, idle=self.idle)
 
     def draft_source(self, model: Any) -> Any:
+        if self.executor.lacks_draft_pool(model):  # a large allocation: on the stepping thread (OpenMP, races)
+            self.run_on_loop(lambda: self.executor.add_draft_pool(model))
         return self.executor.draft_source(model)
+
+    def run_on_loop(self, fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+        """`fn()` on the thread that steps (between steps), its result or its exception; at once
+        where no thread steps or the caller is that thread. Torch work that a request needs
+        before it runs goes here: a large op on another thread starts a second OpenMP team."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return fn()
+        call: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._calls.append((fn, call))
+            self._lock.notify()
+        return call.result(timeout_s)
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, call in calls:
+            if call.set_running_or_notify_cancel():
+                try:
+                    call.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - the caller gets it
+                    call.set_exception(e)
 
     @property
     def failure(self) -> str | None:
@@ -289,11 +316,13 @@ class Scheduler:
             while True:
                 with self._lock:
                     # idle: wake now and then to see whether the executor lost a worker
-                    while not self._stopping and self.idle and self.executor.recovering is None:
+                    while (not self._stopping and self.idle and self.executor.recovering is None
+                           and not self._calls):
                         self._lock.wait(RECOVERY_POLL_S)
                     if self._stopping:
                         break
-                    recover = self.idle
+                    recover = self.idle and not self._calls
+                self._run_calls()
                 if recover:  # outside the lock: a restart takes seconds, and submit must not wait
                     self._recover()
                     continue
@@ -305,6 +334,11 @@ class Scheduler:
             for req in list(self.running) + list(self.waiting):
                 self._fail(req, SpecwoodError("the server is shutting down"))
             self.waiting.clear()
+            with self._lock:
+                calls, self._calls = self._calls, []
+            for _, call in calls:
+                if call.set_running_or_notify_cancel():
+                    call.set_exception(SpecwoodError("the server is shutting down"))
         finally:
             try:
                 self.executor.close()  # workers and ranks end with the loop

@@ -132,10 +132,29 @@ class SequentialExecutor(Executor):
         target features: its `source_class`)."""
         if not isinstance(model, Transformer):
             return model.new_source()
-        if id(model) not in self._draft_pools:
-            self._draft_pools[id(model)] = (model, self._pool(model))
+        if self.lacks_draft_pool(model):  # a caller that builds requests outside a scheduler: its own thread steps
+            self.add_draft_pool(model)
         source_class = getattr(model, "source_class", ModelDraftSource)
         return source_class(model, extra_slots=self.tree_room, pool=self._draft_pools[id(model)][1])
+
+    def lacks_draft_pool(self, model: Any) -> bool:
+        return isinstance(model, Transformer) and id(model) not in self._draft_pools
+
+    def add_draft_pool(self, model: Transformer) -> None:
+        """A pool for a draft model first met after start (early-exit's first layers): under a KV
+        budget the rows' cap is recounted with it and the prefix cache keeps what is left."""
+        if not self.lacks_draft_pool(model):
+            return
+        self._draft_pools[id(model)] = (model, self._pool(model))
+        if self.kv_budget is not None:
+            drafts = tuple(m for m, _ in self._draft_pools.values())
+            try:
+                cap = budget_row_cap(self.target, drafts, self.max_batch, self.kv_budget, self.tree_room, self._row_cap)
+            except SpecwoodError:  # the budget holds too little with it: the rows keep what they have
+                cap = self.row_len
+            self._row_cap = max(self.row_len, cap)
+            if self.reuse is not None:
+                self.reuse.cache.set_budget(self.kv_budget - self.rows_bytes())
 
     def ensure_room(self, needed: int, idle: bool = True) -> None:
         """Grow the pools of an idle private scheduler; a clear error otherwise. Under a KV

@@ -295,7 +295,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         if progress:
             print(f"[plan] method auto: no draft model loaded, so '{base}' cannot draft; decoding "
                   "autoregressively (load a draft, or use --method suffix)", file=sys.stderr)
-        return lambda sources, prompt_len, max_tokens, load=1: Drafter(extra_stats=lambda: {"auto": "ar"})
+        return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(extra_stats=lambda: {"auto": "ar"})
     if no_draft and progress:
         print("[plan] method auto: no draft model loaded: drafting from suffix matches (the request's text and "
               "the server's earlier answers) where they pay, else decoding plainly", file=sys.stderr)
@@ -315,7 +315,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         if progress and fresh:
             print(f"[plan] {describe_starter_plan(plan)}", file=sys.stderr)
     if all(c.method == "ar" for c in plan.choices) and plan.source == "measured" and not lookup:
-        return lambda sources, prompt_len, max_tokens, load=1: Drafter(extra_stats=lambda: {"auto": "ar"})
+        return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(extra_stats=lambda: {"auto": "ar"})
     if plan.source == "measured" and engine.draft_model is not None and (
             plan.draft_prefill_s is None
             or (not plan.draft_row_times and getattr(engine.draft_model, "backend", "torch") == "torch")):
@@ -358,7 +358,8 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
 
     told_late: list[bool] = []
 
-    def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1) -> Drafter:
+    def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1,
+                    scope: str | None = "") -> Drafter:
         plan = latest_plan()
         # alone, the prefill decision follows the plan: a seeded request must make it the same every run
         scale = draft_costs.scale(load) if load > 1 else 1.0
@@ -381,7 +382,8 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         source = sources(draft_model) if ((model or late) and draft_model is not None) else None
         if late is not None and not hasattr(source, "defer"):  # e.g. a llama.cpp draft: it prefills itself
             late, source = None, None
-        suffix = SuffixSource(suffix_cache, prompt_len, max_tokens, eos_ids=eos) if suffix_cache is not None else None
+        suffix = (SuffixSource(suffix_cache if scope is not None else None, prompt_len, max_tokens, eos_ids=eos,
+                               scope=scope or "") if suffix_cache is not None else None)
         shape = PlannedShape(plan, make_shape, adapt=adapt, lookup=lookup, model=model, draft_costs=draft_costs,
                              late=late, suffix=suffix)
 
@@ -467,7 +469,7 @@ def _prepare_prior(engine: Any, options: dict[str, Any]) -> Callable[..., Drafte
         budget = sd[0].budget if sd else 16
     make_named_shape("chain", budget=budget)  # the same validation as every budget
     shape = prior_shape(prior.best_layout(int(budget)))
-    return lambda sources, prompt_len, max_tokens, load=1: Drafter(sources(engine.draft_model), shape)
+    return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(sources(engine.draft_model), shape)
 
 
 register(Method("auto", "the planner's choice: SD or AR and the tree size per step, per request and per load",

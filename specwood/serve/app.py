@@ -32,13 +32,14 @@ from specwood.sampling import SEED_LIMIT
 from specwood.serve import protocol as P
 from specwood.serve.background import pause_while_busy
 from specwood.serve.connections import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, uvicorn_limits
-from specwood.serve.guard import Access, guard_app
+from specwood.serve.guard import TENANT_KEY, Access, guard_app
 from specwood.serve.kv_memory import budget_warning, default_kv_memory
 from specwood.serve.metrics import ServerMetrics
 from specwood.serve.openapi import chat_body, completion_body, generation_operation
 from specwood.serve.pipeline_methods import PipelineMethods
 from specwood.serve.prompt_limits import PromptLimit
 from specwood.serve.protocol import GenerationRequest, ProtocolError
+from specwood.serve.tenancy import Sharing
 from specwood.serve.structured import (TokenBytes, ToolCallText, answer_text, chat_logprobs,
                                        completion_logprobs)
 
@@ -156,13 +157,15 @@ def _failure_status(req: Request) -> tuple[int, str]:
 
 def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", options: dict[str, Any] | None = None,
                model_name: str | None = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES,
-               access: Access = Access(), read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
+               access: Access = Access(), read_timeout: float = DEFAULT_READ_TIMEOUT_S,
+               sharing: Sharing = Sharing()) -> FastAPI:
     """The FastAPI app serving `engine` through `scheduler` (started and stopped by the app's
     lifespan; a scheduler already started is left running until the app stops). `method`
     (with `options`) is the default method, prepared now; a request may name another with the
     non-standard body field "method"; a body over `max_body_bytes` gets a 413, one that has not
     arrived `read_timeout` seconds after its headers a 408; `access` says who may call it (API
-    key, origins, Host names: specwood.serve.guard). Raises SpecwoodError for a bad default method."""
+    keys, origins, Host names: specwood.serve.guard); `sharing` who reuses whose cached work
+    (specwood.serve.tenancy). Raises SpecwoodError for a bad default method."""
     # the context a request may use: the engine's, or less where the scheduler's rows are shorter
     tree_room = scheduler.tree_room
     max_context = min(int(engine.max_context), int(scheduler.executor.max_row_len) - tree_room)
@@ -183,6 +186,9 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
     prompt_limit = PromptLimit(getattr(engine, "tokenizer", None), max_context, why)
     created = P.now()
     tool_format = grammars.ToolFormat.of(engine.tokenizer)  # the tool-call tags, as the vocabulary has them
+    prepare_grammars = getattr(engine, "prepare_grammars", None)
+    if prepare_grammars is not None:  # not inside the first grammar request, where its GIL stalls every other
+        prepare_grammars()
     token_bytes = TokenBytes(engine.tokenizer)
 
     submitted = asyncio.Event()  # wakes the queue-time sampler (set on the event loop)
@@ -304,24 +310,42 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                                 f"generate): lower {field} or shorten the prompt", param=field,
                                 code="context_length_exceeded")
         loop, queue, rid = asyncio.get_running_loop(), asyncio.Queue(), P.new_id(kind)
-        jobs: list[_Job] = []  # the n choices: requests of their own, sharing the prompt's prefill
-        for i in range(g.n):
-            job = _Job(loop, queue, i)
+        scope = sharing.scope_of(http.scope.get(TENANT_KEY, ""), g.cache_salt)
+        # the n choices: requests of their own, sharing the prompt's prefill. Built off the event
+        # loop (a grammar compiles, a draft pool may be allocated), queued on it.
+        jobs = [_Job(loop, queue, i) for i in range(g.n)]
+        await asyncio.to_thread(_make_requests, g, prompt_ids, max_tokens, method_name, prepared, jobs, arrival, rid,
+                                scope)
+        for i, job in enumerate(jobs):
             try:
-                _submit(g, prompt_ids, max_tokens, method_name, prepared, job, arrival, rid if g.n == 1 else f"{rid}-{i}")
+                _submit(job, arrival)
             except BaseException:
-                for queued in jobs:  # the choices already queued end with the one refused
+                for queued in jobs[:i]:  # the choices already queued end with the one refused
                     queued.req.cancel()
+                for unqueued in jobs[i + 1:]:
+                    unqueued.req.drafter.close()
                 raise
-            jobs.append(job)
         if g.stream:
             return StreamingResponse(_stream(http, g, kind, rid, jobs, queue), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _complete(http, g, kind, rid, [job.req for job in jobs], queue)
 
-    def _submit(g: GenerationRequest, prompt_ids: list[int], max_tokens: int, method_name: str, prepared: Any,
-                job: _Job, arrival: float, request_id: str) -> Request:
-        """One choice as a request in the scheduler's queue (choice i seeded seed + i)."""
+    def _make_requests(g: GenerationRequest, prompt_ids: list[int], max_tokens: int, method_name: str,
+                       prepared: Any, jobs: list[_Job], arrival: float, rid: str, scope: str | None) -> None:
+        """Each choice's request (choice i seeded seed + i), not yet queued (a worker thread)."""
+        made: list[Request] = []
+        try:
+            for job in jobs:
+                job.req = _make_request(g, prompt_ids, max_tokens, method_name, prepared, job, arrival,
+                                        rid if g.n == 1 else f"{rid}-{job.index}", scope)
+                made.append(job.req)
+        except BaseException:
+            for req in made:  # nothing queued yet: give back what the drafters hold
+                req.drafter.close()
+            raise
+
+    def _make_request(g: GenerationRequest, prompt_ids: list[int], max_tokens: int, method_name: str,
+                      prepared: Any, job: _Job, arrival: float, request_id: str, scope: str | None) -> Request:
         def on_finish(req: Request) -> None:  # scheduler thread
             metrics.request_finished(req, arrival)
             job.on_finish(req)
@@ -331,13 +355,18 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
             extra["grammar"] = g.grammar
         seed = None if g.seed is None else (g.seed + job.index) % SEED_LIMIT
         try:
-            req = scheduler.make_request(engine, prompt_ids, max_tokens=max_tokens, temperature=g.temperature,
-                                         top_p=g.top_p, top_k=g.top_k, seed=seed, stop=g.stop or None,
-                                         method=method_name, raw=g.raw, on_text=job.on_text if g.stream else None,
-                                         prepared=prepared, on_finish=on_finish, request_id=request_id, **extra)
+            return scheduler.make_request(engine, prompt_ids, max_tokens=max_tokens, temperature=g.temperature,
+                                          top_p=g.top_p, top_k=g.top_k, seed=seed, stop=g.stop or None,
+                                          method=method_name, raw=g.raw, on_text=job.on_text if g.stream else None,
+                                          prepared=prepared, on_finish=on_finish, request_id=request_id,
+                                          cache_scope=scope, **extra)
         except SpecwoodError as e:
             raise ProtocolError(str(e), param=_param_of(e), code=_code_of(e)) from None
-        job.req = req
+
+    def _submit(job: _Job, arrival: float) -> Request:
+        """One choice's request into the scheduler's queue (on the event loop)."""
+        req = job.req
+        assert req is not None
         metrics.request_submitted(req, arrival)
         submitted.set()
         try:
@@ -388,6 +417,10 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                                 param=param, code="context_length_exceeded")
         return ids
 
+    def shown_stats(res: Any) -> dict[str, Any] | None:
+        """The specwood_stats a response carries: None (left out) under --no-specwood-stats."""
+        return res.stats if sharing.specwood_stats else None
+
     def _logprobs(kind: str, entries: list[Any] | None, offset: int = 0) -> dict[str, Any] | None:
         if entries is None:
             return None
@@ -435,7 +468,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         body: dict[str, Any] = {}
         for i, res in enumerate(results):
             text, finish, calls = _answer(g, res)
-            one = P.completion_response(kind, rid, P.now(), name, text, finish, usage, res.stats if i == 0 else {},
+            one = P.completion_response(kind, rid, P.now(), name, text, finish, usage,
+                                        shown_stats(res) if i == 0 else None,
                                         tool_calls=calls, logprobs=_logprobs(kind, res.logprobs))
             if i == 0:
                 body = one
@@ -517,7 +551,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                             logprobs=logprobs(i, jobs[i].new_logprobs()))
             if g.include_usage:
                 total = sum(len(req.result.token_ids) for req in reqs)
-                yield P.sse(P.usage_chunk(kind, rid, t, name, _usage(reqs, total), reqs[0].result.stats))
+                yield P.sse(P.usage_chunk(kind, rid, t, name, _usage(reqs, total), shown_stats(reqs[0].result)))
             yield P.sse("[DONE]")
         finally:
             gone.cancel()
@@ -660,7 +694,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
           background: Any = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
           drain_timeout: float = DEFAULT_DRAIN_S, request_timeout: float | None = None,
           read_timeout: float = DEFAULT_READ_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-          kv_memory: int | None = None) -> None:
+          kv_memory: int | None = None, sharing: Sharing = Sharing()) -> None:
     """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line. On the
     signal it stops accepting requests and drains: running requests get `drain_timeout` seconds
     to finish, then end (streams with an error event and [DONE]); a second signal ends at once.
@@ -671,20 +705,23 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
     read_timeout: seconds a request's headers, and then its body, may take to arrive;
     max_connections: open connections served, requests on more get 503 (connections.py);
     kv_memory: bytes of finished requests' K/V kept for reuse (`make_scheduler`; the other
-    executors reuse nothing)."""
+    executors reuse nothing); sharing: who reuses whose work (tenancy.Sharing; without a shared
+    cache the server keeps no prefix cache at all)."""
     import uvicorn
 
     sock = sock or bind_socket(host, port)
     if executor is not None:  # DuoDecoding's worker or SpecPipe's ranks (specwood.engine.executor)
         scheduler = Scheduler(executor, max_batch=max_batch, max_queue=max_queue)
     else:
-        scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue, kv_memory=kv_memory)
+        scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue,
+                                   kv_memory=kv_memory if sharing.shared_cache else 0)
     warning = budget_warning(kv_memory) if kv_memory else None
     if warning:
         _log(warning)
     scheduler.request_timeout_s = request_timeout
     app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes,
-                     access=access.for_bind(str(sock.getsockname()[0])), read_timeout=read_timeout)
+                     access=access.for_bind(str(sock.getsockname()[0])), read_timeout=read_timeout,
+                     sharing=sharing)
     if background is not None:
         pause_while_busy(background, scheduler)
     # uvicorn waits for open responses a little longer than the drain, so streams get their end

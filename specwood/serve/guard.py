@@ -1,8 +1,10 @@
 """Who may talk to the server: an API key, browser origins, Host names and JSON bodies, checked
 before a request reaches the app (an ASGI middleware: streams pass through untouched).
 
-- `api_key`: requests to /v1/* (every path with scope "all", /health and /metrics included) need
-  `Authorization: Bearer KEY` (what OpenAI clients send) or `x-api-key: KEY`; else 401.
+- `api_keys`: requests to /v1/* (every path with scope "all", /health and /metrics included) need
+  `Authorization: Bearer KEY` (what OpenAI clients send) or `x-api-key: KEY` with one of the keys;
+  else 401. Each key is a tenant: the request's ASGI scope carries the tenant's id (TENANT_KEY),
+  and the server's caches reuse work only among requests of one tenant (docs/server.md).
 - `allowed_origins`: a request carrying an `Origin` header (a browser's cross-site request) is
   refused with 403 unless its origin is listed ("*" allows any); listed origins get CORS headers
   and preflights. None by default, so a web page cannot make a local server work for it.
@@ -13,6 +15,7 @@ before a request reaches the app (an ASGI middleware: streams pass through untou
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from dataclasses import dataclass, replace
@@ -22,15 +25,22 @@ from specwood.serve.protocol import error_body
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+TENANT_KEY = "specwood.tenant"  # the ASGI scope entry naming the request's tenant ("" without keys)
+
+
+def tenant_id(key: str) -> str:
+    """A tenant's id: a digest of its key, so the key itself never sits in caches or logs."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, *, api_key: str | None = None, key_scope: str = "v1",
+    def __init__(self, app: ASGIApp, *, api_keys: Iterable[str] = (), key_scope: str = "v1",
                  allowed_origins: Iterable[str] = (), allowed_hosts: Iterable[str] | None = None):
         if key_scope not in ("v1", "all"):
             raise ValueError(f"key_scope must be 'v1' or 'all', got {key_scope!r}")
         self.app = app
-        self.api_key = api_key or None
+        # every key is compared (no early exit), so the time of a refusal says nothing of which key was close
+        self.keys = [(k.encode(), tenant_id(k)) for k in api_keys if k]
         self.key_scope = key_scope
         self.allowed_origins = {o.rstrip("/") for o in allowed_origins}
         self.allowed_hosts = None if allowed_hosts is None else {h.lower().strip("[]") for h in allowed_hosts}
@@ -43,7 +53,27 @@ class RequestGuard:
         if refusal is not None:
             status, message, code, extra = refusal
             return await _respond(send, status, error_body(message, status, None, code), extra)
+        scope[TENANT_KEY] = self.tenant(scope)
         await self.app(scope, receive, send)
+
+    def tenant(self, scope: dict) -> str:
+        """The id of the tenant whose key the request carries ("" without keys, or without one)."""
+        if not self.keys:
+            return ""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given = headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
+        return self._match(given) or ""
+
+    def _match(self, given: str | None) -> str | None:
+        """The tenant id of the key `given`, or None."""
+        if given is None:
+            return None
+        found = None
+        data = given.encode()
+        for key, tenant in self.keys:
+            if hmac.compare_digest(data, key):
+                found = tenant
+        return found
 
     def check(self, scope: dict) -> tuple[int, str, str, dict[str, str]] | None:
         """(status, message, code, extra headers) of a refusal, or None to let the request in."""
@@ -60,12 +90,12 @@ class RequestGuard:
         method, path = scope.get("method", "GET"), scope.get("path", "/")
         if method == "OPTIONS" and origin is not None:
             return None  # a preflight of an allowed origin: answered by the CORS layer
-        if self.api_key is not None and (self.key_scope == "all" or path.startswith("/v1/")):
+        if self.keys and (self.key_scope == "all" or path.startswith("/v1/")):
             given = headers.get("x-api-key") or _bearer(headers.get("authorization", ""))
-            if given is None or not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            if self._match(given) is None:
                 what = "is missing" if given is None else "is wrong"
-                return 401, f"the API key {what}: send 'Authorization: Bearer KEY' (the key given to --api-key " \
-                            "or SPECWOOD_API_KEY)", "invalid_api_key", {"www-authenticate": "Bearer"}
+                return 401, f"the API key {what}: send 'Authorization: Bearer KEY' (a key given to --api-key, " \
+                            "--api-keys-file or SPECWOOD_API_KEY)", "invalid_api_key", {"www-authenticate": "Bearer"}
         if method == "POST":
             ctype = headers.get("content-type")
             if ctype is not None and not _is_json(ctype):
@@ -106,10 +136,15 @@ class Access:
     """The server's access rules (see the module's docstring); the default lets every local
     client in and every browser origin out."""
 
-    api_key: str | None = None
+    api_key: str | None = None  # one key (SPECWOOD_API_KEY, or the first --api-key)
     key_scope: str = "v1"  # "v1": the key guards /v1/*; "all": /health and /metrics too
     allowed_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] | None = None  # None: any Host
+    more_keys: tuple[str, ...] = ()  # further keys: one tenant each (--api-key again, --api-keys-file)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(k for k in (self.api_key, *self.more_keys) if k))
 
     def for_bind(self, host: str) -> "Access":
         """The rules for a server bound to `host`: on loopback, only loopback Host names (and
@@ -127,6 +162,6 @@ def guard_app(app: Any, access: Access) -> Any:
 
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["authorization", "content-type", "x-api-key"])
-    app.add_middleware(RequestGuard, api_key=access.api_key, key_scope=access.key_scope, allowed_origins=origins,
+    app.add_middleware(RequestGuard, api_keys=access.api_keys, key_scope=access.key_scope, allowed_origins=origins,
                        allowed_hosts=access.allowed_hosts)
     return app

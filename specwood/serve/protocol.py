@@ -116,6 +116,7 @@ class GenerationRequest:
     tool_choice: str = "auto"  # "none", "auto", "required" or a function's name
     parallel_tool_calls: bool = True
     n: int = 1  # choices: requests of their own, seeded seed + i, sharing the prompt's prefill
+    cache_salt: str | None = None  # vLLM's field: reuse cached work only with requests of the same salt
 
     @property
     def raw(self) -> bool:
@@ -228,8 +229,24 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
     if n is not None and n > MAX_CHOICES:
         raise ProtocolError(f"n must be <= {MAX_CHOICES} (choices per request), got {n}", param="n")
     req.n = n or 1
+    req.cache_salt = _parse_cache_salt(body.get("cache_salt"))
     _parse_processors(body, req)
     return req
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _parse_cache_salt(salt: Any) -> str | None:
+    """`cache_salt`: a short non-empty string (vLLM's extension; docs/server.md, Isolation)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise _type_error("cache_salt", "a string", salt)
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ProtocolError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                            f"got {len(salt)}", param="cache_salt")
+    return check_text(salt, "cache_salt")
 
 
 def _parse_processors(body: dict[str, Any], req: GenerationRequest) -> None:
@@ -595,7 +612,7 @@ def tool_call_objects(calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
 
 
 def completion_response(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
-                        usage_: dict[str, int], stats: dict[str, Any], *,
+                        usage_: dict[str, int], stats: dict[str, Any] | None, *,
                         tool_calls: list[dict[str, Any]] | None = None,
                         logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if kind == "chat":
@@ -607,8 +624,11 @@ def completion_response(kind: str, rid: str, created: int, model: str, text: str
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-            "choices": [choice], "usage": usage_, "specwood_stats": jsonable(stats)}
+    out = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+           "choices": [choice], "usage": usage_}
+    if stats is not None:  # None: the server leaves its statistics out (--no-specwood-stats)
+        out["specwood_stats"] = jsonable(stats)
+    return out
 
 
 def stream_chunk(kind: str, rid: str, created: int, model: str, *, text: str | None = None, role: bool = False,
@@ -638,11 +658,13 @@ def stream_chunk(kind: str, rid: str, created: int, model: str, *, text: str | N
 
 
 def usage_chunk(kind: str, rid: str, created: int, model: str, usage_: dict[str, int],
-                stats: dict[str, Any]) -> dict[str, Any]:
+                stats: dict[str, Any] | None) -> dict[str, Any]:
     """The last chunk of `stream_options.include_usage`: no choices, the usage and the stats."""
-    return {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": created, "model": model, "system_fingerprint": None, "choices": [], "usage": usage_,
-            "specwood_stats": jsonable(stats)}
+    out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+           "created": created, "model": model, "system_fingerprint": None, "choices": [], "usage": usage_}
+    if stats is not None:
+        out["specwood_stats"] = jsonable(stats)
+    return out
 
 
 def sse(obj: dict[str, Any] | str) -> str:

@@ -275,7 +275,7 @@ class PipelineExecutor(Executor):
         for it (serve.pipeline_methods), else the mode `pipeline_mode` gives the name."""
         mode, tree = prepared if prepared is not None else pipeline_mode(method or "specpipe")
         req = engine.new_request(prompt, method=mode, scheduler=scheduler,
-                                 prepared=lambda sources, prompt_len, max_tokens, load=1: Drafter(), **kwargs)
+                                 prepared=lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(), **kwargs)
         self._modes[req] = (mode, tree)
         return req
 
