@@ -358,4 +358,5 @@ def test_with_a_grammar_the_global_cache_keeps_only_what_the_request_emitted(eng
             assert live[-1] == -1 and -1 not in live[:-1]
             answer = live[:-1][min(4, len(live) - 1):]
             emitted = [*out.token_ids, *([t for t in answer[-1:] if t in eos])]  # an EOS ends it, unseen
-            assert answer == emitted[:len(answer)] and len(answer) >= len(out.token_ids) - 1, (prompt, answer, out.token_ids)
+            assert answer == emitted[:len(answer)], (prompt, answer, out.token_ids)
+            assert len(answer) >= len(out.token_ids) - 1, (prompt, answer, out.token_ids)

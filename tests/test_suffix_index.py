@@ -342,3 +342,25 @@ def test_a_source_drafts_and_keeps_its_answer_in_its_scope():
     a.close()
     assert cache.find([6, 7], 1, scope="a") == (2, [[3]])
     assert cache.find([6, 7], 1, scope="b") == (2, [[8]])
+
+
+def test_a_new_scope_each_answer_costs_no_memory():
+    """Clients choose scopes (a `cache_salt` each request): 20,000 of them leave nothing behind
+    but the ring, and each still finds its own answer only."""
+    import tracemalloc
+
+    from specwood.drafting.suffix_source import SuffixCache
+
+    cache = SuffixCache(1024)
+    cache.add_answer([1], [5, 6, 7], scope="warm-up")
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for i in range(20_000):
+            cache.add_answer([1], [5, 6, i % 50], scope=f"salt-{i}")
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held - before < 16 * 1024
+    assert cache.find([5, 6], 1, scope="salt-19999") == (2, [[19999 % 50]])
+    assert cache.find([5, 6], 1, scope="salt-0") == (0, [])  # overwritten long ago

@@ -20,17 +20,19 @@ Scopes (tenants): each document is written under one scope (a write under anothe
 new document), and a query sees only its own scope's occurrences; another scope's writes change
 what it finds only by pushing old tokens out of the shared ring.
 
-Memory: four flat arrays, 4 + 4 + 8 bytes a slot (token, scope id, chain link) and 8 bytes a
-bucket (one bucket a slot, rounded up to a power of two): 24-32 bytes a token, whatever was
+Memory: four flat arrays, 4 + 8 + 8 bytes a slot (token, scope id, chain link) and 8 bytes a
+bucket (one bucket a slot, rounded up to a power of two): 28-36 bytes a token, whatever was
 written (`nbytes`). Cost per step: O(new tokens) to append, O(max_occurrences * max_match +
 continuations) to query (plus the rare other anchors sharing the bucket), whatever the context
 length (an array read costs a little more than a list's: a query at the default sizes takes some
-16 us here against 11 us with lists, for a sixth of the memory); a context longer than the ring drafts from its newest `capacity` tokens. Documents
-(finished answers) are separated by SEPARATOR, so no match or continuation crosses from one into
-the next.
+16 us here against 11 us with lists, for a sixth of the memory); a context longer than the ring
+drafts from its newest `capacity` tokens. Documents (finished answers) are separated by
+SEPARATOR, so no match or continuation crosses from one into the next.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 from array import array
 from typing import Sequence
 
@@ -38,6 +40,16 @@ SEPARATOR = -1
 _NONE = -(1 << 62)  # no position: below every ring's base, so a chain walk stops on it
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing's odd multiplier (2^64 / golden ratio)
 _MASK64 = (1 << 64) - 1
+_SCOPE_KEY = os.urandom(16)  # scope ids are keyed hashes: nobody outside can aim at another scope's id
+
+
+def scope_id(scope: str) -> int:
+    """A scope's 64-bit id (0 for ""): a hash, not a table, so scopes cost nothing to remember
+    (a client may send a new `cache_salt` each request); two scopes share one with odds 2^-64."""
+    if not scope:
+        return 0
+    digest = hashlib.blake2b(scope.encode(), digest_size=8, key=_SCOPE_KEY).digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
 
 
 class SuffixIndex:
@@ -50,12 +62,11 @@ class SuffixIndex:
         self.max_match = max_match
         self.max_occurrences = max_occurrences
         self.tokens = array("i", [SEPARATOR]) * capacity
-        self.scopes = array("i", [0]) * capacity  # slot -> the scope id its document was written under
+        self.scopes = array("q", [0]) * capacity  # slot -> the id of the scope its document was written under
         self.prev = array("q", [_NONE]) * capacity  # slot -> previous absolute position in its bucket
         self.bits = max(4, (capacity - 1).bit_length())
         self.head = array("q", [_NONE]) * (1 << self.bits)  # bucket -> its newest position
-        self.scope_ids: dict[str, int] = {"": 0}
-        self.scope = 0  # the scope of the document being written
+        self.scope = 0  # the id of the scope of the document being written
         self.total = 0  # positions ever written
 
     # --- writing -----------------------------------------------------------------------------------
@@ -79,8 +90,8 @@ class SuffixIndex:
         """The bucket of an anchor folded into one int (with its scope)."""
         return ((key * _MIX) & _MASK64) >> (64 - self.bits)
 
-    def _key(self, anchor: Sequence[int], scope: int) -> int:
-        key = scope
+    def _key(self, anchor: Sequence[int], sid: int) -> int:
+        key = sid & 0xFFFFFFFF  # the bucket needs only some of the scope's bits: the chain checks all
         for t in anchor:
             key = key * 0x100000001B3 + t + 1  # an FNV-like fold; any fold works, the chain checks tokens
         return key
@@ -88,7 +99,8 @@ class SuffixIndex:
     def extend(self, tokens: Sequence[int], scope: str = "") -> None:
         """Append tokens to the current document (under `scope`: a document has one; tokens of
         another scope close it first)."""
-        sid = self.scope_ids.setdefault(scope, len(self.scope_ids))
+        sid = scope_id(scope)
+        seed = (sid & 0xFFFFFFFF) * 0x100000001B3 + 1  # _key's fold, its first step done
         if sid != self.scope:
             self.end_document()
             self.scope = sid
@@ -103,7 +115,7 @@ class SuffixIndex:
             if t != SEPARATOR and e + 1 >= a and a <= cap:
                 if a == 2:  # the default, spelled out: this loop is the per-prompt cost
                     if before != SEPARATOR:
-                        b = ((((sid * 0x100000001B3 + before + 1) * 0x100000001B3 + t + 1) * _MIX) & _MASK64) >> shift
+                        b = ((((seed + before) * 0x100000001B3 + t + 1) * _MIX) & _MASK64) >> shift
                         prev[slot] = head[b]  # a link to an overwritten position ends the chain (below base)
                         head[b] = e
                 else:
@@ -136,8 +148,8 @@ class SuffixIndex:
         """The longest match length of `tail`'s end (0: none) and the continuations, newest
         occurrence first, of the occurrences (in `scope`'s documents) that match that long."""
         a = self.anchor
-        sid = self.scope_ids.get(scope)
-        if len(tail) < a or max_depth < 1 or sid is None:
+        sid = scope_id(scope)
+        if len(tail) < a or max_depth < 1:
             return 0, []
         key = [*tail[-a:]]
         if SEPARATOR in key:
