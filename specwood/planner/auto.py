@@ -217,7 +217,7 @@ class PlannedShape:
 
     def _on_suffix_step(self, step: SuffixOrModelShape, tree: TokenTree, verdict: Verdict,
                         cost: StepRecord | None) -> None:
-        self.suffix.observe(verdict.next_token)
+        self.suffix.observe(verdict.next_token, [tree.tokens[i] for i in verdict.accepted])
         self.sources_used[step.choice] += 1
         alone = self._load == 1 and cost is not None
         if step.choice in ("model", "both"):

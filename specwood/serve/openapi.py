@@ -72,6 +72,9 @@ def _common(model: str, methods: list[str], max_context: int) -> dict[str, Any]:
               "description": "choices, each its own request seeded seed + i; the prompt is prefilled once"},
         "method": {"type": "string", "enum": methods,
                    "description": "specwood's extension: the decoding method (default: the server's)"},
+        "cache_salt": {"type": ["string", "null"], "minLength": 1, "maxLength": P.MAX_CACHE_SALT_CHARS,
+                       "description": "vLLM's extension: cached work is reused only among requests of the same "
+                                      "API key and salt (docs/server.md, Isolation)"},
     }
 
 
