@@ -134,6 +134,20 @@ def test_tool_grammars_follow_tool_choice(ll_tokenizer, tiny_tokenizer):
     assert not _accepts(ll_tokenizer, both, enc("plain words"))
 
 
+def test_text_tags_inside_arguments_do_not_end_a_call():
+    """Tags that are plain text: a call ends at the close tag after its JSON object, so a string in
+    the arguments may hold either tag; content ends at the first open tag (where the grammar ends it)."""
+    fmt = G.ToolFormat()
+    call = '<tool_call>\n{"name": "f", "arguments": {"s": "</tool_call>\\n<tool_call>", "t": "}"}}\n</tool_call>'
+    want = ("f", '{"s": "</tool_call>\\n<tool_call>", "t": "}"}')
+    assert ToolCallText(fmt).finish("Hi.\n" + call + "\n" + call) == ("Hi.", [want, want])
+    odd = call.replace("}\n</tool_call>", "} and more")  # no close tag after the object: content
+    assert ToolCallText(fmt).finish(odd) == (odd, [])
+    answer = '{"t": "' + call.replace('"', '\\"').replace("\n", "\\n") + '"}'  # a JSON answer quoting a call
+    assert ToolCallText(fmt, calls_first=True).finish(answer) == (answer, [])
+    assert ToolCallText(fmt, calls_first=True).finish(call) == ("", [want])
+
+
 def test_tool_tags_that_are_tokens_are_used_as_tokens(tiny_tokenizer):
     """A vocabulary with <tool_call> tokens (as Qwen2.5's, ids 151657/151658): the grammar names
     those ids, and the tags cannot be spelled out of text bytes instead."""
@@ -190,8 +204,8 @@ def test_streamed_content_stops_where_a_tool_call_begins():
         rest, calls = s.finish(text)
         assert streamed + rest == "Let me check." and calls == [("add", '{"a": 1}')]
     cut = text + "\n<tool_call>\n{\"name\": \"ad"  # out of tokens inside a second call
-    assert G.parse_tool_calls(cut, fmt) == ("Let me check.", [("add", '{"a": 1}')])
-    assert G.parse_tool_calls(text.replace("}}", "}"), fmt) == (text.replace("}}", "}"), [])  # malformed
+    assert ToolCallText(fmt).finish(cut) == ("Let me check.", [("add", '{"a": 1}')])
+    assert ToolCallText(fmt).finish(text.replace("}}", "}")) == (text.replace("}}", "}"), [])  # malformed
     s = ToolCallText(fmt)
     assert s.feed("a <tool") == "a" and s.feed("box> b") == " <toolbox> b" and s.finish("a <toolbox> b") == ("", [])
 
@@ -409,6 +423,31 @@ def test_tool_calls_round_trip_through_the_openai_client_streaming_enforced(clie
         *CHATS[0], {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "42"}])
     assert follow.choices[0].message.role == "assistant"
+
+
+TAG_ARG = {"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "properties": {"t": {"enum": ["</tool_call>"]}}, "required": ["t"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_text_tag_forced_into_an_argument_comes_back_as_it_enforced(http, stream):
+    """Tags that are plain text (the tiny vocabulary): an argument holding "</tool_call>" does not
+    end its call."""
+    body = {"messages": CHATS[0], "tools": [TAG_ARG], "tool_choice": {"type": "function", "function": {"name": "tag"}},
+            "max_tokens": 120, "temperature": 0, "stream": stream}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        args, finish = "", None
+        for event in sse_events(r.text)[:-1]:
+            choice = json.loads(event)["choices"][0]
+            args += "".join(tc["function"].get("arguments") or "" for tc in choice["delta"].get("tool_calls") or [])
+            finish = choice["finish_reason"] or finish
+    else:
+        choice = r.json()["choices"][0]
+        args, finish = choice["message"]["tool_calls"][0]["function"]["arguments"], choice["finish_reason"]
+    assert finish == "tool_calls" and json.loads(args) == {"t": "</tool_call>"}
 
 
 def test_logprobs_chat_and_completions_enforced(http, tiny_tokenizer):
