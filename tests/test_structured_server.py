@@ -450,6 +450,23 @@ def test_a_text_tag_forced_into_an_argument_comes_back_as_it_enforced(http, stre
     assert finish == "tool_calls" and json.loads(args) == {"t": "</tool_call>"}
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_json_object_beside_tools_constrains_the_answer_enforced(http, choice):
+    """response_format json_object with tools: under "auto" the answer is a JSON object or tool
+    calls (it was free text: the format was dropped); under "required" the calls are the answer."""
+    for seed in range(3):
+        out = _chat(http, tools=TOOLS, tool_choice=choice, response_format={"type": "json_object"}, max_tokens=160,
+                    temperature=1.0, seed=seed, parallel_tool_calls=False)["choices"][0]
+        message = out["message"]
+        if message.get("tool_calls"):
+            assert out["finish_reason"] == "tool_calls" and message["content"] is None
+        elif out["finish_reason"] == "length":  # out of tokens inside the JSON or the call
+            assert message["content"].startswith(("{", "<tool_call>\n{")), out
+        else:
+            assert choice == "auto" and isinstance(json.loads(message["content"]), dict), out
+    assert http.get("/health").status_code == 200
+
+
 def test_logprobs_chat_and_completions_enforced(http, tiny_tokenizer):
     out = _chat(http, logprobs=True, top_logprobs=3, max_tokens=12, temperature=0, method="dyspec")
     content = out["choices"][0]["logprobs"]["content"]

@@ -110,7 +110,7 @@ class GenerationRequest:
     min_p: float = 0.0
     logprobs: int | None = None  # None: no logprobs; k: the emitted tokens' and k alternatives each
     grammar: str | None = None  # from response_format; tools' grammar is built with the tokenizer
-    json_schema: dict[str, Any] | None = None  # the prepared response_format schema (for tools + JSON)
+    json_schema: dict[str, Any] | None = None  # response_format's prepared schema (json_object's too), for tools + JSON
     tools: list[grammars.Tool] | None = None
     tool_specs: list[dict[str, Any]] | None = None  # the request's tools as sent, for the chat template
     tool_choice: str = "auto"  # "none", "auto", "required" or a function's name
@@ -288,6 +288,7 @@ def _parse_response_format(body: dict[str, Any], req: GenerationRequest) -> None
             raise _type_error("response_format", "an object such as {\"type\": \"json_object\"}", rf)
         kind = rf.get("type")
         if kind == "json_object":
+            req.json_schema = grammars.json_object_schema()
             req.grammar = grammars.json_object_grammar()
         elif kind == "json_schema":
             spec = rf.get("json_schema")
