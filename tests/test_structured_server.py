@@ -134,6 +134,13 @@ def test_tool_grammars_follow_tool_choice(ll_tokenizer, tiny_tokenizer):
     assert not _accepts(ll_tokenizer, both, enc("plain words"))
 
 
+def test_tool_names_are_matched_whole():
+    for name in ("f\n", "f\nx", "a" * 65, ""):
+        with pytest.raises(GrammarError):
+            G.parse_tools([{"type": "function", "function": {"name": name}}])
+    assert G.parse_tools([{"type": "function", "function": {"name": "a-b_9"}}])[0].name == "a-b_9"
+
+
 def test_text_tags_inside_arguments_do_not_end_a_call():
     """Tags that are plain text: a call ends at the close tag after its JSON object, so a string in
     the arguments may hold either tag; content ends at the first open tag (where the grammar ends it)."""
@@ -280,6 +287,20 @@ BAD = [
                                                                           "function": {"name": "add",
                                                                                        "arguments": "{oops"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                          "function": {"name": "add", "arguments":
+                                                                                       "[" * 100_000 + "]" * 100_000}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),  # deeper than Python's recursion limit
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                          "function": {"name": "add", "arguments":
+                                                                                       '{"a": ' + "[" * 200 + "]" * 200
+                                                                                       + "}"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),  # within it, over MAX_JSON_DEPTH
+    ({"logit_bias": {"1" * 5000: 5}}, "logit_bias"),  # past Python's int digit limit
+    ({"logit_bias": {"99999999999": 5}}, "logit_bias"),
+    ({"logit_bias": {"\u0663": 5}}, "logit_bias"),  # a digit, not an ASCII one
+    ({"tools": [{"type": "function", "function": {"name": "f\n"}}]}, "tools[0].function.name"),
+    ({"metadata": json.loads("[" * 200 + "]" * 200)}, None),  # the body itself, over MAX_JSON_DEPTH
     ({"logit_bias": {"264": 5}}, "logit_bias"),  # the tiny vocabulary is 0..263
     ({"logit_bias": {"-1": 5}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
@@ -299,6 +320,13 @@ def test_bad_structured_input_gives_400_naming_the_parameter(http, body, param):
     r = http.post("/v1/chat/completions", json={"messages": CHATS[0], "max_tokens": 4, **body})
     err = assert_openai_error(r, 400, param)
     assert "\n" not in err["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_a_body_deeper_than_python_can_parse_gives_400(http):
+    r = http.post("/v1/chat/completions", content=b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                  headers={"content-type": "application/json"})
+    assert "deeper" in assert_openai_error(r, 400, None)["message"]
     assert http.get("/health").status_code == 200
 
 
