@@ -257,6 +257,12 @@ def _chat(http, **body: Any) -> dict[str, Any]:
     return r.json()
 
 
+def _history_call(arguments: str) -> dict[str, Any]:
+    """A body whose history holds an assistant's call with these arguments."""
+    return {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]}
+
+
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strong"}}}},
      "response_format.json_schema.schema"),
@@ -287,15 +293,10 @@ BAD = [
                                                                           "function": {"name": "add",
                                                                                        "arguments": "{oops"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-                                                                          "function": {"name": "add", "arguments":
-                                                                                       "[" * 100_000 + "]" * 100_000}}]}]},
-     "messages[0].tool_calls[0].function.arguments"),  # deeper than Python's recursion limit
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-                                                                          "function": {"name": "add", "arguments":
-                                                                                       '{"a": ' + "[" * 200 + "]" * 200
-                                                                                       + "}"}}]}]},
-     "messages[0].tool_calls[0].function.arguments"),  # within it, over MAX_JSON_DEPTH
+    (_history_call("[" * 100_000 + "]" * 100_000),  # deeper than Python's recursion limit
+     "messages[0].tool_calls[0].function.arguments"),
+    (_history_call('{"a": ' + "[" * 200 + "]" * 200 + "}"),  # within it, over MAX_JSON_DEPTH
+     "messages[0].tool_calls[0].function.arguments"),
     ({"logit_bias": {"1" * 5000: 5}}, "logit_bias"),  # past Python's int digit limit
     ({"logit_bias": {"99999999999": 5}}, "logit_bias"),
     ({"logit_bias": {"\u0663": 5}}, "logit_bias"),  # a digit, not an ASCII one
