@@ -238,6 +238,22 @@ def test_json_schema_argument(tiny_engine):
         tiny_engine.generate("x", max_tokens=4, json_schema="not a dict")
 
 
+def test_forced_control_token_text_is_written_as_text(tiny_engine, tiny_tokenizer):
+    """A grammar that forces the text of a control token (<|im_end|>, 258 in the tiny vocabulary)
+    writes it in text tokens: llguidance's forced tokens come from our tokenizer, which reads
+    added tokens' text as text (its own turned it into token 258, which the grammar refuses)."""
+    import json
+
+    schema = {"type": "object", "properties": {"t": {"enum": ["<|im_end|>"]}}, "required": ["t"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    ref = tiny_engine.generate("x", max_tokens=40, raw=True, json_schema=schema)
+    assert json.loads(ref.text) == {"t": "<|im_end|>"} and ref.finish_reason == "stop", ref.text
+    assert 258 not in ref.token_ids
+    for method in ("dyspec", "chain"):  # lossless through the forced run
+        assert tiny_engine.generate("x", max_tokens=40, raw=True, json_schema=schema, method=method).token_ids \
+            == ref.token_ids, method
+
+
 def test_penalties_follow_openai_and_hf_semantics():
     """Presence/frequency count generated tokens (committed + path), repetition every token of
     prompt + output; bias is added first (reference written densely, one row at a time)."""

@@ -134,6 +134,27 @@ def test_tool_grammars_follow_tool_choice(ll_tokenizer, tiny_tokenizer):
     assert not _accepts(ll_tokenizer, both, enc("plain words"))
 
 
+def test_tool_names_are_matched_whole():
+    for name in ("f\n", "f\nx", "a" * 65, ""):
+        with pytest.raises(GrammarError):
+            G.parse_tools([{"type": "function", "function": {"name": name}}])
+    assert G.parse_tools([{"type": "function", "function": {"name": "a-b_9"}}])[0].name == "a-b_9"
+
+
+def test_text_tags_inside_arguments_do_not_end_a_call():
+    """Tags that are plain text: a call ends at the close tag after its JSON object, so a string in
+    the arguments may hold either tag; content ends at the first open tag (where the grammar ends it)."""
+    fmt = G.ToolFormat()
+    call = '<tool_call>\n{"name": "f", "arguments": {"s": "</tool_call>\\n<tool_call>", "t": "}"}}\n</tool_call>'
+    want = ("f", '{"s": "</tool_call>\\n<tool_call>", "t": "}"}')
+    assert ToolCallText(fmt).finish("Hi.\n" + call + "\n" + call) == ("Hi.", [want, want])
+    odd = call.replace("}\n</tool_call>", "} and more")  # no close tag after the object: content
+    assert ToolCallText(fmt).finish(odd) == (odd, [])
+    answer = '{"t": "' + call.replace('"', '\\"').replace("\n", "\\n") + '"}'  # a JSON answer quoting a call
+    assert ToolCallText(fmt, calls_first=True).finish(answer) == (answer, [])
+    assert ToolCallText(fmt, calls_first=True).finish(call) == ("", [want])
+
+
 def test_tool_tags_that_are_tokens_are_used_as_tokens(tiny_tokenizer):
     """A vocabulary with <tool_call> tokens (as Qwen2.5's, ids 151657/151658): the grammar names
     those ids, and the tags cannot be spelled out of text bytes instead."""
@@ -190,8 +211,8 @@ def test_streamed_content_stops_where_a_tool_call_begins():
         rest, calls = s.finish(text)
         assert streamed + rest == "Let me check." and calls == [("add", '{"a": 1}')]
     cut = text + "\n<tool_call>\n{\"name\": \"ad"  # out of tokens inside a second call
-    assert G.parse_tool_calls(cut, fmt) == ("Let me check.", [("add", '{"a": 1}')])
-    assert G.parse_tool_calls(text.replace("}}", "}"), fmt) == (text.replace("}}", "}"), [])  # malformed
+    assert ToolCallText(fmt).finish(cut) == ("Let me check.", [("add", '{"a": 1}')])
+    assert ToolCallText(fmt).finish(text.replace("}}", "}")) == (text.replace("}}", "}"), [])  # malformed
     s = ToolCallText(fmt)
     assert s.feed("a <tool") == "a" and s.feed("box> b") == " <toolbox> b" and s.finish("a <toolbox> b") == ("", [])
 
@@ -236,6 +257,12 @@ def _chat(http, **body: Any) -> dict[str, Any]:
     return r.json()
 
 
+def _history_call(arguments: str) -> dict[str, Any]:
+    """A body whose history holds an assistant's call with these arguments."""
+    return {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]}
+
+
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strong"}}}},
      "response_format.json_schema.schema"),
@@ -266,6 +293,15 @@ BAD = [
                                                                           "function": {"name": "add",
                                                                                        "arguments": "{oops"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    (_history_call("[" * 100_000 + "]" * 100_000),  # deeper than Python's recursion limit
+     "messages[0].tool_calls[0].function.arguments"),
+    (_history_call('{"a": ' + "[" * 200 + "]" * 200 + "}"),  # within it, over MAX_JSON_DEPTH
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"logit_bias": {"1" * 5000: 5}}, "logit_bias"),  # past Python's int digit limit
+    ({"logit_bias": {"99999999999": 5}}, "logit_bias"),
+    ({"logit_bias": {"\u0663": 5}}, "logit_bias"),  # a digit, not an ASCII one
+    ({"tools": [{"type": "function", "function": {"name": "f\n"}}]}, "tools[0].function.name"),
+    ({"metadata": json.loads("[" * 200 + "]" * 200)}, None),  # the body itself, over MAX_JSON_DEPTH
     ({"logit_bias": {"264": 5}}, "logit_bias"),  # the tiny vocabulary is 0..263
     ({"logit_bias": {"-1": 5}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
@@ -285,6 +321,13 @@ def test_bad_structured_input_gives_400_naming_the_parameter(http, body, param):
     r = http.post("/v1/chat/completions", json={"messages": CHATS[0], "max_tokens": 4, **body})
     err = assert_openai_error(r, 400, param)
     assert "\n" not in err["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_a_body_deeper_than_python_can_parse_gives_400(http):
+    r = http.post("/v1/chat/completions", content=b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                  headers={"content-type": "application/json"})
+    assert "deeper" in assert_openai_error(r, 400, None)["message"]
     assert http.get("/health").status_code == 200
 
 
@@ -409,6 +452,48 @@ def test_tool_calls_round_trip_through_the_openai_client_streaming_enforced(clie
         *CHATS[0], {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "42"}])
     assert follow.choices[0].message.role == "assistant"
+
+
+TAG_ARG = {"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "properties": {"t": {"enum": ["</tool_call>"]}}, "required": ["t"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_text_tag_forced_into_an_argument_comes_back_as_it_enforced(http, stream):
+    """Tags that are plain text (the tiny vocabulary): an argument holding "</tool_call>" does not
+    end its call."""
+    body = {"messages": CHATS[0], "tools": [TAG_ARG], "tool_choice": {"type": "function", "function": {"name": "tag"}},
+            "max_tokens": 120, "temperature": 0, "stream": stream}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        args, finish = "", None
+        for event in sse_events(r.text)[:-1]:
+            choice = json.loads(event)["choices"][0]
+            args += "".join(tc["function"].get("arguments") or "" for tc in choice["delta"].get("tool_calls") or [])
+            finish = choice["finish_reason"] or finish
+    else:
+        choice = r.json()["choices"][0]
+        args, finish = choice["message"]["tool_calls"][0]["function"]["arguments"], choice["finish_reason"]
+    assert finish == "tool_calls" and json.loads(args) == {"t": "</tool_call>"}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_json_object_beside_tools_constrains_the_answer_enforced(http, choice):
+    """response_format json_object with tools: under "auto" the answer is a JSON object or tool
+    calls (it was free text: the format was dropped); under "required" the calls are the answer."""
+    for seed in range(3):
+        out = _chat(http, tools=TOOLS, tool_choice=choice, response_format={"type": "json_object"}, max_tokens=160,
+                    temperature=1.0, seed=seed, parallel_tool_calls=False)["choices"][0]
+        message = out["message"]
+        if message.get("tool_calls"):
+            assert out["finish_reason"] == "tool_calls" and message["content"] is None
+        elif out["finish_reason"] == "length":  # out of tokens inside the JSON or the call
+            assert message["content"].startswith(("{", "<tool_call>\n{")), out
+        else:
+            assert choice == "auto" and isinstance(json.loads(message["content"]), dict), out
+    assert http.get("/health").status_code == 200
 
 
 def test_logprobs_chat_and_completions_enforced(http, tiny_tokenizer):

@@ -26,7 +26,7 @@ MAX_SCHEMA_DEPTH = 64  # JSON nesting of the schema document (a schema level tak
 MAX_PROPERTIES = 1000  # object properties, all objects together
 MAX_ENUM_VALUES = 1000  # enum values and consts, all together
 MAX_TOOLS = 128
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names (fullmatch)
 
 # llguidance's JSON options: compact, fixed separators; every unsupported keyword an error
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
@@ -36,7 +36,12 @@ _ANY_OBJECT = {"type": "object"}
 
 def json_object_grammar() -> str:
     """`response_format: {"type": "json_object"}`: any JSON object."""
-    return _compile(_with_options(dict(_ANY_OBJECT)), "JSON object")
+    return _compile(json_object_schema(), "JSON object")
+
+
+def json_object_schema() -> dict[str, Any]:
+    """`json_object`'s schema, with our JSON options (what tools_grammar's `content` takes)."""
+    return _with_options(dict(_ANY_OBJECT))
 
 
 def json_schema_grammar(schema: dict[str, Any], strict: bool = False) -> str:
@@ -176,8 +181,10 @@ def explain(message: str) -> str:
 @dataclass(frozen=True)
 class ToolFormat:
     """How the model writes a tool call: `open`, a JSON object {"name": ..., "arguments": {...}},
-    `close`, each on its own line (Qwen2.5's and Hermes' format). The tags' token ids come from
-    the tokenizer where its vocabulary has them as single tokens; otherwise they are plain text."""
+    `close`, each on its own line (Qwen2.5's and Hermes' format). Where the tokenizer has both tags
+    as added tokens (Qwen2.5: 151657, 151658) they are those tokens, which text never holds
+    (llguidance keeps added tokens out of text): a call starts and ends only at those ids.
+    Otherwise they are plain text (see specwood.serve.structured for how calls are read then)."""
 
     open: str = "<tool_call>"
     close: str = "</tool_call>"
@@ -186,8 +193,16 @@ class ToolFormat:
 
     @classmethod
     def of(cls, tokenizer: Any) -> "ToolFormat":
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-        return cls(open_id=vocab.get(cls.open), close_id=vocab.get(cls.close))
+        get_added = getattr(tokenizer, "get_added_vocab", None)
+        added = get_added() if get_added is not None else {}
+        open_id, close_id = added.get(cls.open), added.get(cls.close)
+        if open_id is None or close_id is None:  # half the markup a token: read both as text
+            return cls()
+        return cls(open_id=int(open_id), close_id=int(close_id))
+
+    @property
+    def tags_are_tokens(self) -> bool:
+        return self.open_id is not None and self.close_id is not None
 
     def lark_open(self) -> str:
         return f"<[{self.open_id}]>" if self.open_id is not None else json.dumps(self.open)
@@ -222,7 +237,7 @@ def parse_tools(tools: Any) -> list[Tool]:
         if not isinstance(f, dict):
             raise GrammarError(f"{where}.function: must be an object with a 'name'")
         name = f.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise GrammarError(f"{where}.function.name: must be 1-64 letters, digits, '_' or '-', got {name!r}")
         if any(o.name == name for o in out):
             raise GrammarError(f"{where}.function.name: '{name}' is defined twice")
@@ -312,33 +327,6 @@ CALL_TAIL = "}\n"
 def _call_head(name: str) -> str:
     """What follows the open tag up to the arguments: Qwen2.5's `\\n{"name": "f", "arguments": `."""
     return '\n{"name": ' + json.dumps(name) + ', "arguments": '
-
-
-def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str, list[tuple[str, str]]]:
-    """The content before the first tool call and the calls as (name, arguments as a JSON string);
-    (text, []) when the text holds no complete call or a malformed one. A last call cut short (the
-    answer ran out of tokens) is left out."""
-    calls: list[tuple[str, str]] = []
-    first = text.find(fmt.open)
-    if first < 0:
-        return text, []
-    pos = first
-    while True:
-        i = text.find(fmt.open, pos)
-        if i < 0:
-            break
-        j = text.find(fmt.close, i)
-        if j < 0:
-            break
-        try:
-            obj = json.loads(text[i + len(fmt.open):j])
-        except ValueError:
-            return text, []
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
-            return text, []
-        calls.append((obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
-        pos = j + len(fmt.close)
-    return text[:first].rstrip(), calls
 
 
 def _one_line(s: str) -> str:

@@ -3,10 +3,17 @@
 Building an LLTokenizer from a Hugging Face tokenizer costs ~1 s on a 150k vocabulary, so it is
 made once per (tokenizer, vocabulary size, EOS ids) and kept. A grammar that does not compile for
 it is refused with one line (GrammarError) when the request is built, never mid-generation.
+
+Added tokens (<|im_end|>, Qwen2.5's <tool_call> and </tool_call>) are control tokens to
+llguidance: a grammar names them (`<[id]>`), text never holds them. Yet llguidance's own Hugging
+Face tokenizer, which turns the bytes a grammar forces (an enum's "</tool_call>") into the one
+token the mask then allows, splits added tokens out of text: the mask allowed only a token the
+grammar refuses, and the request failed. Our llguidance tokenizer reads added tokens' text as text.
 """
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from typing import Any
 
@@ -29,11 +36,40 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: set[int] | list[int])
         if hit is not None and hit[0] is tokenizer:
             return hit[1]
         try:
-            ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)
+            base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)
+            ll = llguidance.LLTokenizer(_AddedTokensAsText(tokenizer, base), n_vocab=vocab_size,
+                                        eos_token=list(eos) or None)
         except Exception as e:  # a slow (non-Rust) tokenizer, or one llguidance cannot read
             raise GrammarError(f"grammars need a fast Hugging Face tokenizer; this one cannot be used ({e})") from None
         _TOKENIZERS[key] = (tokenizer, ll)
         return ll
+
+
+class _AddedTokensAsText:
+    """llguidance's tokenizer interface (its TokenizerWrapper's fields): the vocabulary and control
+    tokens exactly as llguidance reads them from the Hugging Face tokenizer (`base`), and text
+    encoded with every added token's text read as text (see the module)."""
+
+    is_tokenizer_wrapper = True
+
+    def __init__(self, tokenizer: Any, base: Any):
+        from tokenizers import Tokenizer
+
+        n = base.vocab_size
+        self.tokens = [bytes(base.decode_bytes([i])) for i in range(n)]  # control tokens: their names
+        self.special_token_ids = [i for i in range(n) if base.is_special_token(i)]
+        self.eos_token_id = base.eos_token
+        self.bos_token_id = None
+        spec = json.loads(tokenizer.backend_tokenizer.to_str())
+        for added in spec.get("added_tokens", []):
+            added["special"] = True  # so that encode_special_tokens reads every one as text
+        self._text = Tokenizer.from_str(json.dumps(spec))
+        self._text.no_padding()
+        self._text.no_truncation()
+        self._text.encode_special_tokens = True
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._text.encode(text, add_special_tokens=False).ids)
 
 
 MAX_COMPILED = 64  # compiled grammars kept (a tools grammar of many schemas: a few MB at most)

@@ -39,9 +39,9 @@ from specwood.serve.openapi import chat_body, completion_body, generation_operat
 from specwood.serve.pipeline_methods import PipelineMethods
 from specwood.serve.prompt_limits import PromptLimit
 from specwood.serve.protocol import GenerationRequest, ProtocolError
-from specwood.serve.tenancy import Sharing
-from specwood.serve.structured import (TokenBytes, ToolCallText, answer_text, chat_logprobs,
+from specwood.serve.structured import (TokenBytes, ToolCallText, chat_logprobs,
                                        completion_logprobs)
+from specwood.serve.tenancy import Sharing
 
 RETRY_AFTER_S = 1
 QUEUE_SAMPLE_S = 0.005  # period of the queue-time sampler while requests wait for admission
@@ -427,13 +427,16 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         return chat_logprobs(entries, token_bytes) if kind == "chat" else completion_logprobs(entries, token_bytes,
                                                                                              offset)
 
+    def _tool_calls_reader(g: GenerationRequest) -> ToolCallText:
+        """The reader of a choice's tool calls (with a response_format, the answer is JSON or calls)."""
+        return ToolCallText(tool_format, engine.tokenizer, calls_first=g.json_schema is not None)
+
     def _answer(g: GenerationRequest, res: Any) -> tuple[str, str, list[Any] | None]:
         """A finished choice's text, finish reason and parsed tool calls (finish_reason "tool_calls",
         unless the answer ran out of tokens after them)."""
         text, finish, calls = res.text, res.finish_reason, None
         if g.calls_tools:
-            text, parsed = ToolCallText(tool_format).finish(answer_text(engine.tokenizer, res.text, res.token_ids,
-                                                                         tool_format))
+            text, parsed = _tool_calls_reader(g).finish(res.text, res.token_ids)
             if parsed:
                 calls, finish = P.tool_call_objects(parsed), "tool_calls" if finish == "stop" else finish
         return text, finish, calls
@@ -494,7 +497,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         # uvicorn); watching here too covers a request still queued on any server
         gone = asyncio.ensure_future(_until_disconnect(http))
         item: asyncio.Future | None = None
-        calls_texts = [ToolCallText(tool_format) if g.calls_tools else None for _ in jobs]
+        calls_texts = [_tool_calls_reader(g) if g.calls_tools else None for _ in jobs]
         offsets = [0] * len(jobs)  # per choice: characters of its text covered by the logprobs sent (completions)
 
         def logprobs(i: int, entries: list[Any] | None) -> dict[str, Any] | None:
@@ -518,8 +521,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                 calls_text = calls_texts[i]
                 if what == "text":
                     delta, n, entries = value
-                    if calls_text is not None:
-                        delta = calls_text.feed(delta)
+                    if calls_text is not None:  # (tags that are tokens are found in the token ids)
+                        delta = calls_text.feed(delta, reqs[i].out.token_ids[:n] if calls_text.by_tokens else None)
                         calls = calls_text.call_deltas()  # each call's name, then its arguments as they come
                         if calls:
                             yield chunk(i, tool_calls=calls, tokens=n)
@@ -538,8 +541,7 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                 assert res is not None
                 finish = res.finish_reason
                 if calls_text is not None:
-                    rest, parsed = calls_text.finish(answer_text(engine.tokenizer, res.text, res.token_ids,
-                                                                 tool_format))
+                    rest, parsed = calls_text.finish(res.text, res.token_ids)
                     if rest:
                         yield chunk(i, text=rest, tokens=len(res.token_ids))
                     rest_calls = calls_text.final_call_deltas(parsed)

@@ -45,7 +45,7 @@ _TOOL_CHOICE = {"anyOf": [
     {"type": "null"}], "description": "only with tools"}
 _PROCESSORS = {
     "logit_bias": {"type": ["object", "null"], "description": "token id (a string) -> a bias in [-100, 100]",
-                   "additionalProperties": {"type": "number", "minimum": -P.LOGIT_BIAS_LIMIT,
+                   "propertyNames": {"pattern": "^-?[0-9]{1,10}$"}, "additionalProperties": {"type": "number", "minimum": -P.LOGIT_BIAS_LIMIT,
                                             "maximum": P.LOGIT_BIAS_LIMIT}},
     "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # a request body larger than this is a
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat); the completions endpoint takes the same
 LOGIT_BIAS_LIMIT = 100.0  # logit_bias values lie in [-100, 100]
 MAX_LOGIT_BIAS = 1024  # entries in one logit_bias
+MAX_JSON_DEPTH = 128  # arrays and objects nested in client JSON: a body, a tool call's arguments
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")  # a logit_bias key (fullmatch; ids out of range: 400 later)
 
 
 class ProtocolError(Exception):
@@ -110,7 +113,7 @@ class GenerationRequest:
     min_p: float = 0.0
     logprobs: int | None = None  # None: no logprobs; k: the emitted tokens' and k alternatives each
     grammar: str | None = None  # from response_format; tools' grammar is built with the tokenizer
-    json_schema: dict[str, Any] | None = None  # the prepared response_format schema (for tools + JSON)
+    json_schema: dict[str, Any] | None = None  # response_format's prepared schema (json_object's too), for tools + JSON
     tools: list[grammars.Tool] | None = None
     tool_specs: list[dict[str, Any]] | None = None  # the request's tools as sent, for the chat template
     tool_choice: str = "auto"  # "none", "auto", "required" or a function's name
@@ -142,18 +145,44 @@ class GenerationRequest:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400."""
+    """The body as a JSON object, or a 400 (its size is bounded before: a 413)."""
     if not raw.strip():
         raise ProtocolError("the request body is empty; send a JSON object")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"the request body is not valid JSON ({e})", code="invalid_json") from None
-    except RecursionError:  # arrays or objects nested deeper than Python's recursion limit
-        raise ProtocolError("the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
+    body = load_json(raw, "the request body", None)
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, not {_json_type(body)}")
     return body
+
+
+def load_json(text: str | bytes, what: str, param: str | None) -> Any:
+    """Client-sent JSON text (bounded in size by the body's limit) as a value, or a 400 naming
+    `param`: not JSON, or arrays and objects nested deeper than MAX_JSON_DEPTH."""
+    too_deep = ProtocolError(f"{what} nests JSON arrays or objects deeper than {MAX_JSON_DEPTH} levels", param=param,
+                             code="invalid_json")
+    try:
+        value = json.loads(text)
+    except RecursionError:  # deeper than Python's recursion limit
+        raise too_deep from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"{what} is not valid JSON ({_one_line(str(e))})", param=param,
+                            code="invalid_json") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
+    return value
+
+
+def json_depth(value: Any) -> int:
+    """How deep arrays and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, level = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, level)
+        stack.extend((x, level + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
 
 
 def parse_chat_request(body: dict[str, Any]) -> GenerationRequest:
@@ -277,7 +306,7 @@ def _parse_processors(body: dict[str, Any], req: GenerationRequest) -> None:
     if len(bias) > MAX_LOGIT_BIAS:
         raise ProtocolError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", param="logit_bias")
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.strip().isdigit() and key.strip().isascii()):
+        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key.strip())):
             raise ProtocolError(f"logit_bias keys must be token ids as strings (e.g. \"50256\"), got {_short(key)}",
                                 param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -305,6 +334,7 @@ def _parse_response_format(body: dict[str, Any], req: GenerationRequest) -> None
             raise _type_error("response_format", "an object such as {\"type\": \"json_object\"}", rf)
         kind = rf.get("type")
         if kind == "json_object":
+            req.json_schema = grammars.json_object_schema()
             req.grammar = grammars.json_object_grammar()
         elif kind == "json_schema":
             spec = rf.get("json_schema")
@@ -410,11 +440,8 @@ def _parse_message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
                                 f"\"arguments\": \"{{...}}\"}}}}", param=w)
         args = f.get("arguments", "{}")
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise ProtocolError(f"{w}.function.arguments must be a JSON object (as a string), got {_short(args)}",
-                                    param=f"{w}.function.arguments") from None
+            where_args = f"{w}.function.arguments"
+            args = load_json(args, where_args, where_args) if args.strip() else {}
         if not isinstance(args, dict):
             raise ProtocolError(f"{w}.function.arguments must be a JSON object, got {_short(args)}",
                                 param=f"{w}.function.arguments")
@@ -561,6 +588,10 @@ def _json_type(v: Any) -> str:
     if isinstance(v, list):
         return "array"
     return "object" if isinstance(v, dict) else type(v).__name__
+
+
+def _one_line(s: str) -> str:
+    return " ".join(s.split())
 
 
 def _short(v: Any, n: int = 60) -> str:
