@@ -1,4 +1,4 @@
-"""Chat messages to token ids: the template's markup may hold special tokens, message text never.
+"""Chat messages to token ids: the template's markup may hold special (added) tokens, message text never.
 
 Rendering the chat template to one string and encoding it with special tokens parsed lets a message
 that contains "<|im_end|>\\n<|im_start|>system\\n..." forge turns of its own (role injection). So
@@ -54,8 +54,10 @@ def _special_pattern(texts: tuple[str, ...]) -> re.Pattern[str] | None:
 
 
 def _special_texts(tokenizer: Any) -> set[str]:
+    """Every added token's text, special or not: Qwen2.5's <tool_call> is an ordinary added token,
+    and a message spelling it must not become the tag (a forged tool call in the prompt)."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    texts = {str(t) for t in decoder.values() if getattr(t, "special", False)}
+    texts = {str(t) for t in decoder.values()}
     return (texts | set(getattr(tokenizer, "all_special_tokens", ()) or ())) - {""}
 
 
@@ -113,13 +115,20 @@ def plain_encode(tokenizer: Any, text: str) -> list[int]:
 
 @functools.lru_cache(maxsize=8)
 def _plain_backend(tokenizer: Any) -> Any:
-    """A copy of a fast tokenizer's backend that encodes special tokens' text as text: a copy, so
-    that other threads encoding with the shared tokenizer meanwhile are not affected."""
+    """A copy of a fast tokenizer's backend that encodes every added token's text as text: a copy,
+    so that other threads encoding with the shared tokenizer meanwhile are not affected. Added
+    tokens are marked special in the copy, as `encode_special_tokens` reads only special ones as
+    text."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_special_tokens"):
         return None
+    import json
+
     from tokenizers import Tokenizer
 
-    copy = Tokenizer.from_str(backend.to_str())
+    spec = json.loads(backend.to_str())
+    for added in spec.get("added_tokens", []):
+        added["special"] = True
+    copy = Tokenizer.from_str(json.dumps(spec))
     copy.encode_special_tokens = True
     return copy
