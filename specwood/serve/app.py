@@ -581,8 +581,10 @@ async def _read_body(http: HTTPRequest, limit: int, timeout_s: float) -> bytes:
     has sent nothing yet and is answered at once. Raises ClientDisconnect where the client goes
     away meanwhile."""
     declared = http.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        if "100-continue" not in http.headers.get("expect", "").lower() and int(declared) <= DRAIN_MAX_BYTES:
+    # ASCII digits only, and no more than any real body has (int() of thousands of digits raises)
+    size = int(declared) if declared.isascii() and declared.isdigit() and len(declared) <= 18 else None
+    if size is not None and size > limit:
+        if "100-continue" not in http.headers.get("expect", "").lower() and size <= DRAIN_MAX_BYTES:
             await _drain(http)
         raise _body_too_large(limit)
     chunks, size = [], 0
