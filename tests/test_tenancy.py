@@ -201,3 +201,37 @@ def test_keys_files(tmp_path, capsys):
     assert main(["serve", "--api-keys-file", str(tmp_path / "missing"), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--api-keys-file" in err[0] and "cannot be read" in err[0], err
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_pair, tiny_tokenizer):
+    """vLLM's chat_template_kwargs: Qwen3's enable_thinking turns its empty think block on; bad
+    names are a 400 naming the field."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = THINKING
+    engine = Engine(tiny_pair.target, tok, target_name="tiny")
+    messages = [{"role": "user", "content": "hi"}]
+    plain, off = engine.encode(messages), engine.encode(messages, template_kwargs={"enable_thinking": False})
+    assert off[:len(plain)] == plain and tok.decode(off[len(plain):]) == "<think>\n\n</think>\n\n"
+    srv = ServerThread(create_app(engine, make_scheduler(engine, max_batch=2, kv_memory=16 << 20),
+                                  method="ar")).start()
+    try:
+        with _client(srv, None) as c:
+            def usage(**extra: Any) -> httpx.Response:
+                return c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra})
+
+            r = usage(chat_template_kwargs={"enable_thinking": False})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(off)
+            assert usage().json()["usage"]["prompt_tokens"] == len(plain)
+            for bad in ([1], {"not a name": 1}, {"tools": []}, {f"k{i}": i for i in range(40)}):
+                r = usage(chat_template_kwargs=bad)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", (bad, r.text)
+    finally:
+        srv.stop()

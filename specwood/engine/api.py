@@ -112,10 +112,11 @@ class Engine:
         return {i for i in ids if i < self.target.config.vocab_size}
 
     def encode(self, prompt: str | list[dict[str, Any]], raw: bool = False,
-               tools: list[dict[str, Any]] | None = None) -> list[int]:
+               tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids for a prompt: chat messages (or a user string) through the chat template, their
         contents as plain text (specwood.engine.chat), or raw text, whose special tokens' text parses.
-        `tools` (OpenAI tool definitions) go to the template, which shows them to the model."""
+        `tools` (OpenAI tool definitions) go to the template, which shows them to the model;
+        `template_kwargs` are the template's own variables (Qwen3's `enable_thinking`)."""
         tok = self.tokenizer
         if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
             return list(tok.encode(prompt, add_special_tokens=True))
@@ -124,7 +125,7 @@ class Engine:
             raise SpecwoodError("messages must be a list of {'role': ..., 'content': ...} objects")
         if not getattr(tok, "chat_template", None):
             raise SpecwoodError("this model's tokenizer has no chat template; pass a plain prompt with raw=True (--raw)")
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         return encode_chat(tok, messages, **extra)  # contents as plain text: no forged turns
 
     # --- requests -------------------------------------------------------------------------------

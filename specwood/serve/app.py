@@ -401,7 +401,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
                 raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         else:
             try:
-                ids = engine.encode(g.prompt, raw=g.raw, **({"tools": g.tool_specs} if g.tool_specs else {}))
+                ids = engine.encode(g.prompt, raw=g.raw, **({"tools": g.tool_specs} if g.tool_specs else {}),
+                                    **({"template_kwargs": g.template_kwargs} if g.template_kwargs else {}))
             except SpecwoodError as e:
                 raise ProtocolError(str(e), param="messages" if g.kind == "chat" else "prompt") from None
             except Exception as e:  # noqa: BLE001 - e.g. a chat template that rejects the conversation

@@ -87,6 +87,11 @@ def chat_body(model: str, methods: list[str], max_context: int) -> dict[str, Any
         "tools": {"type": ["array", "null"], "items": _TOOL},
         "tool_choice": _TOOL_CHOICE,
         "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "chat_template_kwargs": {"type": ["object", "null"], "maxProperties": P.MAX_TEMPLATE_KWARGS,
+                                 "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
+                                                   "not": {"enum": sorted(P.RESERVED_TEMPLATE_KWARGS)}},
+                                 "description": "vLLM's extension: the chat template's own variables, e.g. "
+                                                "{\"enable_thinking\": false} for Qwen3"},
         "logprobs": {"type": ["boolean", "null"]},
         "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": P.MAX_TOP_LOGPROBS,
                          "description": "only with logprobs: true"},

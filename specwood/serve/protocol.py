@@ -116,6 +116,7 @@ class GenerationRequest:
     json_schema: dict[str, Any] | None = None  # response_format's prepared schema (json_object's too), for tools + JSON
     tools: list[grammars.Tool] | None = None
     tool_specs: list[dict[str, Any]] | None = None  # the request's tools as sent, for the chat template
+    template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs (vLLM's): e.g. Qwen3's enable_thinking
     tool_choice: str = "auto"  # "none", "auto", "required" or a function's name
     parallel_tool_calls: bool = True
     n: int = 1  # choices: requests of their own, seeded seed + i, sharing the prompt's prefill
@@ -193,6 +194,7 @@ def parse_chat_request(body: dict[str, Any]) -> GenerationRequest:
     req = GenerationRequest("chat", messages)
     _parse_chat_logprobs(body, req)
     _parse_structured(body, req)
+    req.template_kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
     max_tokens = _opt_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", minimum=1)
@@ -357,6 +359,32 @@ def _parse_response_format(body: dict[str, Any], req: GenerationRequest) -> None
         elif kind != "text":
             raise ProtocolError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
                                 f"{_short(kind)}", param="response_format.type")
+
+
+MAX_TEMPLATE_KWARGS = 32
+# what the server itself passes to the template: a request may not replace it
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "tokenize", "return_dict",
+                                      "add_generation_prompt", "continue_final_message", "chat_template"})
+
+
+def parse_template_kwargs(kwargs: Any) -> dict[str, Any] | None:
+    """`chat_template_kwargs` (vLLM's extension): extra variables for the chat template, such as
+    Qwen3's `enable_thinking`; names are identifiers, values plain JSON."""
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise _type_error("chat_template_kwargs", "an object", kwargs)
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ProtocolError(f"chat_template_kwargs may hold at most {MAX_TEMPLATE_KWARGS} entries, got {len(kwargs)}",
+                            param="chat_template_kwargs")
+    for name in kwargs:
+        if not (name.isascii() and name.isidentifier()):
+            raise ProtocolError(f"chat_template_kwargs names must be identifiers, got {_short(name)}",
+                                param="chat_template_kwargs")
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise ProtocolError(f"chat_template_kwargs may not set '{name}' (the server passes it; use the request's "
+                                "own field)", param="chat_template_kwargs")
+    return dict(kwargs)
 
 
 def _parse_structured(body: dict[str, Any], req: GenerationRequest) -> None:
