@@ -565,6 +565,10 @@ def load(
         dtype, draft_dtype = ("q4" if q4_target else dtype), ("q4-lite" if q4_draft else draft_dtype)
     if {"q4", "q4-lite"} & {dtype, draft_dtype}:  # before minutes of loading
         check_q4(device)
+    if draft is not None:  # a draft of another vocabulary: one line now, not minutes of loading first
+        from specwood.models.vocab_match import check_same_vocabulary
+
+        check_same_vocabulary(resolve_model(target), resolve_model(str(draft)), str(target), str(draft))
     if device == "cpu" and "torch" in (backend, draft_backend):  # compiled while the model files are read
         from specwood.models.layer_ops import KERNEL as LAYER_KERNEL
 
