@@ -409,12 +409,30 @@ def _series(rows_or_recs: Sequence[dict[str, Any]], server: str, method: str) ->
     return [r for r in rows_or_recs if r["server"] == server and r["method"] == method]
 
 
+BUCKETS = ("prompt <1k", "prompt 1k-2k", "prompt 2k-4k", "prompt 4k-8k", "prompt 8k-16k", "prompt 16k+")
+
+
+def context_buckets(records: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Each prompt's context bucket, by the prompt tokens a server reported for it (the first seen;
+    the tokenizers agree to within a token or two)."""
+    out: dict[str, str] = {}
+    for r in records:
+        n = r.get("prompt_tokens")
+        if r["id"] in out or not isinstance(n, (int, float)):
+            continue
+        edges = (1024, 2048, 4096, 8192, 16384)
+        out[r["id"]] = BUCKETS[sum(n >= e for e in edges)]
+    return out
+
+
 def summarize(records: Sequence[dict[str, Any]], level_rows: Sequence[dict[str, Any]], levels: Sequence[int],
               methods: Sequence[str], kinds: Sequence[str]) -> dict[str, Any]:
     series = [(k, "plain") for k in kinds if k != SPECWOOD] + [(SPECWOOD, m) for m in methods if SPECWOOD in kinds]
     c1 = min(levels)
     good = [r for r in records if not r.get("error") and r["concurrency"] == c1]
     cats = list(dict.fromkeys(r["category"] for r in records))
+    bucket_of = context_buckets(good)
+    buckets = [b for b in BUCKETS if b in bucket_of.values()]
 
     def cell(recs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return {"n": len(recs), "tok_s": _mean([r.get("decode_tokens_per_s") for r in recs]),
@@ -428,7 +446,8 @@ def summarize(records: Sequence[dict[str, Any]], level_rows: Sequence[dict[str, 
     for s, m in series:
         key = s if s != SPECWOOD else m
         mine = _series(good, s, m)
-        per_req[key] = {"all": cell(mine), **{c: cell([r for r in mine if r["category"] == c]) for c in cats}}
+        per_req[key] = {"all": cell(mine), **{c: cell([r for r in mine if r["category"] == c]) for c in cats},
+                        **{b: cell([r for r in mine if bucket_of.get(r["id"]) == b]) for b in buckets}}
     keys = list(per_req)
 
     def ratios(groups: Sequence[str]) -> dict[str, dict[str, float | None]]:
@@ -444,7 +463,7 @@ def summarize(records: Sequence[dict[str, Any]], level_rows: Sequence[dict[str, 
     spec_rows = [r for r in level_rows if r["server"] == LLAMA_SPEC and r["concurrency"] == c1]
     if LLAMA_SPEC in per_req:  # llama.cpp's acceptance per level (from its log), not per category
         per_req[LLAMA_SPEC]["all"]["aat"] = _mean([r.get("llama_spec_mean_len") for r in spec_rows])
-    c1_ratios = ratios(["all", *cats])
+    c1_ratios = ratios(["all", *cats, *buckets])
     rounds = sorted({r["round"] for r in records})
     per_round = []
     for rnd in rounds:
@@ -484,7 +503,7 @@ def summarize(records: Sequence[dict[str, Any]], level_rows: Sequence[dict[str, 
                                                 default=None),
                     "met_overall": None if overall is None else overall >= g,
                     "met_every_category": None if low is None else low >= g}
-    return {"c1": c1, "categories": cats, "per_request": per_req, "c1_ratios": c1_ratios, "per_round": per_round,
+    return {"c1": c1, "categories": cats, "buckets": buckets, "per_request": per_req, "c1_ratios": c1_ratios, "per_round": per_round,
             "aggregate": agg, "goals": goals, "series": keys}
 
 
@@ -541,7 +560,7 @@ def markdown(result: dict[str, Any]) -> str:
     if LLAMA_SPEC in keys:
         head.append("llama.cpp+draft mean len")
     out += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for g in ["all", *s["categories"]]:
+    for g in ["all", *s["categories"], *s.get("buckets", [])]:
         n = max((s["per_request"][k].get(g) or {}).get("n", 0) for k in keys) if keys else 0
         cells = ["**all**" if g == "all" else g, str(n)]
         cells += [_fmt((s["per_request"][k].get(g) or {}).get("tok_s"), ".2f") for k in keys]
@@ -556,7 +575,7 @@ def markdown(result: dict[str, Any]) -> str:
             "| category | " + " | ".join(f"{k} TTFT" for k in keys) + " | "
             + " | ".join(f"{k} prompt/completion tokens" for k in keys) + " |",
             "|---|" + "---:|" * (2 * len(keys))]
-    for g in ["all", *s["categories"]]:
+    for g in ["all", *s["categories"], *s.get("buckets", [])]:
         cells = ["**all**" if g == "all" else g]
         cells += [_fmt((s["per_request"][k].get(g) or {}).get("ttft_s"), ".3f") for k in keys]
         cells += [f"{_fmt((s['per_request'][k].get(g) or {}).get('prompt_tokens'), '.0f')} / "
@@ -667,7 +686,9 @@ def write(run: Run | None, a: argparse.Namespace, t0: float, completed: bool, fa
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder (results.json, report.md, server logs)")
-    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL workload or 'builtin'")
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
+                    help="JSONL workload(s), comma-separated, or 'builtin'; benchmarks/heldout_long.jsonl is the "
+                         "long-context set (2k-14k-token prompts: summaries, completions, questions over a document)")
     ap.add_argument("--limit", type=int, default=None, help="at most N prompts, round-robin over categories")
     ap.add_argument("--categories", default=None, help="comma-separated categories to keep")
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -325,10 +325,12 @@ def select(prompts: Sequence[Prompt], *, limit: int | None = None,
 
 def load_workload(spec: str | os.PathLike[str], *, limit: int | None = None,
                   categories: Sequence[str] | None = None) -> Workload:
-    """'builtin' or a path to a JSONL file, filtered by categories and limit."""
+    """'builtin' or a path to a JSONL file (or several, comma-separated: their prompts in turn),
+    filtered by categories and limit."""
     if str(spec) == BUILTIN_NAME:
         wl = builtin_workload()
     else:
-        wl = Workload(prompts=load_jsonl(spec), source=str(spec))
+        wl = Workload(prompts=[p for one in str(spec).split(",") if one.strip() for p in load_jsonl(one.strip())],
+                      source=str(spec))
     wl.prompts = select(wl.prompts, limit=limit, categories=categories)
     return wl
