@@ -16,12 +16,23 @@ dequantised, q/k in the Hugging Face "rotate-half" RoPE layout):
     norm.weight                                [dim]
     output.weight                              [V, dim]       (absent when tie_embeddings)
 
+and what an architecture adds to the Llama layer (optional_layer_weights):
+
+    layers.{i}.attention.q_norm.weight         [hd]   (qk_norm: Qwen3, Gemma 3)
+    layers.{i}.attention.k_norm.weight         [hd]
+    layers.{i}.attention_post_norm.weight      [dim]  (sandwich_norms: Gemma 3)
+    layers.{i}.ffn_post_norm.weight            [dim]
+
+Norm weights are the factors the normalised activations are multiplied by: Gemma's (1 + w) is
+stored as 1 + w, as llama.cpp's GGUF files store it.
+
 With ``layers=range(a, b)`` only those layers' tensors are returned (keeping their global index i);
 the non-layer tensors are always returned.
 """
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -51,7 +62,39 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
         shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
         shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
         shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
+        for name in optional_layer_weights(c):
+            shapes[p + name] = (c.head_dim,) if name.startswith("attention.") else (c.dim,)
     return shapes
+
+
+def optional_layer_weights(config: ModelConfig) -> list[str]:
+    """The canonical layer weights (after `layers.{i}.`) beyond the Llama layer's that the config's
+    architecture has: its q/k norms and sandwich norms."""
+    names = ["attention.q_norm.weight", "attention.k_norm.weight"] if config.qk_norm else []
+    return names + (["attention_post_norm.weight", "ffn_post_norm.weight"] if config.sandwich_norms else [])
+
+
+def split_fused(config: ModelConfig, sd: dict[str, Any]) -> None:
+    """Split, in place, fused layer weights a file may hold (Phi-3's qkv and gate-up) into the
+    canonical q, k, v and gate (w1), up (w3): the model fuses them again its own way. The values
+    are tensors, or k-quant weights (NamedTuples of tensors whose rows are the weight's rows)."""
+    c = config
+    for name in [n for n in sd if n.endswith(("attention.wqkv.weight", "feed_forward.w13.weight"))]:
+        fused, prefix = sd.pop(name), name.rsplit(".", 2)[0]
+        rows_of = (lambda t, a, b: t[a:b]) if isinstance(fused, torch.Tensor) else \
+            (lambda t, a, b: type(t)(*(part[a:b] for part in t)))
+        n_rows = fused.shape[0] if isinstance(fused, torch.Tensor) else fused[0].shape[0]
+        if name.endswith("wqkv.weight"):
+            sizes = {"wq": c.n_heads * c.head_dim, "wk": c.n_kv_heads * c.head_dim, "wv": c.n_kv_heads * c.head_dim}
+        else:
+            sizes = {"w1": c.intermediate_size, "w3": c.intermediate_size}
+        if n_rows != sum(sizes.values()):
+            raise ModelFileError(f"tensor {name} has {n_rows} rows, the model config implies "
+                                 f"{sum(sizes.values())}; the file's metadata does not match its weights")
+        start = 0
+        for part, rows in sizes.items():
+            sd[f"{prefix}.{part}.weight"] = rows_of(fused, start, start + rows)
+            start += rows
 
 
 def check_layers(config: ModelConfig, layers: range | None) -> None:
@@ -81,7 +124,7 @@ def validate_state_dict(
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelFileError(
             f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}; the file is incomplete or not a "
-            "supported Llama/Qwen2/Mistral checkpoint"
+            "checkpoint of a supported architecture"
         )
     for name, shape in expected.items():
         if tuple(state_dict[name].shape) != shape:

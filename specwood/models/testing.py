@@ -37,8 +37,28 @@ def random_tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
         eos_token_ids=[2],
         name=f"tiny-{arch}",
     )
+    kwargs.update(_TINY_ARCH_FIELDS.get(arch, {}))
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
+
+
+def _longrope(pairs: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(11)
+    return {"rope_type": "longrope", "original_max_position_embeddings": 128,
+            "short_factor": (1 + torch.rand(pairs, generator=g)).tolist(),
+            "long_factor": (1 + 4 * torch.rand(pairs, generator=g)).tolist()}
+
+
+# What each architecture adds, at tiny sizes: head_dim apart from dim / heads (Qwen3); 4 layers with
+# a global one among sliding ones of window 8 on their own RoPE base (Gemma 3); LongRoPE (Phi-3)
+_TINY_ARCH_FIELDS: dict[str, dict[str, object]] = {
+    "qwen3": dict(head_dim=32, qk_norm=True, rope_theta=1000000.0, tie_embeddings=True),
+    "gemma3": dict(head_dim=32, n_layers=4, qk_norm=True, sandwich_norms=True, hidden_act="gelu_tanh",
+                   embed_scale=8.0, attention_scale=32 ** -0.5, sliding_window=8,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                   rope_theta=1000000.0, rope_local_theta=10000.0, tie_embeddings=True),
+    "phi3": dict(rope_scaling=_longrope(8)),
+}
 
 
 def random_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -74,6 +94,12 @@ _GGUF_LAYER = {
     "feed_forward.w1.weight": "ffn_gate.weight",
     "feed_forward.w3.weight": "ffn_up.weight",
     "feed_forward.w2.weight": "ffn_down.weight",
+    "attention.q_norm.weight": "attn_q_norm.weight",
+    "attention.k_norm.weight": "attn_k_norm.weight",
+    "attention_post_norm.weight": "post_attention_norm.weight",
+    "ffn_post_norm.weight": "post_ffw_norm.weight",
+    "attention.wqkv.weight": "attn_qkv.weight",  # Phi-3's fused tensors (fused_for_gguf)
+    "feed_forward.w13.weight": "ffn_up.weight",
 }
 _GGUF_GLOBAL = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
 
@@ -117,9 +143,10 @@ def write_gguf(
     w.add_head_count_kv(config.n_kv_heads)
     w.add_layer_norm_rms_eps(config.norm_eps)
     w.add_rope_freq_base(config.rope_theta)
-    if config.head_dim != config.dim // config.n_heads:
+    if config.head_dim != config.dim // config.n_heads or arch == "gemma3":
         w.add_key_length(config.head_dim)
         w.add_value_length(config.head_dim)
+    _add_arch_metadata(w, config, arch)
     w.add_tokenizer_model("gpt2")
     if config.bos_token_id is not None:
         w.add_bos_token_id(config.bos_token_id)
@@ -137,6 +164,8 @@ def write_gguf(
         elif isinstance(value, int):
             w.add_uint32(key, value)
     q = gguf.GGMLQuantizationType[qtype]
+    if arch == "phi3":
+        state_dict = fused_for_gguf(config, state_dict)
     for name, t in state_dict.items():
         if raw_blocks and name in raw_blocks:
             kind, blocks = raw_blocks[name]
@@ -159,6 +188,42 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def _add_arch_metadata(w, config: ModelConfig, arch: str) -> None:
+    """The keys llama.cpp's converter writes for Gemma 3's local layers and Phi-3's LongRoPE."""
+    if config.sliding_window:
+        w.add_sliding_window(config.sliding_window)
+    if config.layer_types is not None and config.sliding_window:
+        w.add_array(f"{arch}.attention.sliding_window_pattern", [t == "sliding_attention" for t in config.layer_types])
+    if config.rope_local_theta is not None:
+        w.add_float32(f"{arch}.rope.freq_base_swa", config.rope_local_theta)
+    if config.final_logit_softcap is not None:
+        w.add_final_logit_softcapping(config.final_logit_softcap)
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        w.add_string(f"{arch}.rope.scaling.type", "linear")
+        w.add_rope_scaling_factor(scaling["factor"])
+    if scaling.get("rope_type") == "longrope":
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        if scaling.get("attention_factor") is not None:
+            w.add_rope_scaling_attn_factors(scaling["attention_factor"])
+        w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+    if arch == "phi3":
+        w.add_rope_dimension_count(config.head_dim)
+
+
+def fused_for_gguf(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3's layout: q, k, v in one tensor, gate above up in another (its ffn_up)."""
+    out = dict(state_dict)
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        if p + "attention.wq.weight" in out:
+            out[p + "attention.wqkv.weight"] = torch.cat([out.pop(p + f"attention.w{n}.weight") for n in "qkv"])
+            out[p + "feed_forward.w13.weight"] = torch.cat([out.pop(p + "feed_forward.w1.weight"),
+                                                            out.pop(p + "feed_forward.w3.weight")])
+    return out
 
 
 def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
