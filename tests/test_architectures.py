@@ -274,3 +274,44 @@ def test_gemma3_query_scalar_and_pattern_from_an_older_config_json():
     assert globals_ == [5, 11] and config.rope_local_theta == 1e4
     assert math.isclose(config.attention_scale, 24 ** -0.5) and config.tie_embeddings
     json.dumps(config.to_dict())  # stays serialisable
+
+
+# ----------------------------------------------------------------------------- the GGUF k-quant mode
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3"])
+def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch, arch):
+    """q4 (the default for a GGUF on a CPU with the kernels) on a Q4_K_M-style file: every layer
+    linear runs on the k-quant kernels as the file stores it (Phi-3's fused qkv and gate-up split
+    by rows), their dequantised values equal the fp32 load's, and speculative decoding stays
+    token-identical to ar."""
+    from specwood.engine.api import load
+    from specwood.models import loader
+    from specwood.models.testing import longrope_scaling, random_tiny_config, write_q4_k_m_gguf
+    from specwood.models.w4a8 import KQuantLinear, q4_unavailable_reason
+
+    if q4_unavailable_reason() is not None:
+        pytest.skip(str(q4_unavailable_reason()))
+    monkeypatch.setattr(loader, "load_tokenizer", lambda path: make_tiny_tokenizer())
+    sizes = dict(vocab_size=VOCAB, dim=256, intermediate_size=512, n_heads=4, n_kv_heads=2, eos_token_ids=[256],
+                 bos_token_id=None, max_position_embeddings=128)
+    head_dim = {"qwen3": 128, "gemma3": 64, "phi3": 64}[arch]
+    extra = {"gemma3": {"attention_scale": head_dim ** -0.5, "embed_scale": 16.0},
+             "phi3": {"rope_scaling": longrope_scaling(head_dim // 2)}}.get(arch, {})
+    cfg = random_tiny_config(arch, head_dim=head_dim, **sizes, **extra)
+    path = str(write_q4_k_m_gguf(tmp_path / f"{arch}.gguf", cfg, seed=5))
+    q4 = load(path, None, dtype="q4", progress=False)
+    assert q4.target.weight_mode == "q4"
+    assert not [n for n in q4.target.weights_in_floats if n.startswith("layers.")]  # the F32 token table may be
+    for block in q4.target.layers:
+        assert isinstance(block.attention.wqkv, KQuantLinear) or type(block.attention.wqkv).__name__ == "StackedLinear"
+        assert isinstance(block.feed_forward.w2, KQuantLinear)
+    reference = load(path, None, dtype="fp32", progress=False).target.canonical_state_dict()
+    exported = q4.target.canonical_state_dict(torch.float32)
+    for name, ref in reference.items():
+        if name.startswith("layers.") and ref.dim() == 2:
+            assert torch.equal(exported[name], ref), name
+    prompt = "def add(a, b):"
+    ref = q4.generate(prompt, max_tokens=24, raw=True)
+    for method in ("pld", "early-exit"):
+        assert q4.generate(prompt, max_tokens=24, raw=True, method=method).token_ids == ref.token_ids, method

@@ -42,7 +42,7 @@ def random_tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
     return ModelConfig(**kwargs)
 
 
-def _longrope(pairs: int) -> dict[str, object]:
+def longrope_scaling(pairs: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(11)
     return {"rope_type": "longrope", "original_max_position_embeddings": 128,
             "short_factor": (1 + torch.rand(pairs, generator=g)).tolist(),
@@ -57,7 +57,7 @@ _TINY_ARCH_FIELDS: dict[str, dict[str, object]] = {
                    embed_scale=8.0, attention_scale=32 ** -0.5, sliding_window=8,
                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
                    rope_theta=1000000.0, rope_local_theta=10000.0, tie_embeddings=True),
-    "phi3": dict(rope_scaling=_longrope(8)),
+    "phi3": dict(rope_scaling=longrope_scaling(8)),
 }
 
 
@@ -166,6 +166,7 @@ def write_gguf(
     q = gguf.GGMLQuantizationType[qtype]
     if arch == "phi3":
         state_dict = fused_for_gguf(config, state_dict)
+        raw_blocks = fused_blocks(config, raw_blocks) if raw_blocks else raw_blocks
     for name, t in state_dict.items():
         if raw_blocks and name in raw_blocks:
             kind, blocks = raw_blocks[name]
@@ -226,6 +227,21 @@ def fused_for_gguf(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> 
     return out
 
 
+def fused_blocks(config: ModelConfig, raw: dict[str, tuple[str, np.ndarray]]) -> dict[str, tuple[str, np.ndarray]]:
+    """fused_for_gguf for raw k-quant blocks: the parts' rows one above the other (one type each)."""
+    out = dict(raw)
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        for fused, parts in (("attention.wqkv.weight", ["attention.wq.weight", "attention.wk.weight", "attention.wv.weight"]),
+                             ("feed_forward.w13.weight", ["feed_forward.w1.weight", "feed_forward.w3.weight"])):
+            if all(p + part in out for part in parts):
+                kinds = {out[p + part][0] for part in parts}
+                if len(kinds) != 1:
+                    raise ValueError(f"{p}{fused}: parts of different types {sorted(kinds)} cannot be one tensor")
+                out[p + fused] = (kinds.pop(), np.concatenate([out.pop(p + part)[1] for part in parts]))
+    return out
+
+
 def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random GGUF blocks [rows, bytes per row] of a k-quant type (Q4_K, Q5_K, Q6_K, ...): every
     code the format can hold, with small finite fp16 factors where each format keeps them."""
@@ -244,13 +260,14 @@ def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
 def write_q4_k_m_gguf(path: str | os.PathLike[str], config: ModelConfig, seed: int = 0,
                       tokens: list[str] | None = None) -> Path:
     """A random model laid out as a Q4_K_M file: the layers' linears in Q4_K, their v and down
-    projections in Q6_K (so each fused qkv mixes two types), every other tensor in F32. The
-    layers' widths must be multiples of 256 (a k-quant superblock)."""
+    projections in Q6_K (so each fused qkv mixes two types; Phi-3's one qkv tensor is all Q4_K),
+    every other tensor in F32. The layers' widths must be multiples of 256 (a k-quant superblock)."""
     sd = random_state_dict(config, seed)
     raw = {}
+    six = ("feed_forward.w2.weight",) if config.arch == "phi3" else ("attention.wv.weight", "feed_forward.w2.weight")
     for i, (name, t) in enumerate(sd.items()):
         if name.startswith("layers.") and t.dim() == 2:
-            kind = "Q6_K" if name.endswith(("attention.wv.weight", "feed_forward.w2.weight")) else "Q4_K"
+            kind = "Q6_K" if name.endswith(six) else "Q4_K"
             raw[name] = (kind, kquant_blocks(kind, *t.shape, seed=seed * 1000 + i))
     return write_gguf(path, config, sd, "F32", tokens=tokens, raw_blocks=raw)
 
