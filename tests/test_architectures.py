@@ -66,16 +66,24 @@ def hf_tiny(arch: str):
     return model
 
 
+_files: dict[str, tuple] = {}
+
+
+def files_for(arch: str, tmp_path_factory) -> tuple:
+    """(arch, the transformers model, its save_pretrained folder, the same weights as a GGUF),
+    made once per test module run."""
+    if arch not in _files:
+        hf = hf_tiny(arch)
+        folder = tmp_path_factory.mktemp(arch) / "hf"
+        hf.save_pretrained(folder)
+        config, sd = load_hf_folder(folder, torch.float32)
+        _files[arch] = arch, hf, folder, write_gguf(folder.parent / f"{arch}.gguf", config, sd, "F32")
+    return _files[arch]
+
+
 @pytest.fixture(scope="module", params=["qwen3", "gemma3", "phi3"])
 def tiny_files(request, tmp_path_factory):
-    """(arch, the transformers model, its save_pretrained folder, the same weights as a GGUF)."""
-    arch = request.param
-    hf = hf_tiny(arch)
-    folder = tmp_path_factory.mktemp(arch) / "hf"
-    hf.save_pretrained(folder)
-    config, sd = load_hf_folder(folder, torch.float32)
-    gguf = write_gguf(folder.parent / f"{arch}.gguf", config, sd, "F32")
-    return arch, hf, folder, gguf
+    return files_for(request.param, tmp_path_factory)
 
 
 def positions_for(arch: str) -> int:
@@ -98,12 +106,10 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_files, source):
         assert our_greedy(ours, prompt, 64) == hf_greedy(hf, prompt, 64)
 
 
-def test_phi3_long_factors_past_the_pretrained_length(tiny_files):
+def test_phi3_long_factors_past_the_pretrained_length(tmp_path_factory):
     """Built for more positions than it was pretrained on, Phi-3 runs LongRoPE's long factors (and
     the attention factor), as transformers does over a sequence that long; the short ones differ."""
-    arch, hf, folder, _ = tiny_files
-    if arch != "phi3":
-        pytest.skip("LongRoPE is Phi-3's")
+    _, hf, folder, _ = files_for("phi3", tmp_path_factory)
     config, sd = load_hf_folder(folder, torch.float32)
     long_model = build_model(config, sd, torch.float32, max_positions=256)
     short_model = build_model(config, sd, torch.float32, max_positions=128)
@@ -157,6 +163,27 @@ def test_every_method_matches_autoregressive(tiny_files):
             assert out.token_ids == ref.token_ids, (arch, method, prompt)
 
 
+def test_bf16_runs_close_to_fp32_and_stays_lossless(tiny_files):
+    """bf16 weights and activations (packed linears, the layer kernels): logits near fp32's, and
+    speculative decoding token-identical to bf16 ar."""
+    from specwood.engine.api import Engine
+
+    arch, _, folder, _ = tiny_files
+    models = {dtype: build_model(*load_hf_folder(folder, dtype), dtype, max_positions=positions_for(arch))
+              for dtype in (torch.float32, torch.bfloat16)}
+    assert models[torch.bfloat16].weight_mode == "bf16"
+    tokens = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        full, half = (models[d](tokens, torch.arange(64)) for d in (torch.float32, torch.bfloat16))
+    assert ((half - full).norm() / full.norm()).item() < 0.05
+    assert (half.argmax(-1) == full.argmax(-1)).float().mean().item() > 0.8
+    target = models[torch.bfloat16]
+    engine = Engine(target, make_tiny_tokenizer(), draft=perturbed_copy(models[torch.float32], 0.3, seed=1))
+    ref = engine.generate("def add(a, b):", max_tokens=32, raw=True)
+    for method in ("chain", "dyspec", "pld"):
+        assert engine.generate("def add(a, b):", max_tokens=32, raw=True, method=method).token_ids == ref.token_ids
+
+
 # ----------------------------------------------------------------------------- sliding windows
 
 
@@ -177,12 +204,10 @@ def test_window_counts_from_each_tree_nodes_own_position():
     assert cut[0].nonzero().flatten().tolist() == [3, 4, 5]
 
 
-def test_tree_forward_equals_path_forwards_on_sliding_layers(tiny_files):
+def test_tree_forward_equals_path_forwards_on_sliding_layers(tmp_path_factory):
     """Verifying a tree in one forward gives each node the logits of a plain forward along its
     path, on a model whose sliding window (8) the prompt and paths run past."""
-    arch, _, folder, _ = tiny_files
-    if arch != "gemma3":
-        pytest.skip("the sliding layers are Gemma 3's")
+    _, _, folder, _ = files_for("gemma3", tmp_path_factory)
     config, sd = load_hf_folder(folder, torch.float32)
     model = build_model(config, sd, torch.float32, max_positions=64)
     prompt = list(range(10, 22))
