@@ -23,6 +23,13 @@ and what an architecture adds to the Llama layer (optional_layer_weights):
     layers.{i}.attention_post_norm.weight      [dim]  (sandwich_norms: Gemma 3)
     layers.{i}.ffn_post_norm.weight            [dim]
 
+and in a Mixture-of-Experts layer (n_experts: Qwen3-MoE), in place of the feed_forward weights:
+
+    layers.{i}.feed_forward.router.weight      [E, dim]
+    layers.{i}.feed_forward.experts.w1.weight  [E, moe_inter, dim]   (each expert's gate_proj)
+    layers.{i}.feed_forward.experts.w3.weight  [E, moe_inter, dim]   (up_proj)
+    layers.{i}.feed_forward.experts.w2.weight  [E, dim, moe_inter]   (down_proj)
+
 Norm weights are the factors the normalised activations are multiplied by: Gemma's (1 + w) is
 stored as 1 + w, as llama.cpp's GGUF files store it.
 
@@ -59,9 +66,16 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
             shapes[p + "attention.wk.bias"] = (kv,)
             shapes[p + "attention.wv.bias"] = (kv,)
         shapes[p + "ffn_norm.weight"] = (c.dim,)
-        shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
-        shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
-        shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
+        if c.n_experts:
+            e, inter = c.n_experts, c.moe_intermediate_size
+            shapes[p + "feed_forward.router.weight"] = (e, c.dim)
+            shapes[p + "feed_forward.experts.w1.weight"] = (e, inter, c.dim)
+            shapes[p + "feed_forward.experts.w3.weight"] = (e, inter, c.dim)
+            shapes[p + "feed_forward.experts.w2.weight"] = (e, c.dim, inter)
+        else:
+            shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
+            shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
+            shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
         for name in optional_layer_weights(c):
             shapes[p + name] = (c.head_dim,) if name.startswith("attention.") else (c.dim,)
     return shapes
@@ -95,6 +109,23 @@ def split_fused(config: ModelConfig, sd: dict[str, Any]) -> None:
         for part, rows in sizes.items():
             sd[f"{prefix}.{part}.weight"] = rows_of(fused, start, start + rows)
             start += rows
+
+
+def stack_experts(config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
+    """Stack, in place, one tensor per expert (`feed_forward.experts.{e}.w1.weight`, as Hugging
+    Face checkpoints store them) into the canonical [E, ...] tensor of each layer."""
+    singles: dict[str, dict[int, torch.Tensor]] = {}
+    for name in [n for n in sd if ".feed_forward.experts." in n]:
+        head, rest = name.split(".feed_forward.experts.", 1)
+        expert, part = rest.split(".", 1)
+        if expert.isdigit():
+            singles.setdefault(f"{head}.feed_forward.experts.{part}", {})[int(expert)] = sd.pop(name)
+    for name, experts in singles.items():
+        if sorted(experts) != list(range(config.n_experts)):
+            missing = sorted(set(range(config.n_experts)) - set(experts))
+            raise ModelFileError(f"{name}: the checkpoint has experts {min(experts)}..{max(experts)} "
+                                 f"(missing {missing[:3]}), the config says {config.n_experts}")
+        sd[name] = torch.stack([experts[e] for e in range(config.n_experts)])
 
 
 def check_layers(config: ModelConfig, layers: range | None) -> None:

@@ -11,7 +11,7 @@ from specwood.models.layer_kinds import FULL_ATTENTION, check_layer_types, slidi
 
 # Architectures the runtime implements; all are Llama-style decoders that differ in what their
 # layers add (docs/models.md): the fields below say what, per model.
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "qwen3moe")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the gated MLP
 
 
@@ -40,6 +40,10 @@ class ModelConfig:
     embed_scale: float | None = None  # token embeddings times this (Gemma 3: sqrt(dim))
     attention_scale: float | None = None  # q.k scale; None: 1/sqrt(head_dim)
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    n_experts: int = 0  # > 0: every layer's MLP is that many routed experts (Qwen3-MoE)
+    n_experts_used: int = 0  # experts per token (top-k of the router's softmax)
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # the k chosen probabilities renormalised to sum to 1
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
@@ -59,6 +63,10 @@ class ModelConfig:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ModelFileError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.n_experts and not 0 < self.n_experts_used <= self.n_experts:
+            raise ModelFileError(f"model config: {self.n_experts_used} experts per token of {self.n_experts}")
+        if self.n_experts and self.moe_intermediate_size < 1:
+            raise ModelFileError("model config: the experts' MLP width must be a positive integer")
         if self.hidden_act not in ACTIVATIONS:
             raise ModelFileError(f"unsupported MLP activation '{self.hidden_act}' (specwood runs {', '.join(ACTIVATIONS)})")
         if self.layer_types is not None:
@@ -75,7 +83,8 @@ class ModelConfig:
     def n_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
         attn = self.dim * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
-        mlp = 3 * self.dim * self.intermediate_size
+        mlp = (3 * self.dim * self.moe_intermediate_size * self.n_experts + self.dim * self.n_experts if self.n_experts
+               else 3 * self.dim * self.intermediate_size)
         norms = (4 if self.sandwich_norms else 2) * self.dim + (2 * self.head_dim if self.qk_norm else 0)
         per_layer = attn + mlp + norms
         emb = self.vocab_size * self.dim
@@ -104,6 +113,9 @@ class ModelConfig:
                  or 1.0) != 1.0:
             raise ModelFileError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
         gemma = arch == "gemma3"
+        if arch == "qwen3moe" and (cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1):
+            raise ModelFileError("Qwen3-MoE with dense layers among the sparse ones (mlp_only_layers, "
+                                 "decoder_sparse_step) is not supported")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         return cls(
@@ -124,12 +136,17 @@ class ModelConfig:
             sliding_window=window,
             layer_types=layer_types,
             rope_local_theta=rope["local_theta"],
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             sandwich_norms=gemma,
             hidden_act=_HF_ACTIVATIONS.get(act, act),
             embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
             attention_scale=cfg.get("query_pre_attn_scalar", head_dim) ** -0.5 if gemma else None,
             final_logit_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            # transformers >= 5 writes num_local_experts
+            n_experts=(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch == "qwen3moe" else 0,
+            n_experts_used=cfg.get("num_experts_per_tok", 0) if arch == "qwen3moe" else 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) if arch == "qwen3moe" else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
@@ -137,7 +154,7 @@ class ModelConfig:
 
 
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3",
-                   "gemma3_text": "gemma3", "phi3": "phi3"}
+                   "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe"}
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _WINDOWED_ARCHS = ("mistral", "gemma3", "phi3")  # archs whose sliding_window applies without use_sliding_window
 

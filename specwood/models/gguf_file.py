@@ -54,6 +54,10 @@ _LAYER_NAMES = {
     "post_attention_norm.weight": "attention_post_norm.weight",
     "post_ffw_norm.weight": "ffn_post_norm.weight",
     "attn_qkv.weight": "attention.wqkv.weight",  # Phi-3: split on loading (canonical.split_fused)
+    "ffn_gate_inp.weight": "feed_forward.router.weight",  # Qwen3-MoE: the router and the experts [E, ...]
+    "ffn_gate_exps.weight": "feed_forward.experts.w1.weight",
+    "ffn_up_exps.weight": "feed_forward.experts.w3.weight",
+    "ffn_down_exps.weight": "feed_forward.experts.w2.weight",
 }
 # Phi-3's ffn_up holds gate and up, one above the other, as its checkpoint's gate_up_proj does
 _FUSED_FFN_ARCHS = ("phi3",)
@@ -246,7 +250,7 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     if arch not in SUPPORTED_ARCHS:
         raise ModelFileError(
             f"{path}: unsupported GGUF architecture {_show(arch)} (specwood runs {', '.join(SUPPORTED_ARCHS)}); "
-            "use a Llama, SmolLM2, Qwen2/Qwen2.5, Mistral, Qwen3, Gemma 3 or Phi-3 GGUF"
+            "use a Llama, SmolLM2, Qwen2/Qwen2.5, Mistral, Qwen3, Qwen3-MoE, Gemma 3 or Phi-3 GGUF"
         )
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
@@ -294,6 +298,12 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     inter = count("feed_forward_length")
     if inter is None and "blk.0.ffn_gate.weight" in tensors:
         inter = tensors["blk.0.ffn_gate.weight"].shape[0]
+    moe: dict[str, Any] = {}
+    if arch == "qwen3moe":  # llama.cpp always renormalises Qwen3-MoE's top-k probabilities
+        moe = dict(n_experts=count("expert_count", required=True, high=1 << 16),
+                   n_experts_used=count("expert_used_count", required=True, high=1 << 16),
+                   moe_intermediate_size=count("expert_feed_forward_length", required=True), norm_topk_prob=True)
+        inter = inter or moe["moe_intermediate_size"]
     # the layers the tensors hold: block_count must name exactly those (a huge one would make
     # every per-layer table that size)
     blocks = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
@@ -356,8 +366,9 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
             tie_embeddings="output.weight" not in tensors,
             qkv_bias="blk.0.attn_q.bias" in tensors,
             sliding_window=int(window) if window else None,
-            qk_norm="blk.0.attn_q_norm.weight" in tensors or arch in ("qwen3", "gemma3"),
+            qk_norm="blk.0.attn_q_norm.weight" in tensors or arch in ("qwen3", "gemma3", "qwen3moe"),
             **arch_fields,
+            **moe,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=eos_ids,
             name=str(md.get("general.name") or path.stem),

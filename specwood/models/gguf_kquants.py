@@ -96,7 +96,7 @@ def kquant_weights(path: str | os.PathLike[str], layers: range | None = None,
             cname = canonical_name(gname, config.arch)
             li = layer_index(cname) if cname else None
             read = readers.get(info.ggml_type)
-            if cname is None or not cname.endswith(".weight") or read is None:
+            if cname is None or not cname.endswith(".weight") or read is None or len(info.shape) != 2:
                 continue
             if li is None and cname not in ("tok_embeddings.weight", "output.weight"):
                 continue

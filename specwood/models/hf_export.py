@@ -20,7 +20,8 @@ __all__ = ["hf_config", "hf_state_dict", "to_hf_model"]
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrides: Any):
     """A transformers config (LlamaConfig, Qwen2Config, MistralConfig, Qwen3Config,
     Gemma3TextConfig, Phi3Config) equivalent to ``config``."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     c = config
     rope: dict[str, Any] = {"rope_type": "default"}
@@ -49,6 +50,11 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrid
         cfg = Qwen3Config(**common, head_dim=c.head_dim, attention_bias=c.qkv_bias,
                           use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
                           layer_types=types, **overrides)
+    elif c.arch == "qwen3moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=c.head_dim, attention_bias=c.qkv_bias, num_experts=c.n_experts,
+                             num_experts_per_tok=c.n_experts_used, moe_intermediate_size=c.moe_intermediate_size,
+                             norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                             **overrides)
     elif c.arch == "gemma3":
         common.pop("hidden_act")
         local = {"rope_type": "default", "rope_theta": c.rope_local_theta or c.rope_theta}
@@ -89,7 +95,15 @@ def hf_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
             out[HF_GLOBAL_NAMES[name]] = t
             continue
         _, i, rest = name.split(".", 2)
+        if rest.startswith("feed_forward.experts."):  # transformers >= 5 holds experts as 3-D tensors
+            out[f"model.layers.{i}.mlp.experts.{rest.split('.')[2]}"] = t
+            continue
         out[f"model.layers.{i}.{layer_names[rest]}"] = t
+    for i in range(config.n_layers if config.n_experts else 0):
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "w1" in out:
+            out[p + "gate_up_proj"] = torch.cat([out.pop(p + "w1"), out.pop(p + "w3")], dim=1)
+            out[p + "down_proj"] = out.pop(p + "w2")
     if config.arch == "phi3":  # q, k, v and gate, up fused, as Phi-3 stores them
         for i in range(config.n_layers):
             p = f"model.layers.{i}."
@@ -122,7 +136,7 @@ def to_hf_model(
     validate_state_dict(config, state_dict, config.name or "state_dict")
     cls = getattr(transformers, {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                                 "phi3": "Phi3ForCausalLM"}[config.arch])
+                                 "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}[config.arch])
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     cfg = hf_config(config, dtype, **kwargs)
     # Build on the meta device (no memory, no random init), then adopt our tensors with assign=True.

@@ -11,7 +11,7 @@ import torch
 
 from specwood.errors import ModelFileError
 from specwood.models.config import ModelConfig
-from specwood.models.canonical import check_layers, layer_index, split_fused, validate_state_dict
+from specwood.models.canonical import check_layers, layer_index, split_fused, stack_experts, validate_state_dict
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attention_norm.weight",
@@ -36,7 +36,11 @@ _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm.weight": "attent
 # Phi-3 stores q, k, v in one tensor and gate, up in another: split on loading (canonical.split_fused)
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "self_attn.qkv_proj.weight": "attention.wqkv.weight",
                      "mlp.gate_up_proj.weight": "feed_forward.w13.weight"}
-_ARCH_LAYER_NAMES = {"gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+# Qwen3-MoE: the router, and one tensor per expert and projection (canonical.stack_experts stacks them)
+_MOE_LAYER_NAMES = {**_LAYER_NAMES, "mlp.gate.weight": "feed_forward.router.weight"}
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT_PARTS = {"gate": "w1", "up": "w3", "down": "w2"}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES}
 # Gemma's RMSNorm multiplies by (1 + w): canonical norms hold the factor (see canonical)
 NORM_SHIFT = {"gemma3": 1.0}
 _GLOBAL_NAMES = {
@@ -63,6 +67,9 @@ def canonical_name(hf_name: str, arch: str = "llama") -> str | None:
     names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     if m and m.group(2) in names:
         return f"layers.{m.group(1)}.{names[m.group(2)]}"
+    expert = _EXPERT_RE.match(m.group(2)) if m and arch == "qwen3moe" else None
+    if expert:
+        return f"layers.{m.group(1)}.feed_forward.experts.{expert.group(1)}.{_EXPERT_PARTS[expert.group(2)]}.weight"
     return None
 
 
@@ -147,6 +154,7 @@ def load_hf_folder(
         except Exception as e:
             raise ModelFileError(f"{f}: cannot read tensors ({e}); the file is truncated or corrupt, re-download it") from None
     split_fused(config, sd)
+    stack_experts(config, sd)
     validate_state_dict(config, sd, path, layers)
     return config, sd
 

@@ -58,6 +58,8 @@ _TINY_ARCH_FIELDS: dict[str, dict[str, object]] = {
                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
                    rope_theta=1000000.0, rope_local_theta=10000.0, tie_embeddings=True),
     "phi3": dict(rope_scaling=longrope_scaling(8)),
+    "qwen3moe": dict(head_dim=32, qk_norm=True, n_experts=4, n_experts_used=2, moe_intermediate_size=32,
+                     norm_topk_prob=True),
 }
 
 
@@ -74,7 +76,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = t
         elif name == "tok_embeddings.weight":
             t = torch.randn(shape, generator=g)
         else:
-            t = torch.randn(shape, generator=g) / shape[1] ** 0.5
+            t = torch.randn(shape, generator=g) / shape[-1] ** 0.5
         sd[name] = t.to(dtype)
     return sd
 
@@ -100,6 +102,10 @@ _GGUF_LAYER = {
     "ffn_post_norm.weight": "post_ffw_norm.weight",
     "attention.wqkv.weight": "attn_qkv.weight",  # Phi-3's fused tensors (fused_for_gguf)
     "feed_forward.w13.weight": "ffn_up.weight",
+    "feed_forward.router.weight": "ffn_gate_inp.weight",
+    "feed_forward.experts.w1.weight": "ffn_gate_exps.weight",
+    "feed_forward.experts.w3.weight": "ffn_up_exps.weight",
+    "feed_forward.experts.w2.weight": "ffn_down_exps.weight",
 }
 _GGUF_GLOBAL = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
 
@@ -213,6 +219,10 @@ def _add_arch_metadata(w, config: ModelConfig, arch: str) -> None:
         w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
     if arch == "phi3":
         w.add_rope_dimension_count(config.head_dim)
+    if config.n_experts:
+        w.add_expert_count(config.n_experts)
+        w.add_expert_used_count(config.n_experts_used)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
 
 
 def fused_for_gguf(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -266,7 +276,7 @@ def write_q4_k_m_gguf(path: str | os.PathLike[str], config: ModelConfig, seed: i
     raw = {}
     six = ("feed_forward.w2.weight",) if config.arch == "phi3" else ("attention.wv.weight", "feed_forward.w2.weight")
     for i, (name, t) in enumerate(sd.items()):
-        if name.startswith("layers.") and t.dim() == 2:
+        if name.startswith("layers.") and t.dim() == 2 and "router" not in name:  # llama.cpp keeps routers in F32
             kind = "Q6_K" if name.endswith(six) else "Q4_K"
             raw[name] = (kind, kquant_blocks(kind, *t.shape, seed=seed * 1000 + i))
     return write_gguf(path, config, sd, "F32", tokens=tokens, raw_blocks=raw)

@@ -12,6 +12,7 @@ from itertools import groupby
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
@@ -131,6 +132,43 @@ class GeluTanhFeedForward(FeedForward):
 FEED_FORWARDS = {"silu": FeedForward, "gelu_tanh": GeluTanhFeedForward}
 
 
+class MoEFeedForward(nn.Module):
+    """Top-k routed experts (Qwen3-MoE): a softmax over the router's logits, the k most likely
+    experts per token (their probabilities renormalised with norm_topk_prob), each expert's
+    SiLU-gated MLP weighted by its probability. Each expert runs once over all the rows routed to
+    it, never once per row; a row's k outputs are summed in expert order whatever else is in the
+    batch, so a token's result does not depend on its neighbours (tree verification stays exact)."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.router = nn.Linear(c.dim, c.n_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(c.n_experts, 2 * c.moe_intermediate_size, c.dim))  # gate and up
+        self.w2 = nn.Parameter(torch.empty(c.n_experts, c.dim, c.moe_intermediate_size))
+        self.top_k, self.norm_topk_prob = c.n_experts_used, c.norm_topk_prob
+        self.ops = TORCH_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype).flatten()
+        choices = experts.flatten()  # [N k]: row n's j-th choice at n * k + j
+        order = choices.argsort(stable=True)  # grouped by expert
+        out = torch.zeros_like(flat)
+        start = 0
+        for expert, count in enumerate(torch.bincount(choices, minlength=len(self.w13)).tolist()):
+            if count == 0:
+                continue
+            picks = order[start:start + count]
+            start += count
+            rows = picks // self.top_k
+            hidden = self.ops.silu_mul(F.linear(flat[rows], self.w13[expert]))
+            out.index_add_(0, rows, F.linear(hidden, self.w2[expert]) * weights[picks, None])
+        return out.view(x.shape)
+
+
 class Block(nn.Module):
     def __init__(self, c: ModelConfig, kind: LayerKind = LayerKind()):
         super().__init__()
@@ -138,7 +176,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(c.dim, c.norm_eps)
         self.attention = Attention(c)
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
-        self.feed_forward = FEED_FORWARDS[c.hidden_act](c)
+        self.feed_forward = MoEFeedForward(c) if c.n_experts else FEED_FORWARDS[c.hidden_act](c)
         # Gemma 3: the attention's and the MLP's outputs normed too, before the residual add
         self.attention_post_norm = RMSNorm(c.dim, c.norm_eps) if c.sandwich_norms else None
         self.ffn_post_norm = RMSNorm(c.dim, c.norm_eps) if c.sandwich_norms else None
@@ -317,7 +355,8 @@ class Transformer(nn.Module):
         """Run norms, RoPE, the gated product and attention through our C++ kernels (CPU, fp32 or
         bf16 activations, shapes they take); True if they are in use."""
         c = self.config
-        if self.device.type != "cpu" or not KernelLayerOps.fits(c.dim, c.head_dim, c.intermediate_size, self.dtype):
+        inter = c.moe_intermediate_size if c.n_experts else c.intermediate_size
+        if self.device.type != "cpu" or not KernelLayerOps.fits(c.dim, c.head_dim, inter, self.dtype):
             return False
         ops = kernel_layer_ops()
         if ops is None:
@@ -513,9 +552,15 @@ class Transformer(nn.Module):
                 own[q + "attention.wo.weight"] = take(p + "attention.wo.weight")
                 for extra in optional_layer_weights(c):
                     own[q + extra] = take(p + extra)
-                own[q + "feed_forward.w13.weight"] = torch.cat([take(p + "feed_forward.w1.weight"),
-                                                                take(p + "feed_forward.w3.weight")])
-                own[q + "feed_forward.w2.weight"] = take(p + "feed_forward.w2.weight")
+                if c.n_experts:
+                    own[q + "feed_forward.router.weight"] = take(p + "feed_forward.router.weight")
+                    own[q + "feed_forward.w13"] = torch.cat([take(p + "feed_forward.experts.w1.weight"),
+                                                             take(p + "feed_forward.experts.w3.weight")], dim=1)
+                    own[q + "feed_forward.w2"] = take(p + "feed_forward.experts.w2.weight")
+                else:
+                    own[q + "feed_forward.w13.weight"] = torch.cat([take(p + "feed_forward.w1.weight"),
+                                                                    take(p + "feed_forward.w3.weight")])
+                    own[q + "feed_forward.w2.weight"] = take(p + "feed_forward.w2.weight")
                 put(own)
                 del own
                 if after_layer is not None:
@@ -550,10 +595,18 @@ class Transformer(nn.Module):
                 for n, b in zip("qkv", blk.attention.wqkv.bias.data.split(sizes)):
                     put(p + f"attention.w{n}.bias", b)
             put(p + "attention.wo.weight", blk.attention.wo.weight.data)
-            w1, w3 = blk.feed_forward.w13.weight.data.split(c.intermediate_size)
-            put(p + "feed_forward.w1.weight", w1)
-            put(p + "feed_forward.w3.weight", w3)
-            put(p + "feed_forward.w2.weight", blk.feed_forward.w2.weight.data)
+            if c.n_experts:
+                ff = blk.feed_forward
+                put(p + "feed_forward.router.weight", ff.router.weight.data)
+                w1, w3 = ff.w13.data.split(c.moe_intermediate_size, dim=1)
+                put(p + "feed_forward.experts.w1.weight", w1)
+                put(p + "feed_forward.experts.w3.weight", w3)
+                put(p + "feed_forward.experts.w2.weight", ff.w2.data)
+            else:
+                w1, w3 = blk.feed_forward.w13.weight.data.split(c.intermediate_size)
+                put(p + "feed_forward.w1.weight", w1)
+                put(p + "feed_forward.w3.weight", w3)
+                put(p + "feed_forward.w2.weight", blk.feed_forward.w2.weight.data)
             put(p + "attention_norm.weight", blk.attention_norm.weight.data)
             put(p + "ffn_norm.weight", blk.ffn_norm.weight.data)
             for extra in optional_layer_weights(c):
