@@ -76,7 +76,8 @@ def _longrope(config: ModelConfig, inv: torch.Tensor, scaling: dict[str, Any], m
 
 
 def rope_tables(config: ModelConfig, max_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [len(rope_settings), max_len, head_dim] in float32."""
+    """cos and sin tables [len(rope_settings) * max_len, head_dim] in float32: the rows of table k
+    (LayerKind.rope) start at k * max_len, so a model of one table indexes them by position alone."""
     t = torch.arange(max_len, dtype=torch.float64)
     cos, sin = [], []
     for theta, scaling in rope_settings(config):
@@ -85,7 +86,7 @@ def rope_tables(config: ModelConfig, max_len: int, device: torch.device | str = 
         emb = torch.cat([freqs, freqs], dim=-1)
         cos.append(emb.cos() * factor)
         sin.append(emb.sin() * factor)
-    return torch.stack(cos).float().to(device), torch.stack(sin).float().to(device)
+    return torch.cat(cos).float().to(device), torch.cat(sin).float().to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

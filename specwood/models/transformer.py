@@ -320,8 +320,10 @@ class Transformer(nn.Module):
         if mask.device.type != "cuda":
             c = self.config
             mask = cpu_attention_mask(mask, c.n_heads // c.n_kv_heads, self.dtype)
-        cos = self.rope_cos[kind.rope][positions].unsqueeze(1)
-        sin = self.rope_sin[kind.rope][positions].unsqueeze(1)
+        if kind.rope:  # the kind's own rotary table, after the global one (rope_tables)
+            positions = positions + kind.rope * self.max_positions
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
         return RowBlock((size[0], T), cos, sin, mask, slots, rows)
 
     def head(self, x: torch.Tensor, output_rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
