@@ -354,3 +354,21 @@ def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch
     ref = q4.generate(prompt, max_tokens=24, raw=True)
     for method in ("pld", "early-exit"):
         assert q4.generate(prompt, max_tokens=24, raw=True, method=method).token_ids == ref.token_ids, method
+
+
+def test_mistral_sliding_window_now_applies():
+    """Mistral v0.1's window (every layer sliding) is honoured through the same layer kinds:
+    transformers' logits past the window, which the forward ignored before."""
+    from specwood.models.hf_export import to_hf_model
+    from specwood.models.testing import random_state_dict, random_tiny_config
+
+    cfg = random_tiny_config("mistral", vocab_size=VOCAB, sliding_window=8)
+    assert set(layer_kinds(cfg)) == {LayerKind(8, 0)}
+    sd = random_state_dict(cfg, seed=4)
+    ours, hf = build_model(cfg, sd, torch.float32), to_hf_model(cfg, sd, torch.float32)
+    unwindowed = build_model(random_tiny_config("mistral", vocab_size=VOCAB), sd, torch.float32)
+    tokens = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = hf(tokens).logits
+        assert (ours(tokens, torch.arange(64)) - expected).abs().max().item() <= 1e-4
+        assert (unwindowed(tokens, torch.arange(64)) - expected).abs().max().item() > 1e-2
