@@ -16,12 +16,30 @@ dequantised, q/k in the Hugging Face "rotate-half" RoPE layout):
     norm.weight                                [dim]
     output.weight                              [V, dim]       (absent when tie_embeddings)
 
+and what an architecture adds to the Llama layer (optional_layer_weights):
+
+    layers.{i}.attention.q_norm.weight         [hd]   (qk_norm: Qwen3, Gemma 3)
+    layers.{i}.attention.k_norm.weight         [hd]
+    layers.{i}.attention_post_norm.weight      [dim]  (sandwich_norms: Gemma 3)
+    layers.{i}.ffn_post_norm.weight            [dim]
+
+and in a Mixture-of-Experts layer (n_experts: Qwen3-MoE), in place of the feed_forward weights:
+
+    layers.{i}.feed_forward.router.weight      [E, dim]
+    layers.{i}.feed_forward.experts.w1.weight  [E, moe_inter, dim]   (each expert's gate_proj)
+    layers.{i}.feed_forward.experts.w3.weight  [E, moe_inter, dim]   (up_proj)
+    layers.{i}.feed_forward.experts.w2.weight  [E, dim, moe_inter]   (down_proj)
+
+Norm weights are the factors the normalised activations are multiplied by: Gemma's (1 + w) is
+stored as 1 + w, as llama.cpp's GGUF files store it.
+
 With ``layers=range(a, b)`` only those layers' tensors are returned (keeping their global index i);
 the non-layer tensors are always returned.
 """
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -48,10 +66,66 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
             shapes[p + "attention.wk.bias"] = (kv,)
             shapes[p + "attention.wv.bias"] = (kv,)
         shapes[p + "ffn_norm.weight"] = (c.dim,)
-        shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
-        shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
-        shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
+        if c.n_experts:
+            e, inter = c.n_experts, c.moe_intermediate_size
+            shapes[p + "feed_forward.router.weight"] = (e, c.dim)
+            shapes[p + "feed_forward.experts.w1.weight"] = (e, inter, c.dim)
+            shapes[p + "feed_forward.experts.w3.weight"] = (e, inter, c.dim)
+            shapes[p + "feed_forward.experts.w2.weight"] = (e, c.dim, inter)
+        else:
+            shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
+            shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
+            shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
+        for name in optional_layer_weights(c):
+            shapes[p + name] = (c.head_dim,) if name.startswith("attention.") else (c.dim,)
     return shapes
+
+
+def optional_layer_weights(config: ModelConfig) -> list[str]:
+    """The canonical layer weights (after `layers.{i}.`) beyond the Llama layer's that the config's
+    architecture has: its q/k norms and sandwich norms."""
+    names = ["attention.q_norm.weight", "attention.k_norm.weight"] if config.qk_norm else []
+    return names + (["attention_post_norm.weight", "ffn_post_norm.weight"] if config.sandwich_norms else [])
+
+
+def split_fused(config: ModelConfig, sd: dict[str, Any]) -> None:
+    """Split, in place, fused layer weights a file may hold (Phi-3's qkv and gate-up) into the
+    canonical q, k, v and gate (w1), up (w3): the model fuses them again its own way. The values
+    are tensors, or k-quant weights (NamedTuples of tensors whose rows are the weight's rows)."""
+    c = config
+    for name in [n for n in sd if n.endswith(("attention.wqkv.weight", "feed_forward.w13.weight"))]:
+        fused, prefix = sd.pop(name), name.rsplit(".", 2)[0]
+        rows_of = (lambda t, a, b: t[a:b]) if isinstance(fused, torch.Tensor) else \
+            (lambda t, a, b: type(t)(*(part[a:b] for part in t)))
+        n_rows = fused.shape[0] if isinstance(fused, torch.Tensor) else fused[0].shape[0]
+        if name.endswith("wqkv.weight"):
+            sizes = {"wq": c.n_heads * c.head_dim, "wk": c.n_kv_heads * c.head_dim, "wv": c.n_kv_heads * c.head_dim}
+        else:
+            sizes = {"w1": c.intermediate_size, "w3": c.intermediate_size}
+        if n_rows != sum(sizes.values()):
+            raise ModelFileError(f"tensor {name} has {n_rows} rows, the model config implies "
+                                 f"{sum(sizes.values())}; the file's metadata does not match its weights")
+        start = 0
+        for part, rows in sizes.items():
+            sd[f"{prefix}.{part}.weight"] = rows_of(fused, start, start + rows)
+            start += rows
+
+
+def stack_experts(config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
+    """Stack, in place, one tensor per expert (`feed_forward.experts.{e}.w1.weight`, as Hugging
+    Face checkpoints store them) into the canonical [E, ...] tensor of each layer."""
+    singles: dict[str, dict[int, torch.Tensor]] = {}
+    for name in [n for n in sd if ".feed_forward.experts." in n]:
+        head, rest = name.split(".feed_forward.experts.", 1)
+        expert, part = rest.split(".", 1)
+        if expert.isdigit():
+            singles.setdefault(f"{head}.feed_forward.experts.{part}", {})[int(expert)] = sd.pop(name)
+    for name, experts in singles.items():
+        if sorted(experts) != list(range(config.n_experts)):
+            missing = sorted(set(range(config.n_experts)) - set(experts))
+            raise ModelFileError(f"{name}: the checkpoint has experts {min(experts)}..{max(experts)} "
+                                 f"(missing {missing[:3]}), the config says {config.n_experts}")
+        sd[name] = torch.stack([experts[e] for e in range(config.n_experts)])
 
 
 def check_layers(config: ModelConfig, layers: range | None) -> None:
@@ -81,7 +155,7 @@ def validate_state_dict(
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelFileError(
             f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}; the file is incomplete or not a "
-            "supported Llama/Qwen2/Mistral checkpoint"
+            "checkpoint of a supported architecture"
         )
     for name, shape in expected.items():
         if tuple(state_dict[name].shape) != shape:

@@ -16,6 +16,7 @@ import numpy as np
 
 from specwood.errors import ModelFileError
 from specwood.models.config import SUPPORTED_ARCHS, ModelConfig
+from specwood.models.layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION, sliding_types
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -48,7 +49,18 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_up.weight": "feed_forward.w3.weight",
     "ffn_down.weight": "feed_forward.w2.weight",
+    "attn_q_norm.weight": "attention.q_norm.weight",
+    "attn_k_norm.weight": "attention.k_norm.weight",
+    "post_attention_norm.weight": "attention_post_norm.weight",
+    "post_ffw_norm.weight": "ffn_post_norm.weight",
+    "attn_qkv.weight": "attention.wqkv.weight",  # Phi-3: split on loading (canonical.split_fused)
+    "ffn_gate_inp.weight": "feed_forward.router.weight",  # Qwen3-MoE: the router and the experts [E, ...]
+    "ffn_gate_exps.weight": "feed_forward.experts.w1.weight",
+    "ffn_up_exps.weight": "feed_forward.experts.w3.weight",
+    "ffn_down_exps.weight": "feed_forward.experts.w2.weight",
 }
+# Phi-3's ffn_up holds gate and up, one above the other, as its checkpoint's gate_up_proj does
+_FUSED_FFN_ARCHS = ("phi3",)
 _GLOBAL_NAMES = {
     "token_embd.weight": "tok_embeddings.weight",
     "output_norm.weight": "norm.weight",
@@ -65,12 +77,14 @@ def _show(value: Any, limit: int = 60) -> str:
 _TRUNCATED_FIX = "the file is truncated or corrupt; re-download or re-assemble it (registry models: delete it from the specwood cache and run again)"
 
 
-def canonical_name(gguf_name: str) -> str | None:
+def canonical_name(gguf_name: str, arch: str = "llama") -> str | None:
     """GGUF tensor name -> canonical name (None for tensors we do not use, e.g. rope_freqs)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
+        if rest == "ffn_up.weight" and arch in _FUSED_FFN_ARCHS and idx.isdigit():
+            return f"layers.{idx}.feed_forward.w13.weight"
         if rest in _LAYER_NAMES and idx.isdigit():
             return f"layers.{idx}.{_LAYER_NAMES[rest]}"
     return None
@@ -236,7 +250,7 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     if arch not in SUPPORTED_ARCHS:
         raise ModelFileError(
             f"{path}: unsupported GGUF architecture {_show(arch)} (specwood runs {', '.join(SUPPORTED_ARCHS)}); "
-            "use a Llama, SmolLM2, Qwen2/Qwen2.5 or Mistral GGUF"
+            "use a Llama, SmolLM2, Qwen2/Qwen2.5, Mistral, Qwen3, Qwen3-MoE, Gemma 3 or Phi-3 GGUF"
         )
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
@@ -279,9 +293,17 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     head_dim = count("attention.key_length", 0, low=0, high=65536) or 0
     if not head_dim and "blk.0.attn_q.weight" in tensors:
         head_dim = tensors["blk.0.attn_q.weight"].shape[0] // n_heads
+    if not head_dim and "blk.0.attn_qkv.weight" in tensors:
+        head_dim = tensors["blk.0.attn_qkv.weight"].shape[0] // (n_heads + 2 * n_kv)
     inter = count("feed_forward_length")
     if inter is None and "blk.0.ffn_gate.weight" in tensors:
         inter = tensors["blk.0.ffn_gate.weight"].shape[0]
+    moe: dict[str, Any] = {}
+    if arch == "qwen3moe":  # llama.cpp always renormalises Qwen3-MoE's top-k probabilities
+        moe = dict(n_experts=count("expert_count", required=True, high=1 << 16),
+                   n_experts_used=count("expert_used_count", required=True, high=1 << 16),
+                   moe_intermediate_size=count("expert_feed_forward_length", required=True), norm_topk_prob=True)
+        inter = inter or moe["moe_intermediate_size"]
     # the layers the tensors hold: block_count must name exactly those (a huge one would make
     # every per-layer table that size)
     blocks = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
@@ -305,6 +327,17 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
         # Llama 3.1-style: llama.cpp stores the per-frequency divisors as a tensor instead of metadata.
         rope_scaling = {"rope_type": "freq_factors"}  # values added by load_gguf
 
+    if arch == "phi3" and "rope_factors_long.weight" in tensors:
+        rope_scaling = {"rope_type": "longrope"}  # the factors added by load_gguf
+        if (orig := get("rope.scaling.original_context_length")) is not None:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+        if (af := get("rope.scaling.attn_factor")) is not None:
+            rope_scaling["attention_factor"] = float(af)
+    rope_dims = count("rope.dimension_count", None, high=65536)
+    if rope_dims is not None and head_dim and rope_dims != head_dim:
+        raise ModelFileError(f"{path}: RoPE over {rope_dims} of each head's {head_dim} dimensions (partial rotary) "
+                             "is not supported")
+
     eos_ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         v = md.get(key)
@@ -312,6 +345,9 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
             eos_ids.append(int(v))
     bos = md.get("tokenizer.ggml.bos_token_id")
     window = get("attention.sliding_window")
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern")  # a period, or per layer: sliding or not
+    arch_fields = _gemma3_fields(arch, get, pattern, n_layers, head_dim or dim // n_heads, dim, n_heads, path) \
+        if arch == "gemma3" else {}
 
     try:
         return ModelConfig(
@@ -330,10 +366,37 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
             tie_embeddings="output.weight" not in tensors,
             qkv_bias="blk.0.attn_q.bias" in tensors,
             sliding_window=int(window) if window else None,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors or arch in ("qwen3", "gemma3", "qwen3moe"),
+            **arch_fields,
+            **moe,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=eos_ids,
             name=str(md.get("general.name") or path.stem),
         )
     except ModelFileError as e:  # the config's own checks: name the file
         raise ModelFileError(f"{path}: {e}") from None
+
+
+def _gemma3_fields(arch: str, get: Any, pattern: Any, n_layers: int, head_dim: int, dim: int, n_heads: int,
+                   path: Path) -> dict[str, Any]:
+    """What a Gemma 3 GGUF says (or llama.cpp assumes) beyond the Llama fields: every 6th layer
+    global unless `sliding_window_pattern` says otherwise (a period, or a per-layer array),
+    sliding layers on their own RoPE base (`rope.freq_base_swa`, 10000 by default), Gemma's
+    sandwich norms, GELU-tanh MLP, sqrt(dim) embedding scale, and q.k scaled by 1/sqrt(head_dim)
+    (1/sqrt(dim / heads) for the 62-layer 27B, whose query_pre_attn_scalar llama.cpp hard-codes)."""
+    window = get("attention.sliding_window")
+    if not window:
+        types = None
+    elif isinstance(pattern, np.ndarray):
+        if len(pattern) != n_layers:
+            raise ModelFileError(f"{path}: {arch}.attention.sliding_window_pattern names {len(pattern)} layers, "
+                                 f"the file has {n_layers}")
+        types = [SLIDING_ATTENTION if swa else FULL_ATTENTION for swa in pattern.tolist()]
+    else:
+        types = sliding_types(n_layers, int(pattern or 6))
+    scalar = dim // n_heads if n_layers == 62 else head_dim
+    cap = get("final_logit_softcapping")
+    return dict(layer_types=types, rope_local_theta=float(get("rope.freq_base_swa", 10000.0)), sandwich_norms=True,
+                hidden_act="gelu_tanh", embed_scale=dim ** 0.5, attention_scale=scalar ** -0.5,
+                final_logit_softcap=float(cap) if cap else None)
 

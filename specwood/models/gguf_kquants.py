@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from specwood.errors import ModelFileError
-from specwood.models.canonical import layer_index
+from specwood.models.canonical import layer_index, split_fused
 from specwood.models.gguf_dequant import _k_scale_min, _q6k_codes, _unpack_32, _unpack_k_nibbles, unpermute_qk
 from specwood.models.gguf_file import (_PERMUTED_QK_ARCHS, _TRUNCATED_FIX, canonical_name, config_from_gguf,
                                        read_gguf_header)
@@ -93,10 +93,10 @@ def kquant_weights(path: str | os.PathLike[str], layers: range | None = None,
     out: dict[str, KQuantWeights] = {}
     try:
         for gname, info in header.tensors.items():
-            cname = canonical_name(gname)
+            cname = canonical_name(gname, config.arch)
             li = layer_index(cname) if cname else None
             read = readers.get(info.ggml_type)
-            if cname is None or not cname.endswith(".weight") or read is None:
+            if cname is None or not cname.endswith(".weight") or read is None or len(info.shape) != 2:
                 continue
             if li is None and cname not in ("tok_embeddings.weight", "output.weight"):
                 continue
@@ -112,4 +112,5 @@ def kquant_weights(path: str | os.PathLike[str], layers: range | None = None,
         raise ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}") from None
     finally:
         del mm
+    split_fused(config, out)  # Phi-3's fused qkv and gate-up: their rows, as the canonical weights
     return out

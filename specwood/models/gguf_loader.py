@@ -19,7 +19,7 @@ import torch
 
 from specwood.errors import ModelFileError
 from specwood.models.config import ModelConfig
-from specwood.models.canonical import check_layers, layer_index, validate_state_dict
+from specwood.models.canonical import check_layers, layer_index, split_fused, validate_state_dict
 from specwood.models.gguf_dequant import dequantize_tensor, unpermute_qk
 from specwood.models.gguf_file import (_PERMUTED_QK_ARCHS, _TRUNCATED_FIX, GGUFTensorInfo, canonical_name,
                                        config_from_gguf, read_gguf_header)
@@ -68,7 +68,7 @@ def load_gguf(
     check_layers(config, layers)
     wanted: list[tuple[str, GGUFTensorInfo]] = []
     for gname, info in header.tensors.items():
-        cname = canonical_name(gname)
+        cname = canonical_name(gname, config.arch)
         if cname is None:
             continue
         li = layer_index(cname)
@@ -103,12 +103,17 @@ def load_gguf(
         if config.rope_scaling and config.rope_scaling.get("rope_type") == "freq_factors":
             freqs = dequantize_tensor(mm, header.tensors["rope_freqs.weight"], torch.float32, path)
             config.rope_scaling["freq_factors"] = freqs.tolist()
+        if config.rope_scaling and config.rope_scaling.get("rope_type") == "longrope":  # Phi-3's factor tensors
+            for key, tensor in (("long_factor", "rope_factors_long.weight"), ("short_factor", "rope_factors_short.weight")):
+                if tensor not in header.tensors:
+                    raise ModelFileError(f"{path}: missing tensor {tensor} (LongRoPE needs both factor tensors)")
+                config.rope_scaling[key] = dequantize_tensor(mm, header.tensors[tensor], torch.float32, path).tolist()
     except (ValueError, RuntimeError) as e:
         raise file_error(e) from None
     if lazy:
         for cname, info in wanted:
             sd[cname] = placeholder(info)
-        validate_state_dict(config, sd, path, layers)
+        validate_state_dict(config, _split(config, dict(sd)), path, layers)  # on a copy: checking decodes nothing
         infos = dict(wanted)
 
         def decode(cname: str) -> torch.Tensor:
@@ -117,7 +122,9 @@ def load_gguf(
             except (ValueError, RuntimeError) as e:
                 raise file_error(e) from None
 
-        return config, DecodedOnUse(sd, set(infos), decode)
+        out = DecodedOnUse(sd, set(infos), decode)
+        split_fused(config, out)  # a fused tensor (Phi-3's) is decoded now, to be split
+        return config, out
     bar = None
     if progress:
         from tqdm import tqdm
@@ -142,8 +149,14 @@ def load_gguf(
         if bar is not None:
             bar.close()
         mm = None  # drops the mapping; not `del`, which pyflakes misreads in convert()'s closure
+    split_fused(config, sd)
     validate_state_dict(config, sd, path, layers)
     return config, sd
+
+
+def _split(config: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    split_fused(config, sd)
+    return sd
 
 
 def _unpermuted(t: torch.Tensor, cname: str, config: ModelConfig) -> torch.Tensor:

@@ -10,15 +10,18 @@ from typing import Any
 import torch
 
 from specwood.models.config import ModelConfig
-from specwood.models.hf_loader import HF_GLOBAL_NAMES, HF_LAYER_NAMES
+from specwood.models.hf_loader import HF_GLOBAL_NAMES, NORM_SHIFT, hf_layer_names
 from specwood.models.canonical import validate_state_dict
+from specwood.models.layer_kinds import layer_kinds
 
 __all__ = ["hf_config", "hf_state_dict", "to_hf_model"]
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrides: Any):
-    """A transformers LlamaConfig / Qwen2Config / MistralConfig equivalent to ``config``."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """A transformers config (LlamaConfig, Qwen2Config, MistralConfig, Qwen3Config,
+    Gemma3TextConfig, Phi3Config) equivalent to ``config``."""
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     c = config
     rope: dict[str, Any] = {"rope_type": "default"}
@@ -42,7 +45,32 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrid
         hidden_act="silu",
         dtype=dtype,
     )
-    if c.arch == "qwen2":
+    if c.arch == "qwen3":
+        types = ["sliding_attention" if k.window else "full_attention" for k in layer_kinds(c)]
+        cfg = Qwen3Config(**common, head_dim=c.head_dim, attention_bias=c.qkv_bias,
+                          use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
+                          layer_types=types, **overrides)
+    elif c.arch == "qwen3moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=c.head_dim, attention_bias=c.qkv_bias, num_experts=c.n_experts,
+                             num_experts_per_tok=c.n_experts_used, moe_intermediate_size=c.moe_intermediate_size,
+                             norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                             **overrides)
+    elif c.arch == "gemma3":
+        common.pop("hidden_act")
+        local = {"rope_type": "default", "rope_theta": c.rope_local_theta or c.rope_theta}
+        common["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+        types = ["sliding_attention" if k.window else "full_attention" for k in layer_kinds(c)]
+        cfg = Gemma3TextConfig(**common, head_dim=c.head_dim, hidden_activation="gelu_pytorch_tanh",
+                               sliding_window=c.sliding_window, layer_types=types,
+                               query_pre_attn_scalar=round((c.attention_scale or c.head_dim ** -0.5) ** -2),
+                               final_logit_softcapping=c.final_logit_softcap, attn_logit_softcapping=None,
+                               attention_bias=c.qkv_bias, **overrides)
+    elif c.arch == "phi3":
+        scaling = c.rope_scaling or {}
+        if "original_max_position_embeddings" in scaling:
+            common["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+        cfg = Phi3Config(**common, sliding_window=c.sliding_window, pad_token_id=None, **overrides)
+    elif c.arch == "qwen2":
         if not c.qkv_bias or c.head_dim != c.dim // c.n_heads:
             raise ValueError("transformers' Qwen2 always has q/k/v biases and head_dim = hidden_size / heads")
         cfg = Qwen2Config(**common, use_sliding_window=c.sliding_window is not None,
@@ -59,12 +87,31 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrid
 def hf_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Canonical names -> transformers names (lm_head shares the embedding when tied)."""
     out: dict[str, torch.Tensor] = {}
+    layer_names, shift = hf_layer_names(config.arch), NORM_SHIFT.get(config.arch)
     for name, t in state_dict.items():
+        if shift is not None and name.endswith("norm.weight"):
+            t = (t.float() - shift).to(t.dtype)  # back to the checkpoint's (factor - 1)
         if name in HF_GLOBAL_NAMES:
             out[HF_GLOBAL_NAMES[name]] = t
             continue
         _, i, rest = name.split(".", 2)
-        out[f"model.layers.{i}.{HF_LAYER_NAMES[rest]}"] = t
+        if rest.startswith("feed_forward.experts."):  # transformers >= 5 holds experts as 3-D tensors
+            out[f"model.layers.{i}.mlp.experts.{rest.split('.')[2]}"] = t
+            continue
+        out[f"model.layers.{i}.{layer_names[rest]}"] = t
+    for i in range(config.n_layers if config.n_experts else 0):
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "w1" in out:
+            out[p + "gate_up_proj"] = torch.cat([out.pop(p + "w1"), out.pop(p + "w3")], dim=1)
+            out[p + "down_proj"] = out.pop(p + "w2")
+    if config.arch == "phi3":  # q, k, v and gate, up fused, as Phi-3 stores them
+        for i in range(config.n_layers):
+            p = f"model.layers.{i}."
+            if p + "self_attn.q_proj.weight" in out:
+                out[p + "self_attn.qkv_proj.weight"] = torch.cat([out.pop(p + f"self_attn.{n}_proj.weight")
+                                                                  for n in "qkv"])
+                out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(p + "mlp.gate_proj.weight"),
+                                                                out.pop(p + "mlp.up_proj.weight")])
     if config.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     if config.arch == "llama" and config.qkv_bias:
@@ -83,11 +130,13 @@ def to_hf_model(
     attn_implementation: str | None = "sdpa",
 ):  # -> transformers.PreTrainedModel
     """A transformers LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM holding our weights."""
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    import transformers
     from transformers.initialization import no_init_weights
 
     validate_state_dict(config, state_dict, config.name or "state_dict")
-    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}[config.arch]
+    cls = getattr(transformers, {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                 "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}[config.arch])
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     cfg = hf_config(config, dtype, **kwargs)
     # Build on the meta device (no memory, no random init), then adopt our tensors with assign=True.
@@ -103,6 +152,9 @@ def to_hf_model(
     rotary = model.model.rotary_emb
     with torch.device("cpu"):
         model.model.rotary_emb = type(rotary)(cfg)
+    embed = model.model.embed_tokens
+    if hasattr(embed, "scalar_embed_scale"):  # Gemma's scaled embedding keeps its scale as a buffer
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise ValueError(f"{cls.__name__}: tensors left uninitialised: {left[:4]}")

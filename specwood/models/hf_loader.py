@@ -11,7 +11,7 @@ import torch
 
 from specwood.errors import ModelFileError
 from specwood.models.config import ModelConfig
-from specwood.models.canonical import check_layers, layer_index, validate_state_dict
+from specwood.models.canonical import check_layers, layer_index, split_fused, stack_experts, validate_state_dict
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attention_norm.weight",
@@ -22,11 +22,27 @@ _LAYER_NAMES = {
     "self_attn.v_proj.weight": "attention.wv.weight",
     "self_attn.v_proj.bias": "attention.wv.bias",
     "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
+# Gemma 3 norms around both attention and MLP: its post_attention_layernorm is not the MLP's input norm
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm.weight": "attention_post_norm.weight",
+                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                      "post_feedforward_layernorm.weight": "ffn_post_norm.weight"}
+# Phi-3 stores q, k, v in one tensor and gate, up in another: split on loading (canonical.split_fused)
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "self_attn.qkv_proj.weight": "attention.wqkv.weight",
+                     "mlp.gate_up_proj.weight": "feed_forward.w13.weight"}
+# Qwen3-MoE: the router, and one tensor per expert and projection (canonical.stack_experts stacks them)
+_MOE_LAYER_NAMES = {**_LAYER_NAMES, "mlp.gate.weight": "feed_forward.router.weight"}
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT_PARTS = {"gate": "w1", "up": "w3", "down": "w2"}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES}
+# Gemma's RMSNorm multiplies by (1 + w): canonical norms hold the factor (see canonical)
+NORM_SHIFT = {"gemma3": 1.0}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
@@ -35,17 +51,25 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 # Inverse maps, used by hf_export to rebuild a transformers state dict.
-HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 HF_GLOBAL_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
 
 
-def canonical_name(hf_name: str) -> str | None:
+def hf_layer_names(arch: str) -> dict[str, str]:
+    """Canonical layer name (after `layers.{i}.`) -> the architecture's transformers name."""
+    return {v: k for k, v in _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES).items()}
+
+
+def canonical_name(hf_name: str, arch: str = "llama") -> str | None:
     """HF tensor name -> canonical name (None for tensors we do not use, e.g. rotary inv_freq)."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _LAYER_RE.match(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if m and m.group(2) in names:
+        return f"layers.{m.group(1)}.{names[m.group(2)]}"
+    expert = _EXPERT_RE.match(m.group(2)) if m and arch == "qwen3moe" else None
+    if expert:
+        return f"layers.{m.group(1)}.feed_forward.experts.{expert.group(1)}.{_EXPERT_PARTS[expert.group(2)]}.weight"
     return None
 
 
@@ -61,7 +85,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str,
     try:
         config = ModelConfig.from_hf(raw, name=path.name)
     except KeyError as e:
-        raise ModelFileError(f"{cfg_file}: missing key {e}; not a Llama/Qwen2/Mistral config") from None
+        raise ModelFileError(f"{cfg_file}: missing key {e}; not a config of an architecture specwood runs") from None
     # transformers >= 5 writes rope scaling into rope_parameters instead of rope_scaling.
     params = raw.get("rope_parameters")
     if config.rope_scaling is None and isinstance(params, dict) and params.get("rope_type", "default") != "default":
@@ -106,7 +130,7 @@ def load_hf_folder(
     files = weight_files(path)
     wanted: dict[Path, list[tuple[str, str]]] = {}
     for hf_name, f in files.items():
-        cname = canonical_name(hf_name)
+        cname = canonical_name(hf_name, config.arch)
         if cname is None or (cname == "output.weight" and config.tie_embeddings):
             continue
         li = layer_index(cname)
@@ -114,17 +138,23 @@ def load_hf_folder(
             continue
         wanted.setdefault(f, []).append((hf_name, cname))
     sd: dict[str, torch.Tensor] = {}
+    shift = NORM_SHIFT.get(config.arch)
     for f, names in wanted.items():
         if not f.is_file():
             raise ModelFileError(f"{f}: shard listed in the index is missing; re-download the model folder")
         try:
             with safe_open(f, framework="pt") as sf:
                 for hf_name, cname in names:
-                    sd[cname] = sf.get_tensor(hf_name).to(dtype)
+                    t = sf.get_tensor(hf_name)
+                    if shift is not None and cname.endswith("norm.weight"):
+                        t = t.float() + shift  # in fp32, as the model's norm computes it
+                    sd[cname] = t.to(dtype)
         except ModelFileError:
             raise
         except Exception as e:
             raise ModelFileError(f"{f}: cannot read tensors ({e}); the file is truncated or corrupt, re-download it") from None
+    split_fused(config, sd)
+    stack_experts(config, sd)
     validate_state_dict(config, sd, path, layers)
     return config, sd
 

@@ -61,16 +61,23 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's gated product: GELU (tanh approximation) of the gate times up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
         """q [B, H, T, D], k/v [B, H_kv, S, D], mask: a bool [B, 1, T, S] on CUDA, an additive
-        [B, 1, groups*T, S] bias on a CPU (see cpu_attention_mask) -> [B, T, H D]."""
+        [B, 1, groups*T, S] bias on a CPU (see cpu_attention_mask) -> [B, T, H D]. `scale`
+        multiplies q.k (None: 1/sqrt(D))."""
         B, H, T, D = q.shape
         n_kv = k.shape[1]
         if not q.is_cuda:  # the query heads of a KV head as the rows of one call
             out = F.scaled_dot_product_attention(q.reshape(B, n_kv, H // n_kv * T, D), k, v,
-                                                 attn_mask=mask).view(B, H, T, D)
+                                                 attn_mask=mask, scale=scale).view(B, H, T, D)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_kv != H)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_kv != H, scale=scale)
         return out.transpose(1, 2).reshape(B, T, H * D)
 
 
@@ -134,15 +141,16 @@ class KernelLayerOps(TorchLayerOps):
         flat = gate_up.reshape(-1, gate_up.shape[-1])
         return self.kernel.silu_mul(flat.contiguous()).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
         """q [B, T, H, D] from rope_qk here (torch's layout where rope_qk handed over to torch),
         the rest as TorchLayerOps.attention."""
         if not self.takes(q):
-            return super().attention(q, k, v, mask)
+            return super().attention(q, k, v, mask, scale)
         B, T, H, D = q.shape
         if mask.shape[0] != B:
             mask = mask.expand(B, -1, -1, -1)
-        return self.kernel.attention(q, k, v, mask, D ** -0.5)
+        return self.kernel.attention(q, k, v, mask, D ** -0.5 if scale is None else scale)
 
 
 TORCH_OPS = TorchLayerOps()

@@ -37,8 +37,30 @@ def random_tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
         eos_token_ids=[2],
         name=f"tiny-{arch}",
     )
+    kwargs.update(_TINY_ARCH_FIELDS.get(arch, {}))
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
+
+
+def longrope_scaling(pairs: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(11)
+    return {"rope_type": "longrope", "original_max_position_embeddings": 128,
+            "short_factor": (1 + torch.rand(pairs, generator=g)).tolist(),
+            "long_factor": (1 + 4 * torch.rand(pairs, generator=g)).tolist()}
+
+
+# What each architecture adds, at tiny sizes: head_dim apart from dim / heads (Qwen3); 4 layers with
+# a global one among sliding ones of window 8 on their own RoPE base (Gemma 3); LongRoPE (Phi-3)
+_TINY_ARCH_FIELDS: dict[str, dict[str, object]] = {
+    "qwen3": dict(head_dim=32, qk_norm=True, rope_theta=1000000.0, tie_embeddings=True),
+    "gemma3": dict(head_dim=32, n_layers=4, qk_norm=True, sandwich_norms=True, hidden_act="gelu_tanh",
+                   embed_scale=8.0, attention_scale=32 ** -0.5, sliding_window=8,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                   rope_theta=1000000.0, rope_local_theta=10000.0, tie_embeddings=True),
+    "phi3": dict(rope_scaling=longrope_scaling(8)),
+    "qwen3moe": dict(head_dim=32, qk_norm=True, n_experts=4, n_experts_used=2, moe_intermediate_size=32,
+                     norm_topk_prob=True),
+}
 
 
 def random_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -54,7 +76,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = t
         elif name == "tok_embeddings.weight":
             t = torch.randn(shape, generator=g)
         else:
-            t = torch.randn(shape, generator=g) / shape[1] ** 0.5
+            t = torch.randn(shape, generator=g) / shape[-1] ** 0.5
         sd[name] = t.to(dtype)
     return sd
 
@@ -74,6 +96,16 @@ _GGUF_LAYER = {
     "feed_forward.w1.weight": "ffn_gate.weight",
     "feed_forward.w3.weight": "ffn_up.weight",
     "feed_forward.w2.weight": "ffn_down.weight",
+    "attention.q_norm.weight": "attn_q_norm.weight",
+    "attention.k_norm.weight": "attn_k_norm.weight",
+    "attention_post_norm.weight": "post_attention_norm.weight",
+    "ffn_post_norm.weight": "post_ffw_norm.weight",
+    "attention.wqkv.weight": "attn_qkv.weight",  # Phi-3's fused tensors (fused_for_gguf)
+    "feed_forward.w13.weight": "ffn_up.weight",
+    "feed_forward.router.weight": "ffn_gate_inp.weight",
+    "feed_forward.experts.w1.weight": "ffn_gate_exps.weight",
+    "feed_forward.experts.w3.weight": "ffn_up_exps.weight",
+    "feed_forward.experts.w2.weight": "ffn_down_exps.weight",
 }
 _GGUF_GLOBAL = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
 
@@ -117,9 +149,10 @@ def write_gguf(
     w.add_head_count_kv(config.n_kv_heads)
     w.add_layer_norm_rms_eps(config.norm_eps)
     w.add_rope_freq_base(config.rope_theta)
-    if config.head_dim != config.dim // config.n_heads:
+    if config.head_dim != config.dim // config.n_heads or arch == "gemma3":
         w.add_key_length(config.head_dim)
         w.add_value_length(config.head_dim)
+    _add_arch_metadata(w, config, arch)
     w.add_tokenizer_model("gpt2")
     if config.bos_token_id is not None:
         w.add_bos_token_id(config.bos_token_id)
@@ -137,6 +170,9 @@ def write_gguf(
         elif isinstance(value, int):
             w.add_uint32(key, value)
     q = gguf.GGMLQuantizationType[qtype]
+    if arch == "phi3":
+        state_dict = fused_for_gguf(config, state_dict)
+        raw_blocks = fused_blocks(config, raw_blocks) if raw_blocks else raw_blocks
     for name, t in state_dict.items():
         if raw_blocks and name in raw_blocks:
             kind, blocks = raw_blocks[name]
@@ -161,6 +197,61 @@ def write_gguf(
     return Path(path)
 
 
+def _add_arch_metadata(w, config: ModelConfig, arch: str) -> None:
+    """The keys llama.cpp's converter writes for Gemma 3's local layers and Phi-3's LongRoPE."""
+    if config.sliding_window:
+        w.add_sliding_window(config.sliding_window)
+    if config.layer_types is not None and config.sliding_window:
+        w.add_array(f"{arch}.attention.sliding_window_pattern", [t == "sliding_attention" for t in config.layer_types])
+    if config.rope_local_theta is not None:
+        w.add_float32(f"{arch}.rope.freq_base_swa", config.rope_local_theta)
+    if config.final_logit_softcap is not None:
+        w.add_final_logit_softcapping(config.final_logit_softcap)
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        w.add_string(f"{arch}.rope.scaling.type", "linear")
+        w.add_rope_scaling_factor(scaling["factor"])
+    if scaling.get("rope_type") == "longrope":
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        if scaling.get("attention_factor") is not None:
+            w.add_rope_scaling_attn_factors(scaling["attention_factor"])
+        w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+    if arch == "phi3":
+        w.add_rope_dimension_count(config.head_dim)
+    if config.n_experts:
+        w.add_expert_count(config.n_experts)
+        w.add_expert_used_count(config.n_experts_used)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+
+
+def fused_for_gguf(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3's layout: q, k, v in one tensor, gate above up in another (its ffn_up)."""
+    out = dict(state_dict)
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        if p + "attention.wq.weight" in out:
+            out[p + "attention.wqkv.weight"] = torch.cat([out.pop(p + f"attention.w{n}.weight") for n in "qkv"])
+            out[p + "feed_forward.w13.weight"] = torch.cat([out.pop(p + "feed_forward.w1.weight"),
+                                                            out.pop(p + "feed_forward.w3.weight")])
+    return out
+
+
+def fused_blocks(config: ModelConfig, raw: dict[str, tuple[str, np.ndarray]]) -> dict[str, tuple[str, np.ndarray]]:
+    """fused_for_gguf for raw k-quant blocks: the parts' rows one above the other (one type each)."""
+    out = dict(raw)
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        for fused, parts in (("attention.wqkv.weight", ["attention.wq.weight", "attention.wk.weight", "attention.wv.weight"]),
+                             ("feed_forward.w13.weight", ["feed_forward.w1.weight", "feed_forward.w3.weight"])):
+            if all(p + part in out for part in parts):
+                kinds = {out[p + part][0] for part in parts}
+                if len(kinds) != 1:
+                    raise ValueError(f"{p}{fused}: parts of different types {sorted(kinds)} cannot be one tensor")
+                out[p + fused] = (kinds.pop(), np.concatenate([out.pop(p + part)[1] for part in parts]))
+    return out
+
+
 def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random GGUF blocks [rows, bytes per row] of a k-quant type (Q4_K, Q5_K, Q6_K, ...): every
     code the format can hold, with small finite fp16 factors where each format keeps them."""
@@ -179,13 +270,14 @@ def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
 def write_q4_k_m_gguf(path: str | os.PathLike[str], config: ModelConfig, seed: int = 0,
                       tokens: list[str] | None = None) -> Path:
     """A random model laid out as a Q4_K_M file: the layers' linears in Q4_K, their v and down
-    projections in Q6_K (so each fused qkv mixes two types), every other tensor in F32. The
-    layers' widths must be multiples of 256 (a k-quant superblock)."""
+    projections in Q6_K (so each fused qkv mixes two types; Phi-3's one qkv tensor is all Q4_K),
+    every other tensor in F32. The layers' widths must be multiples of 256 (a k-quant superblock)."""
     sd = random_state_dict(config, seed)
     raw = {}
+    six = ("feed_forward.w2.weight",) if config.arch == "phi3" else ("attention.wv.weight", "feed_forward.w2.weight")
     for i, (name, t) in enumerate(sd.items()):
-        if name.startswith("layers.") and t.dim() == 2:
-            kind = "Q6_K" if name.endswith(("attention.wv.weight", "feed_forward.w2.weight")) else "Q4_K"
+        if name.startswith("layers.") and t.dim() == 2 and "router" not in name:  # llama.cpp keeps routers in F32
+            kind = "Q6_K" if name.endswith(six) else "Q4_K"
             raw[name] = (kind, kquant_blocks(kind, *t.shape, seed=seed * 1000 + i))
     return write_gguf(path, config, sd, "F32", tokens=tokens, raw_blocks=raw)
 

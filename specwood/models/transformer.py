@@ -12,11 +12,14 @@ from itertools import groupby
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
 from specwood.models.cache import KVCache, Rows, kv_bytes_per_slot
+from specwood.models.canonical import optional_layer_weights
 from specwood.models.config import ModelConfig
+from specwood.models.layer_kinds import LayerKind, layer_kinds, window_mask
 from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, kernel_layer_ops
 from specwood.models.linears import (Int4Linear, Int8Linear, PackedLinear, cpu_packing_available,
                                      int4_available, int8_available)
@@ -57,9 +60,9 @@ class RowBlock:
     chunks beside decode rows): the linears run on all tokens at once, attention block by block."""
 
     size: tuple[int, int]  # B, T
-    cos: torch.Tensor  # [B, 1, T, head_dim]
+    cos: torch.Tensor  # [B, 1, T, head_dim], of the layer kind's rotary tables
     sin: torch.Tensor
-    mask: torch.Tensor  # [B, 1, T, S] bool on CUDA; an additive [B, 1, groups*T, S] bias on a CPU
+    mask: torch.Tensor  # [B, 1, T, S] bool on CUDA; an additive [B, 1, groups*T, S] bias on a CPU (the kind's window applied)
     slots: torch.Tensor | None  # [T] or [B, T]
     rows: Rows
 
@@ -71,6 +74,10 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one weight read and one kernel launch per layer
         self.wqkv = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        # Qwen3 / Gemma 3: each head of q and k RMS-normed before RoPE (None: nothing to do)
+        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        self.scale = c.attention_scale  # None: 1/sqrt(head_dim)
         self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None, layer: int) -> torch.Tensor:
@@ -86,11 +93,22 @@ class Attention(nn.Module):
 
     def attend(self, qkv: torch.Tensor, blk: RowBlock, cache: KVCache | None, layer: int) -> torch.Tensor:
         """One block's attention: qkv [B, T, (H + 2 H_kv) D] -> [B, T, H D]."""
+        if self.q_norm is not None:
+            qkv = self.normed_qk(qkv)
         q, k, v = self.ops.rope_qk(qkv, blk.cos, blk.sin, self.n_heads, self.n_kv)
         if cache is not None:
             cache.write(layer, blk.slots, k, v, blk.rows)
             k, v = cache.read(layer, blk.mask.shape[-1], blk.rows)
-        return self.ops.attention(q, k, v, blk.mask)
+        return self.ops.attention(q, k, v, blk.mask, self.scale)
+
+    def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [B, T, (H + 2 H_kv) D] with each head of q and k RMS-normed (a new tensor: rope_qk
+        may rotate it in place)."""
+        B, T, _ = qkv.shape
+        heads = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.hd)
+        q = self.q_norm(heads[:, :, :self.n_heads])
+        k = self.k_norm(heads[:, :, self.n_heads:self.n_heads + self.n_kv])
+        return torch.cat([q, k, heads[:, :, self.n_heads + self.n_kv:]], dim=2).view(B, T, -1)
 
 
 class FeedForward(nn.Module):
@@ -104,17 +122,71 @@ class FeedForward(nn.Module):
         return self.w2(self.ops.silu_mul(self.w13(x)))
 
 
-class Block(nn.Module):
+class GeluTanhFeedForward(FeedForward):
+    """Gemma's gated MLP: GELU (tanh approximation) on the gate instead of SiLU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.ops.gelu_tanh_mul(self.w13(x)))
+
+
+FEED_FORWARDS = {"silu": FeedForward, "gelu_tanh": GeluTanhFeedForward}
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k routed experts (Qwen3-MoE): a softmax over the router's logits, the k most likely
+    experts per token (their probabilities renormalised with norm_topk_prob), each expert's
+    SiLU-gated MLP weighted by its probability. Each expert runs once over all the rows routed to
+    it, never once per row; a row's k outputs are summed in expert order whatever else is in the
+    batch, so a token's result does not depend on its neighbours (tree verification stays exact)."""
+
     def __init__(self, c: ModelConfig):
         super().__init__()
+        self.router = nn.Linear(c.dim, c.n_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(c.n_experts, 2 * c.moe_intermediate_size, c.dim))  # gate and up
+        self.w2 = nn.Parameter(torch.empty(c.n_experts, c.dim, c.moe_intermediate_size))
+        self.top_k, self.norm_topk_prob = c.n_experts_used, c.norm_topk_prob
+        self.ops = TORCH_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype).flatten()
+        choices = experts.flatten()  # [N k]: row n's j-th choice at n * k + j
+        order = choices.argsort(stable=True)  # grouped by expert
+        out = torch.zeros_like(flat)
+        start = 0
+        for expert, count in enumerate(torch.bincount(choices, minlength=len(self.w13)).tolist()):
+            if count == 0:
+                continue
+            picks = order[start:start + count]
+            start += count
+            rows = picks // self.top_k
+            hidden = self.ops.silu_mul(F.linear(flat[rows], self.w13[expert]))
+            out.index_add_(0, rows, F.linear(hidden, self.w2[expert]) * weights[picks, None])
+        return out.view(x.shape)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, kind: LayerKind = LayerKind()):
+        super().__init__()
+        self.kind = kind  # which of the forward's row blocks (mask, rotary tables) this layer reads
         self.attention_norm = RMSNorm(c.dim, c.norm_eps)
         self.attention = Attention(c)
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
-        self.feed_forward = FeedForward(c)
+        self.feed_forward = MoEFeedForward(c) if c.n_experts else FEED_FORWARDS[c.hidden_act](c)
+        # Gemma 3: the attention's and the MLP's outputs normed too, before the residual add
+        self.attention_post_norm = RMSNorm(c.dim, c.norm_eps) if c.sandwich_norms else None
+        self.ffn_post_norm = RMSNorm(c.dim, c.norm_eps) if c.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None, layer: int) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), blocks, cache, layer)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if self.attention_post_norm is None:
+            x = x + self.attention(self.attention_norm(x), blocks, cache, layer)
+            return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.attention_post_norm(self.attention(self.attention_norm(x), blocks, cache, layer))
+        return x + self.ffn_post_norm(self.feed_forward(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -132,7 +204,9 @@ class Transformer(nn.Module):
         # on meta the table is not initialised: Embedding's normal_ on meta imports torch._dynamo (~1 s a load)
         table = torch.empty(config.vocab_size, config.dim) if on_meta else None
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=table) if self.is_first else None
-        self.layers = nn.ModuleList(Block(config) for _ in self.layer_range)
+        kinds = layer_kinds(config)
+        self.layers = nn.ModuleList(Block(config, kinds[i]) for i in self.layer_range)
+        self.kinds = tuple(dict.fromkeys(block.kind for block in self.layers))  # each kind once, in order
         self.norm = RMSNorm(config.dim, config.norm_eps) if self.is_last else None
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None
         self.max_positions = max_positions or config.max_position_embeddings
@@ -191,32 +265,46 @@ class Transformer(nn.Module):
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
                cache: KVCache | None = None, slots: torch.Tensor | None = None, rows: Rows = None) -> torch.Tensor:
         """The embeddings (first stage) and this stage's layers: hidden states [B, T, dim]."""
-        blk = self.row_block(tokens.shape[:2], positions, mask, cache, slots, rows)
-        return self.layers_over(self.embed(tokens), [blk], cache)
+        blocks = self.row_blocks(tokens.shape[:2], positions, mask, cache, slots, rows)
+        return self.layers_over(self.embed(tokens), {kind: [blk] for kind, blk in blocks.items()}, cache)
 
     def hidden_packed(self, parts: list[tuple[torch.Tensor, ...]], cache: KVCache) -> torch.Tensor:
         """Several padded blocks (tokens [B, T(, dim)], positions, mask, slots, rows) in one pass
         over the layers: each weight is read once for all of them (a decode step riding along
         with a prefill chunk costs a few rows of compute, not a second pass over the weights).
         Hidden states [N, dim] of every block's B*T tokens, block after block."""
-        blocks = [self.row_block(t.shape[:2], p, m, cache, s, r) for t, p, m, s, r in parts]
+        per_part = [self.row_blocks(t.shape[:2], p, m, cache, s, r) for t, p, m, s, r in parts]
+        blocks = {kind: [b[kind] for b in per_part] for kind in per_part[0]}
         embedded = [self.embed(t).flatten(0, 1) for t, *_ in parts]
         x = embedded[0] if len(embedded) == 1 else torch.cat(embedded)
         return self.layers_over(x[None], blocks, cache)[0]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tok_embeddings(tokens) if self.is_first else tokens
-
-    def layers_over(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None) -> torch.Tensor:
-        for i, block in enumerate(self.layers):
-            x = block(x, blocks, cache, i)
+        if not self.is_first:
+            return tokens
+        x = self.tok_embeddings(tokens)
+        if self.config.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype first
+            x = x * torch.tensor(self.config.embed_scale).to(x.dtype)
         return x
 
+    def layers_over(self, x: torch.Tensor, blocks: dict[LayerKind, list[RowBlock]], cache: KVCache | None
+                    ) -> torch.Tensor:
+        for i, block in enumerate(self.layers):
+            x = block(x, blocks[block.kind], cache, i)
+        return x
+
+    def row_blocks(self, size: tuple[int, int], positions: torch.Tensor, mask: torch.Tensor | None,
+                   cache: KVCache | None, slots: torch.Tensor | None, rows: Rows) -> dict[LayerKind, RowBlock]:
+        """What the layers need of a [B, T] block, built once per forward for each kind of layer
+        this model (or stage) has: rotary tables of its positions ([T] or [B, T]) and its
+        attention mask (bool [T, S] or [B, T, S]; None = causal over the T inputs), cut to the
+        kind's window."""
+        return {kind: self.row_block(size, positions, mask, cache, slots, rows, kind) for kind in self.kinds}
+
     def row_block(self, size: tuple[int, int], positions: torch.Tensor, mask: torch.Tensor | None,
-                  cache: KVCache | None, slots: torch.Tensor | None, rows: Rows) -> RowBlock:
-        """What the layers need of a [B, T] block, built once per forward: rotary tables of its
-        positions ([T] or [B, T]) and its attention mask (bool [T, S] or [B, T, S]; None = causal
-        over the T inputs)."""
+                  cache: KVCache | None, slots: torch.Tensor | None, rows: Rows,
+                  kind: LayerKind = LayerKind()) -> RowBlock:
+        """row_blocks' block for the layers of one kind."""
         T = size[1]
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
@@ -227,9 +315,13 @@ class Transformer(nn.Module):
         mask = mask.unsqueeze(1)  # [B, 1, T, S] broadcasts over heads
         if cache is not None:
             cache.check_room(mask.shape[-1])
+        if kind.window is not None:
+            mask = window_mask(mask, kind.window)
         if mask.device.type != "cuda":
             c = self.config
             mask = cpu_attention_mask(mask, c.n_heads // c.n_kv_heads, self.dtype)
+        if kind.rope:  # the kind's own rotary table, after the global one (rope_tables)
+            positions = positions + kind.rope * self.max_positions
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         return RowBlock((size[0], T), cos, sin, mask, slots, rows)
@@ -244,7 +336,9 @@ class Transformer(nn.Module):
         return self.vocab_logits(x)
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(hidden)).float()
+        logits = self.output(self.norm(hidden)).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a feature-level draft head reads of this model (last stage): the final-normed
@@ -263,7 +357,8 @@ class Transformer(nn.Module):
         """Run norms, RoPE, the gated product and attention through our C++ kernels (CPU, fp32 or
         bf16 activations, shapes they take); True if they are in use."""
         c = self.config
-        if self.device.type != "cpu" or not KernelLayerOps.fits(c.dim, c.head_dim, c.intermediate_size, self.dtype):
+        inter = c.moe_intermediate_size if c.n_experts else c.intermediate_size
+        if self.device.type != "cpu" or not KernelLayerOps.fits(c.dim, c.head_dim, inter, self.dtype):
             return False
         ops = kernel_layer_ops()
         if ops is None:
@@ -457,9 +552,17 @@ class Transformer(nn.Module):
                 if c.qkv_bias:
                     own[q + "attention.wqkv.bias"] = torch.cat([take(p + f"attention.w{n}.bias") for n in "qkv"])
                 own[q + "attention.wo.weight"] = take(p + "attention.wo.weight")
-                own[q + "feed_forward.w13.weight"] = torch.cat([take(p + "feed_forward.w1.weight"),
-                                                                take(p + "feed_forward.w3.weight")])
-                own[q + "feed_forward.w2.weight"] = take(p + "feed_forward.w2.weight")
+                for extra in optional_layer_weights(c):
+                    own[q + extra] = take(p + extra)
+                if c.n_experts:
+                    own[q + "feed_forward.router.weight"] = take(p + "feed_forward.router.weight")
+                    own[q + "feed_forward.w13"] = torch.cat([take(p + "feed_forward.experts.w1.weight"),
+                                                             take(p + "feed_forward.experts.w3.weight")], dim=1)
+                    own[q + "feed_forward.w2"] = take(p + "feed_forward.experts.w2.weight")
+                else:
+                    own[q + "feed_forward.w13.weight"] = torch.cat([take(p + "feed_forward.w1.weight"),
+                                                                    take(p + "feed_forward.w3.weight")])
+                    own[q + "feed_forward.w2.weight"] = take(p + "feed_forward.w2.weight")
                 put(own)
                 del own
                 if after_layer is not None:
@@ -494,12 +597,22 @@ class Transformer(nn.Module):
                 for n, b in zip("qkv", blk.attention.wqkv.bias.data.split(sizes)):
                     put(p + f"attention.w{n}.bias", b)
             put(p + "attention.wo.weight", blk.attention.wo.weight.data)
-            w1, w3 = blk.feed_forward.w13.weight.data.split(c.intermediate_size)
-            put(p + "feed_forward.w1.weight", w1)
-            put(p + "feed_forward.w3.weight", w3)
-            put(p + "feed_forward.w2.weight", blk.feed_forward.w2.weight.data)
+            if c.n_experts:
+                ff = blk.feed_forward
+                put(p + "feed_forward.router.weight", ff.router.weight.data)
+                w1, w3 = ff.w13.data.split(c.moe_intermediate_size, dim=1)
+                put(p + "feed_forward.experts.w1.weight", w1)
+                put(p + "feed_forward.experts.w3.weight", w3)
+                put(p + "feed_forward.experts.w2.weight", ff.w2.data)
+            else:
+                w1, w3 = blk.feed_forward.w13.weight.data.split(c.intermediate_size)
+                put(p + "feed_forward.w1.weight", w1)
+                put(p + "feed_forward.w3.weight", w3)
+                put(p + "feed_forward.w2.weight", blk.feed_forward.w2.weight.data)
             put(p + "attention_norm.weight", blk.attention_norm.weight.data)
             put(p + "ffn_norm.weight", blk.ffn_norm.weight.data)
+            for extra in optional_layer_weights(c):
+                put(p + extra, blk.get_submodule(extra.removesuffix(".weight")).weight.data)
         return sd
 
 

@@ -1,0 +1,374 @@
+"""The architectures beyond the Llama family's first three (docs/models.md): tiny random models made
+by transformers' own classes, saved with save_pretrained and written as llama.cpp-style GGUFs, run
+by us with transformers' fp32 logits (1e-4 over >= 64 positions, past the sliding window where
+there is one) and greedy tokens; every speculative method token-identical to our `ar` on them;
+bad files and unknown types give one-line errors."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import perturbed_copy
+from specwood.errors import ModelFileError
+from specwood.models.config import ModelConfig
+from specwood.models.gguf_loader import load_gguf
+from specwood.models.hf_loader import load_hf_folder
+from specwood.models.layer_kinds import LayerKind, layer_kinds, window_mask
+from specwood.models.testing import make_tiny_tokenizer, write_gguf
+from specwood.models.transformer import build_model
+from test_hf_parity import hf_greedy, our_greedy
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 264  # the tiny tokenizer's 259 tokens, padded
+N_POSITIONS = 96  # > 64 positions compared, past Gemma's window of 8
+
+
+def hf_tiny(arch: str):
+    """A tiny random model of transformers' own class for `arch`, with weights scaled so that
+    activations stay O(1) (the default init's 0.02 would make every logit nearly equal)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=None)
+    if arch == "qwen3":  # head_dim 32 is not hidden / heads = 16
+        cfg = transformers.Qwen3Config(**common, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3moe":  # 8 experts of width 32, 2 a token, their probabilities renormalised
+        cfg = transformers.Qwen3MoeConfig(**common, num_hidden_layers=2, head_dim=32, num_experts=8,
+                                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "gemma3":  # a global layer among sliding ones of window 8, each on its own RoPE base
+        cfg = transformers.Gemma3TextConfig(
+            **common, num_hidden_layers=4, head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            final_logit_softcapping=30.0,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        cls = transformers.Gemma3ForCausalLM
+    else:  # phi3: fused qkv and gate-up, LongRoPE pretrained on 128 positions, 256 in all
+        g = torch.Generator().manual_seed(11)
+        common["max_position_embeddings"] = 256
+        cfg = transformers.Phi3Config(
+            **common, num_hidden_layers=2, tie_word_embeddings=False, original_max_position_embeddings=128,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                             "short_factor": (1 + torch.rand(8, generator=g)).tolist(),
+                             "long_factor": (1 + 4 * torch.rand(8, generator=g)).tolist()})
+        cls = transformers.Phi3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms: around 1 (Gemma's are stored as w in 1 + w)
+                p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
+_files: dict[str, tuple] = {}
+
+
+def files_for(arch: str, tmp_path_factory) -> tuple:
+    """(arch, the transformers model, its save_pretrained folder, the same weights as a GGUF),
+    made once per test module run."""
+    if arch not in _files:
+        hf = hf_tiny(arch)
+        folder = tmp_path_factory.mktemp(arch) / "hf"
+        hf.save_pretrained(folder)
+        config, sd = load_hf_folder(folder, torch.float32)
+        _files[arch] = arch, hf, folder, write_gguf(folder.parent / f"{arch}.gguf", config, sd, "F32")
+    return _files[arch]
+
+
+ARCHS = ["qwen3", "gemma3", "phi3", "qwen3moe"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny_files(request, tmp_path_factory):
+    return files_for(request.param, tmp_path_factory)
+
+
+def positions_for(arch: str) -> int:
+    return 128 if arch == "phi3" else 512  # Phi-3: within its pretrained length, the short factors
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_logits_and_greedy_tokens_match_transformers(tiny_files, source):
+    arch, hf, folder, gguf = tiny_files
+    config, sd = load_hf_folder(folder, torch.float32) if source == "hf" else load_gguf(gguf, torch.float32)
+    assert config.arch == arch
+    ours = build_model(config, sd, torch.float32, max_positions=positions_for(arch))
+    tokens = torch.randint(0, VOCAB, (1, N_POSITIONS), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = hf(tokens).logits
+        diff = (ours(tokens, torch.arange(N_POSITIONS)) - expected).abs().max().item()
+        assert diff <= 1e-4, diff
+        assert expected.std() > 0.5  # logits that tell tokens apart: the comparison means something
+        prompt = tokens[0, :8].tolist()
+        assert our_greedy(ours, prompt, 64) == hf_greedy(hf, prompt, 64)
+
+
+def test_phi3_long_factors_past_the_pretrained_length(tmp_path_factory):
+    """Built for more positions than it was pretrained on, Phi-3 runs LongRoPE's long factors (and
+    the attention factor), as transformers does over a sequence that long; the short ones differ."""
+    _, hf, folder, _ = files_for("phi3", tmp_path_factory)
+    config, sd = load_hf_folder(folder, torch.float32)
+    long_model = build_model(config, sd, torch.float32, max_positions=256)
+    short_model = build_model(config, sd, torch.float32, max_positions=128)
+    tokens = torch.randint(0, VOCAB, (1, 160), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = hf(tokens).logits
+        assert (long_model(tokens, torch.arange(160)) - expected).abs().max().item() <= 1e-4
+        short = tokens[:, :100]
+        assert (long_model(short, torch.arange(100)) - hf(short).logits).abs().max().item() > 1e-2
+        assert (short_model(short, torch.arange(100)) - hf(short).logits).abs().max().item() <= 1e-4
+
+
+def test_config_read_from_the_folder(tiny_files):
+    arch, hf, folder, gguf = tiny_files
+    config, _ = load_hf_folder(folder, torch.float32)
+    from_gguf, _ = load_gguf(gguf, torch.float32)
+    kinds = layer_kinds(config)
+    if arch == "qwen3":
+        assert config.head_dim == 32 and config.qk_norm and not config.qkv_bias and config.tie_embeddings
+    if arch == "gemma3":
+        assert kinds == [LayerKind(8, 1), LayerKind(8, 1), LayerKind(None, 0), LayerKind(8, 1)]
+        assert config.sandwich_norms and config.hidden_act == "gelu_tanh" and config.final_logit_softcap == 30.0
+        assert config.rope_scaling["rope_type"] == "linear" and config.rope_local_theta == 1e4
+        assert math.isclose(config.embed_scale, 8.0) and math.isclose(config.attention_scale, 32 ** -0.5)
+    if arch == "phi3":
+        assert config.rope_scaling["rope_type"] == "longrope" and len(config.rope_scaling["long_factor"]) == 8
+    if arch == "qwen3moe":
+        assert (config.n_experts, config.n_experts_used, config.moe_intermediate_size) == (8, 2, 32)
+        assert config.norm_topk_prob and config.qk_norm
+    assert layer_kinds(from_gguf) == kinds
+    for field in ("head_dim", "qk_norm", "sandwich_norms", "hidden_act", "tie_embeddings", "rope_local_theta",
+                  "final_logit_softcap", "rope_theta", "n_experts", "n_experts_used", "moe_intermediate_size"):
+        assert getattr(from_gguf, field) == getattr(config, field), field
+
+
+# ----------------------------------------------------------------------------- speculative methods
+
+METHODS = ["chain", "dyspec", "sequoia", "pld", "suffix", "early-exit"]
+
+
+def test_every_method_matches_autoregressive(tiny_files):
+    from specwood.engine.api import Engine
+
+    arch, _, folder, _ = tiny_files
+    config, sd = load_hf_folder(folder, torch.float32)
+    target = build_model(config, sd, torch.float32, max_positions=positions_for(arch))
+    engine = Engine(target, make_tiny_tokenizer(), draft=perturbed_copy(target, 0.3, seed=1))
+    prompts = ["def add(a, b):", "1, 2, 3, 1, 2, 3, 1, 2,"]
+    for prompt in prompts:
+        ref = engine.generate(prompt, max_tokens=40, raw=True)
+        assert len(ref.token_ids) == 40 or ref.finish_reason == "stop"
+        for method in METHODS:
+            out = engine.generate(prompt, max_tokens=40, raw=True, method=method)
+            assert out.token_ids == ref.token_ids, (arch, method, prompt)
+
+
+def test_bf16_runs_close_to_fp32_and_stays_lossless(tiny_files):
+    """bf16 weights and activations (packed linears, the layer kernels): logits near fp32's, and
+    speculative decoding token-identical to bf16 ar."""
+    from specwood.engine.api import Engine
+
+    arch, _, folder, _ = tiny_files
+    models = {dtype: build_model(*load_hf_folder(folder, dtype), dtype, max_positions=positions_for(arch))
+              for dtype in (torch.float32, torch.bfloat16)}
+    assert models[torch.bfloat16].weight_mode == "bf16"
+    tokens = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        full, half = (models[d](tokens, torch.arange(64)) for d in (torch.float32, torch.bfloat16))
+    assert ((half - full).norm() / full.norm()).item() < 0.1  # a MoE router's choice may flip in bf16
+    assert (half.argmax(-1) == full.argmax(-1)).float().mean().item() > 0.8
+    target = models[torch.bfloat16]
+    engine = Engine(target, make_tiny_tokenizer(), draft=perturbed_copy(models[torch.float32], 0.3, seed=1))
+    ref = engine.generate("def add(a, b):", max_tokens=32, raw=True)
+    for method in ("chain", "dyspec", "pld"):
+        assert engine.generate("def add(a, b):", max_tokens=32, raw=True, method=method).token_ids == ref.token_ids
+
+
+# ----------------------------------------------------------------------------- sliding windows
+
+
+def test_window_counts_from_each_tree_nodes_own_position():
+    """A tree node's window is the last W tokens of its own path: prefix slots then its ancestors."""
+    prefix = 5
+    # two branches after the prefix: slot 5 -> 6 -> 7 and slot 5 -> 8
+    parents = {5: None, 6: 5, 7: 6, 8: 5}
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    for row, node in enumerate([5, 6, 7, 8]):
+        mask[row, :prefix] = True
+        while node is not None:
+            mask[row, node] = True
+            node = parents[node]
+    cut = window_mask(mask, 3)
+    assert cut[2].nonzero().flatten().tolist() == [5, 6, 7]  # depth 3: its own path only
+    assert cut[3].nonzero().flatten().tolist() == [4, 5, 8]  # position 6: the prefix's last, its parent, itself
+    assert cut[0].nonzero().flatten().tolist() == [3, 4, 5]
+
+
+def test_tree_forward_equals_path_forwards_on_sliding_layers(tmp_path_factory):
+    """Verifying a tree in one forward gives each node the logits of a plain forward along its
+    path, on a model whose sliding window (8) the prompt and paths run past."""
+    _, _, folder, _ = files_for("gemma3", tmp_path_factory)
+    config, sd = load_hf_folder(folder, torch.float32)
+    model = build_model(config, sd, torch.float32, max_positions=64)
+    prompt = list(range(10, 22))
+    n = len(prompt)
+    paths = {0: [30], 1: [30, 31], 2: [30, 31, 32], 3: [30, 40], 4: [50]}  # node -> its path's tokens
+    parents = {0: None, 1: 0, 2: 1, 3: 0, 4: None}
+    cache = model.new_cache(64)
+    from specwood.models.prefill import prefill
+
+    prefill(model, cache, prompt)
+    mask = torch.zeros(len(paths), n + len(paths), dtype=torch.bool)
+    mask[:, :n] = True
+    for node in paths:
+        a = node
+        while a is not None:
+            mask[node, n + a] = True
+            a = parents[a]
+    tokens = torch.tensor([[paths[i][-1] for i in range(len(paths))]])
+    positions = torch.tensor([n + len(paths[i]) - 1 for i in range(len(paths))])
+    with torch.inference_mode():
+        tree = model(tokens, positions, mask, cache, torch.arange(n, n + len(paths)))[0]
+        for node, path in paths.items():
+            full = torch.tensor([prompt + path])
+            plain = model(full, torch.arange(full.shape[1]))[0, -1]
+            assert (tree[node] - plain).abs().max().item() <= 1e-4, node
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_qk_norm_names_the_tensor(tmp_path):
+    from specwood.models.testing import random_state_dict, random_tiny_config
+
+    cfg = random_tiny_config("qwen3")
+    sd = random_state_dict(cfg)
+    del sd["layers.1.attention.q_norm.weight"]
+    path = write_gguf(tmp_path / "q.gguf", cfg, sd, "F32")
+    with pytest.raises(ModelFileError) as e:
+        load_gguf(path, torch.float32)
+    assert "layers.1.attention.q_norm.weight" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tensor_not_matching_metadata_names_it(tmp_path):
+    from specwood.models.testing import random_state_dict, random_tiny_config
+
+    cfg = random_tiny_config("gemma3")
+    sd = random_state_dict(cfg)
+    sd["layers.2.attention.k_norm.weight"] = torch.ones(16)  # head_dim is 32
+    path = write_gguf(tmp_path / "g.gguf", cfg, sd, "F32")
+    with pytest.raises(ModelFileError, match="layers.2.attention.k_norm.weight") as e:
+        load_gguf(path, torch.float32)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_architecture_lists_the_ones_we_run(tmp_path):
+    from specwood.models.testing import random_state_dict, random_tiny_config
+
+    cfg = random_tiny_config("llama")
+    path = write_gguf(tmp_path / "x.gguf", cfg, random_state_dict(cfg), "F32", arch="gemma2")
+    with pytest.raises(ModelFileError) as e:
+        load_gguf(path, torch.float32)
+    msg = str(e.value)
+    assert "'gemma2'" in msg and all(a in msg for a in ("qwen3", "gemma3", "phi3")) and "\n" not in msg
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"layer_types": ["chunked_attention", "full_attention"]}, "unsupported layer type 'chunked_attention'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling type 'yarn'"),
+    ({"hidden_act": "relu"}, "unsupported MLP activation 'relu'"),
+    ({"partial_rotary_factor": 0.5}, "partial rotary"),
+])
+def test_unknown_types_are_one_line_errors(change, match):
+    cfg = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "intermediate_size": 64, **change}
+    with pytest.raises(ModelFileError, match=match) as e:
+        config = ModelConfig.from_hf(cfg)
+        build_model(config, {}, torch.float32)  # RoPE types are checked when the tables are built
+    assert "\n" not in str(e.value)
+
+
+def test_gemma3_query_scalar_and_pattern_from_an_older_config_json():
+    """transformers < 5 config.json: rope_local_base_freq and sliding_window_pattern."""
+    cfg = {"model_type": "gemma3_text", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 12,
+           "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 64,
+           "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+           "query_pre_attn_scalar": 24, "rope_scaling": None}
+    config = ModelConfig.from_hf(cfg)
+    globals_ = [i for i, k in enumerate(layer_kinds(config)) if k.window is None]
+    assert globals_ == [5, 11] and config.rope_local_theta == 1e4
+    assert math.isclose(config.attention_scale, 24 ** -0.5) and config.tie_embeddings
+    json.dumps(config.to_dict())  # stays serialisable
+
+
+# ----------------------------------------------------------------------------- the GGUF k-quant mode
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch, arch):
+    """q4 (the default for a GGUF on a CPU with the kernels) on a Q4_K_M-style file: every layer
+    linear runs on the k-quant kernels as the file stores it (Phi-3's fused qkv and gate-up split
+    by rows), their dequantised values equal the fp32 load's, and speculative decoding stays
+    token-identical to ar."""
+    from specwood.engine.api import load
+    from specwood.models import loader
+    from specwood.models.testing import longrope_scaling, random_tiny_config, write_q4_k_m_gguf
+    from specwood.models.w4a8 import KQuantLinear, q4_unavailable_reason
+
+    if q4_unavailable_reason() is not None:
+        pytest.skip(str(q4_unavailable_reason()))
+    monkeypatch.setattr(loader, "load_tokenizer", lambda path: make_tiny_tokenizer())
+    sizes = dict(vocab_size=VOCAB, dim=256, intermediate_size=512, n_heads=4, n_kv_heads=2, eos_token_ids=[256],
+                 bos_token_id=None, max_position_embeddings=128)
+    head_dim = {"qwen3": 128, "gemma3": 64, "phi3": 64, "qwen3moe": 64}[arch]
+    extra = {"gemma3": {"attention_scale": head_dim ** -0.5, "embed_scale": 16.0},
+             "phi3": {"rope_scaling": longrope_scaling(head_dim // 2)},
+             "qwen3moe": {"n_experts": 32}}.get(arch, {})
+    cfg = random_tiny_config(arch, head_dim=head_dim, **sizes, **extra)
+    path = str(write_q4_k_m_gguf(tmp_path / f"{arch}.gguf", cfg, seed=5))
+    q4 = load(path, None, dtype="q4", progress=False)
+    assert q4.target.weight_mode == "q4"
+    assert not [n for n in q4.target.weights_in_floats if n.startswith("layers.")]  # the F32 token table may be
+    for block in q4.target.layers:
+        assert isinstance(block.attention.wqkv, KQuantLinear) or type(block.attention.wqkv).__name__ == "StackedLinear"
+        # a Mixture-of-Experts layer's router (F32 in the file, as llama.cpp keeps it) and experts stay in floats
+        assert arch == "qwen3moe" or isinstance(block.feed_forward.w2, KQuantLinear)
+    reference = load(path, None, dtype="fp32", progress=False).target.canonical_state_dict()
+    exported = q4.target.canonical_state_dict(torch.float32)
+    for name, ref in reference.items():
+        if name.startswith("layers.") and ref.dim() == 2 and "router" not in name:  # the file's k-quants
+            assert torch.equal(exported[name], ref), name
+        else:  # kept in floats, in the activations' dtype
+            assert torch.equal(exported[name], ref.to(q4.dtype).float()), name
+    prompt = "def add(a, b):"
+    ref = q4.generate(prompt, max_tokens=24, raw=True)
+    for method in ("pld", "early-exit"):
+        assert q4.generate(prompt, max_tokens=24, raw=True, method=method).token_ids == ref.token_ids, method
+
+
+def test_mistral_sliding_window_now_applies():
+    """Mistral v0.1's window (every layer sliding) is honoured through the same layer kinds:
+    transformers' logits past the window, which the forward ignored before."""
+    from specwood.models.hf_export import to_hf_model
+    from specwood.models.testing import random_state_dict, random_tiny_config
+
+    cfg = random_tiny_config("mistral", vocab_size=VOCAB, sliding_window=8)
+    assert set(layer_kinds(cfg)) == {LayerKind(8, 0)}
+    sd = random_state_dict(cfg, seed=4)
+    ours, hf = build_model(cfg, sd, torch.float32), to_hf_model(cfg, sd, torch.float32)
+    unwindowed = build_model(random_tiny_config("mistral", vocab_size=VOCAB), sd, torch.float32)
+    tokens = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = hf(tokens).logits
+        assert (ours(tokens, torch.arange(64)) - expected).abs().max().item() <= 1e-4
+        assert (unwindowed(tokens, torch.arange(64)) - expected).abs().max().item() > 1e-2
