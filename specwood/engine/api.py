@@ -421,7 +421,9 @@ def check_q4(device: str) -> None:
 
 
 def gguf_is_q4k(name_or_path: str | os.PathLike[str]) -> bool:
-    """True for a GGUF model (a registry name or a file) whose layers' matmul weights are mostly Q4_K."""
+    """True for a GGUF model (a registry name or a file) whose layers' matmul weights are mostly Q4_K,
+    or all in types the q4 mode runs as stored (llama.cpp's Q4_K_M of a small model such as Gemma 3
+    270M keeps most of them in Q5_0 and Q8_0: on the kernels as stored, not decoded to bf16)."""
     from gguf.constants import GGMLQuantizationType as Q
 
     from specwood.models.gguf_file import canonical_name, read_gguf_header
@@ -434,7 +436,8 @@ def gguf_is_q4k(name_or_path: str | os.PathLike[str]) -> bool:
     types = [info.ggml_type for gname, info in read_gguf_header(path).tensors.items()
              if (c := canonical_name(gname)) and c.endswith(".weight") and layer_index(c) is not None
              and len(info.shape) == 2]
-    return bool(types) and 2 * sum(t == Q.Q4_K for t in types) > len(types)
+    as_stored = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0}  # gguf_kquants.kquant_weights
+    return bool(types) and (2 * sum(t == Q.Q4_K for t in types) > len(types) or all(t in as_stored for t in types))
 
 
 def row_exact_attention_here() -> bool:
