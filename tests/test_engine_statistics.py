@@ -18,10 +18,12 @@ Zen 3 VM without AVX512 (2026-11-28, CI drew one) ar 814, pld 486, the draft-mod
 so at 50,000 requests per case this file (18 law cases + 4 biased runs) took 69 min of one core
 there, half the whole suite's time. At 50,000 the biased verifier (+0.05) gave p = 6e-43 (chain),
 2e-128 (dyspec), 9e-107 (head), 0 (eagle); at 25,000, measured on that CPU: 3e-18 (chain), 4e-63
-(dyspec), 6e-40 (head), 2e-190 (eagle), and 3e-26 for copied chains, all far below P_BIASED: 25,000
-it is, for law and biased runs alike (the bias the tests must see is seen by orders of magnitude). The verifiers themselves
-are held to >= 200,000 samples (tests/test_verify_statistics.py), as is the parallel executor
-(tests/test_parallel.py).
+(dyspec), 6e-40 (head), 2e-190 (eagle), and 3e-26 for copied chains: 25,000 it is, for law and
+biased runs alike. That is the floor, not a margin: p falls exponentially with n, and from chain's
+3e-18 the G-test catches +0.05 with ~99.97% power at 25,000 but ~50% at 12,500 (tests/stat_power.py;
+the smallest bias caught with 99% power is 0.045 at 25,000, docs/testing.md). The verifiers themselves
+are held to >= 200,000 samples (tests/test_verify_statistics.py); the parallel executor's G-tests run
+50,000 requests, sized the same way (tests/test_parallel.py).
 """
 from __future__ import annotations
 
