@@ -42,5 +42,6 @@ if __name__ == "__main__":
     p, n, df, bias = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     lam1 = per_sample_noncentrality(p, n, df)
     for n_new in [n] + [int(x) for x in sys.argv[5:]]:
+        caught = smallest_bias(lam1, n_new, df, bias)
         print(f"n={n_new}: expected p {expected_p(lam1, n_new, df):.2g}, power at +{bias} "
-              f"{power(lam1, n_new, df):.6f}, smallest bias caught (99% power) {smallest_bias(lam1, n_new, df, bias):.4f}")
+              f"{power(lam1, n_new, df):.6f}, smallest bias caught (99% power) {caught:.4f}")
