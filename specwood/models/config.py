@@ -52,7 +52,7 @@ class ModelConfig:
         if self.arch not in SUPPORTED_ARCHS:
             raise ModelFileError(
                 f"unsupported architecture '{self.arch}' (specwood runs {', '.join(SUPPORTED_ARCHS)}); "
-                "use a Llama, SmolLM2, Qwen2/Qwen2.5 or Mistral checkpoint"
+                "use a checkpoint of one of these (docs/models.md)"
             )
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size"):
             value = getattr(self, name)

@@ -94,20 +94,48 @@ class DeviceModel:
                    for n, tokens in draft_forwards(method, x))
 
 
-def forward_ops(cfg: ModelConfig, x: int, ctx: int) -> list[tuple[int, int, int, int, str]]:
+def forward_ops(cfg: ModelConfig, x: int, ctx: int) -> list[tuple[float, int, int, float, str]]:
     """(M, K, N, count, operand) for every matmul of a forward; operand "w" = weights, "kv" = cache.
-    Attention groups the query heads that share a KV head (GQA), so M = x * group."""
+    Attention groups the query heads that share a KV head (GQA), so M = x * group. A sliding
+    layer's queries read at most its window. MoE layers (`moe_ops`) read only the experts routed to."""
     hd, nh, nkv, d, inter, layers = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.dim, cfg.intermediate_size, cfg.n_layers
     group = nh // nkv
-    span = ctx + x
+    spans = [ctx + x if kind == "full_attention" or not cfg.sliding_window else min(ctx, cfg.sliding_window) + x
+             for kind in (cfg.layer_types or ["full_attention"] * layers)]
+    mlp = moe_ops(cfg, x) if cfg.n_experts else [
+        (x, d, 2 * inter, layers, "w"),  # gate + up
+        (x, inter, d, layers, "w"),  # down
+    ]
+    attention = [op for span in sorted(set(spans)) for op in (
+        (x * group, hd, span, spans.count(span) * nkv, "kv"),  # Q K^T
+        (x * group, span, hd, spans.count(span) * nkv, "kv"))]  # P V
     return [
         (x, d, (nh + 2 * nkv) * hd, layers, "w"),  # q, k, v
         (x, nh * hd, d, layers, "w"),  # attention output
-        (x, d, 2 * inter, layers, "w"),  # gate + up
-        (x, inter, d, layers, "w"),  # down
-        (x * group, hd, span, layers * nkv, "kv"),  # Q K^T
-        (x * group, span, hd, layers * nkv, "kv"),  # P V
+        *mlp,
+        *attention,
         (x, d, cfg.vocab_size, 1, "w"),  # LM head
+    ]
+
+
+def expected_experts(n_experts: int, used: int, tokens: int) -> float:
+    """The expected number of distinct experts `tokens` rows wake when each routes to `used` of
+    `n_experts` uniformly: E (1 - (1 - k/E)^x). The bound a tree's verify reads under uniform
+    routing; real routers concentrate (fewer experts), so it is the planner's pessimistic side."""
+    return n_experts * (1.0 - (1.0 - used / n_experts) ** tokens)
+
+
+def moe_ops(cfg: ModelConfig, x: int) -> list[tuple[float, int, int, float, str]]:
+    """A MoE layer's matmuls over x rows: the router, then each woken expert once over the rows
+    routed to it (grouped, as the model runs them): the weights of the expected union of experts
+    are read, and x * k rows of expert work are done in all."""
+    d, inter, layers = cfg.dim, cfg.moe_intermediate_size, cfg.n_layers
+    woken = expected_experts(cfg.n_experts, cfg.n_experts_used, x)
+    rows = x * cfg.n_experts_used / woken  # rows per woken expert, on average
+    return [
+        (x, d, cfg.n_experts, layers, "w"),  # the router
+        (rows, d, 2 * inter, layers * woken, "w"),  # each woken expert's gate + up
+        (rows, inter, d, layers * woken, "w"),  # and down
     ]
 
 
@@ -218,10 +246,18 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": _cfg("qwen2", 151936, 896, 24, 14, 2, 4864, tie=True, name="qwen2.5-0.5b"),
     "qwen2.5-1.5b": _cfg("qwen2", 151936, 1536, 28, 12, 2, 8960, tie=True, name="qwen2.5-1.5b"),
     "qwen2.5-7b": _cfg("qwen2", 152064, 3584, 28, 28, 4, 18944, name="qwen2.5-7b"),
+    "qwen3-0.6b": replace(_cfg("qwen3", 151936, 1024, 28, 16, 8, 3072, tie=True, name="qwen3-0.6b", ctx=40960),
+                          head_dim=128, qk_norm=True),
+    "qwen3-8b": replace(_cfg("qwen3", 151936, 4096, 36, 32, 8, 12288, name="qwen3-8b", ctx=40960),
+                        head_dim=128, qk_norm=True),
+    "qwen3-30b-a3b": replace(_cfg("qwen3moe", 151936, 2048, 48, 32, 4, 6144, name="qwen3-30b-a3b", ctx=40960),
+                             head_dim=128, qk_norm=True, n_experts=128, n_experts_used=8, moe_intermediate_size=768,
+                             norm_topk_prob=True),
 }
 # analytic default drafts: a same-family small model, else an EAGLE/LongSpec-style one-layer draft
 DEFAULT_DRAFTS = {"llama2-7b": "llama-68m", "llama2-13b": "llama-68m", "vicuna-7b": "llama-68m",
-                  "vicuna-13b": "llama-68m", "qwen2.5-1.5b": "qwen2.5-0.5b", "qwen2.5-7b": "qwen2.5-0.5b"}
+                  "vicuna-13b": "llama-68m", "qwen2.5-1.5b": "qwen2.5-0.5b", "qwen2.5-7b": "qwen2.5-0.5b",
+                  "qwen3-8b": "qwen3-0.6b", "qwen3-30b-a3b": "qwen3-0.6b"}
 
 
 def one_layer_draft(target: ModelConfig) -> ModelConfig:
