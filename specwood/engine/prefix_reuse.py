@@ -9,8 +9,8 @@ tokens of both rows are kept (`keep`); a cancelled or failed request leaves noth
 
 Where it applies: the target on our torch runtime, unless the request's draft head reads the
 target's features (it must see every prompt token's); a draft model on a shared pool whose rows
-hold its K/V of the context tokens alone (`DraftSource.shares_prefixes`: ModelDraftSource). Other sources (n-gram lookup, llama.cpp drafts, draft heads) prefill as
-before.
+hold its K/V of the context tokens alone (`DraftSource.shares_prefixes`: ModelDraftSource).
+Other sources (n-gram lookup, llama.cpp drafts, draft heads) prefill as before.
 
 Reuse stays within a request's cache scope (Request.cache_scope: a server's tenant and
 `cache_salt`): entries, running rows and newcomers of another scope are never matched, so no
