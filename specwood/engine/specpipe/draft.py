@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specwood.engine.specpipe.state import Level, StageKV, TreeMirror, LevelVerdict, run_levels
+from specwood.engine.specpipe.state import Level, LevelVerdict, StageKV, TreeMirror, run_levels
 
 
 class FixedWidthSource:

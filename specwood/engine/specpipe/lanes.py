@@ -12,7 +12,7 @@ import torch
 from specwood.engine.output import GenerationResult, OutputStream
 from specwood.engine.specpipe.draft import FixedWidthSource
 from specwood.engine.specpipe.jobs import PROMPT_CHUNK, Job
-from specwood.engine.specpipe.state import NONE, Level, StageKV, TreeMirror, LevelVerdict
+from specwood.engine.specpipe.state import NONE, Level, LevelVerdict, StageKV, TreeMirror
 from specwood.tree.token_tree import TokenTree
 
 
