@@ -260,7 +260,7 @@ class LookupOrModelShape(TreeShape):
         self.model_shape = model_shape
         self.k = k
         self.chain_length = chain_length
-        self.name = f"lookup+{model_shape.name if model_shape is not None else 'ar'}"
+        self.name = f"lookup+{getattr(model_shape, 'name', 'ar')}"
         self.copied = 0  # the chain length of the last draft (0: the model drafted)
 
     def draft(self, context: list[int], root: int, params: Any, generator: Any) -> Any:
