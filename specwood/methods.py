@@ -8,8 +8,9 @@ the planner.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
+from specwood.drafting.shapes import needs_model
 from specwood.engine.executor import EXECUTORS
 from specwood.engine.request import Drafter
 from specwood.errors import SpecwoodError
@@ -45,6 +46,22 @@ class Method:
 
 
 _REGISTRY: dict[str, Method] = {}
+
+
+class MethodTable(Protocol):
+    """A server's table of the methods its requests may name, and what each runs with: on an
+    engine, prepared drafter factories (specwood.serve.app's `_Methods`); on the pipeline
+    executor, its modes and trees (specwood.serve.pipeline_methods.PipelineMethods)."""
+
+    default: str  # what a request that names no method runs
+    names: list[str]  # what a request may name
+
+    def cached(self, name: str | None) -> tuple[str, Any] | None:
+        """(the method's canonical name, what it runs with) where ready now (None: `prepare` it
+        first, off the event loop); `name` None: the default. A bad name raises ProtocolError."""
+
+    def prepare(self, name: str) -> tuple[str, Any]:
+        """Blocking: make `name` ready (once) and return what `cached` would."""
 
 
 def register(method: Method) -> Method:
@@ -154,7 +171,8 @@ def _shape_method(name: str, needs_draft: bool, options: tuple[str, ...]) -> Met
             return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(None, shape)
         return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(sources(engine.draft_model), shape)
 
-    executors = ("sequential",) if name == "pld" else ("sequential", "pipeline")  # pipeline: PP + SpecInfer
+    # the pipeline runs PP + SpecInfer: a tree drafted by its draft model
+    executors = ("sequential", "pipeline") if needs_draft else ("sequential",)
     return Method(name, SHAPE_SUMMARIES[name], needs_draft, options, prepare, executors=executors)
 
 
@@ -214,7 +232,7 @@ def _prepare_head(engine: Any, options: dict[str, Any]) -> DrafterFactory:
 
 register(Method("ar", "plain autoregressive decoding (the baseline)", False, (), _prepare_ar))
 for _name, _opts in SHAPE_OPTIONS.items():
-    register(_shape_method(_name, _name != "pld", _opts))
+    register(_shape_method(_name, needs_model(_name), _opts))
 register(Method("early-exit", "experimental: the target's first layers + its head draft a chain (no trained exit "
                 "adapter: AAT ~1.0, slower than ar)", False,
                 ("exit_layer", "shape", "budget", "depth", "topk", "threshold", "branching", "acceptance"),

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
+from specwood.drafting.base import TreeShape
 from specwood.drafting.shapes import make_shape
 from specwood.engine.api import Engine
 from specwood.engine.request import Drafter, Request, State
@@ -365,7 +366,7 @@ def test_real_pair_mixed_batch_equals_ar(real_pair_engine_fp32):
 # 3. the cache pools after 1,000 requests admitted, finished, cancelled and failed
 
 
-class RaisingShape:
+class RaisingShape(TreeShape):
     """Drafts like `inner` for `good_steps` steps, then raises (after a draft call, so the
     failure comes from the request's own drafting code, not from a shared forward)."""
 
@@ -543,7 +544,7 @@ def test_cache_pools_survive_a_thousand_requests(tiny_engine):
 # 4. one request's failure stays its own
 
 
-class BadTreeShape:
+class BadTreeShape(TreeShape):
     """Drafts like `inner` for `good_steps` steps, then breaks in the way `how` says."""
 
     name = "bad"

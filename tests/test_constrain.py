@@ -107,15 +107,14 @@ def test_the_drafter_goes_on_from_the_end_of_a_forced_run(tiny_pair, tiny_tokeni
     import specwood.engine.sequential as sequential
 
     engine = Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.target)
-    real, grafted = sequential.verify_tree, []
+    real, grafted = sequential.commit, []
 
-    def watch(request, tree, logits):  # an observer around the real verifier
-        proc = request.processors
-        if proc is not None and proc.forced_tree is tree and len(tree) > proc.forced_len + 1:
-            grafted.append((proc.forced_len, len(tree)))
-        return real(request, tree, logits)
+    def watch(cache, request, tree, verdict, cost, forced=0):  # an observer around the real commit
+        if forced and len(tree) > forced + 1:  # a tree that starts with a forced run of `forced` nodes
+            grafted.append((forced, len(tree)))
+        return real(cache, request, tree, verdict, cost, forced)
 
-    monkeypatch.setattr(sequential, "verify_tree", watch)
+    monkeypatch.setattr(sequential, "commit", watch)
     for grammar in (GRAMMARS["forced"], GRAMMARS["json"]):
         ref = engine.generate("x", max_tokens=60, raw=True, grammar=grammar)
         for method in ("chain", "dyspec", "pld", "auto"):

@@ -41,7 +41,8 @@ FORCED_MAX = 64
 
 def forced_run(processors: Processors) -> list[int]:
     """The grammar's forced run after the committed state, or [] when it is shorter than
-    FORCED_MIN (then the masked drafter drafts through it)."""
+    FORCED_MIN (then the masked drafter drafts through it). The step keeps its length with the
+    tree it starts (specwood.engine.step.draft_trees): nothing of it is kept here."""
     run = processors.forced_run(FORCED_MAX)
     return run if len(run) >= FORCED_MIN else []
 
@@ -54,12 +55,11 @@ def forced_tree(root: int, run: list[int], processors: Processors) -> TokenTree:
     node = 0
     for token in run:
         node = tree.add_node(node, token)
-    processors.forced += len(run)
-    processors.forced_tree, processors.forced_len = tree, len(run)
+    processors.forced += len(run)  # for the stats
     return tree
 
 
-def drafting_after(drafting: Drafting, chain: TokenTree, processors: Processors) -> Drafting:
+def drafting_after(drafting: Drafting, chain: TokenTree) -> Drafting:
     """`drafting` (a shape drafting from the forced run's last token, its context extended by the
     run) grafted onto the end of the forced `chain`: its calls reach the draft source (and the
     processors) as calls on the whole tree -- a source with state reads the chain in the same
@@ -83,23 +83,19 @@ def drafting_after(drafting: Drafting, chain: TokenTree, processors: Processors)
             logits = yield graft(sub), [n + k for n in nodes]
             call = drafting.send(logits)
     except StopIteration as done:
-        tree = graft(done.value)
-        processors.forced_tree = tree
-        return tree
+        return graft(done.value)
     finally:
         drafting.close()
 
 
 def prune_refused(tree: TokenTree, processors: Processors) -> TokenTree:
     """The tree without the "selected" nodes whose path the grammar refuses (and their subtrees);
-    the same tree when nothing is refused or there is no grammar."""
+    the same tree when nothing is refused or there is no grammar. A forced run's nodes are
+    allowed: they keep their indices 1..k."""
     if processors.matcher is None or len(tree) == 1 or tree.child_rule != "selected":
         return tree
     ok = processors.valid(tree_paths(tree))
     if all(ok):
         return tree
     processors.pruned += sum(not v for v in ok)
-    kept = tree.keep([i for i, v in enumerate(ok) if v])
-    if processors.forced_tree is tree:  # a forced run's nodes are allowed: they keep their indices
-        processors.forced_tree = kept
-    return kept
+    return tree.keep([i for i, v in enumerate(ok) if v])

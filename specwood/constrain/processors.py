@@ -71,8 +71,6 @@ class Processors:
         self.emitted = 0
         self.pruned = 0  # drafted nodes the grammar refused, removed before the target forward
         self.forced = 0  # tokens the grammar forced, verified as free candidates
-        self.forced_tree: TokenTree | None = None  # this step's tree, when it starts with a forced run
-        self.forced_len = 0  # that run's length (the tree's nodes 1..forced_len)
         self.mask_s = 0.0  # time in the grammar matcher (masks, forced runs, commits), for the stats
 
     # --- grammar ------------------------------------------------------------------------------
@@ -205,7 +203,6 @@ class Processors:
         """The request emitted `tokens` (in order, the new root last): the committed state moves
         on. Nothing after an EOS is output, so it stops there."""
         self._masks.clear()
-        self.forced_tree = None
         taken: list[int] = []
         for t in tokens:
             taken.append(int(t))

@@ -25,6 +25,9 @@ class FeatureHeadSource(ModelDraftSource):
 
     wants_target_features = True  # the scheduler asks the target's forwards for this request's features
 
+    def shares_prefixes(self) -> bool:
+        return False  # its rows hold (token, feature) pairs: a token prefix's K/V is not theirs
+
     def attach(self, prompt_len: int, max_new_tokens: int = 0) -> None:
         super().attach(prompt_len, max_new_tokens)
         self.known: list[torch.Tensor] = []  # target features f_m.. not yet read (m: the cache's length)

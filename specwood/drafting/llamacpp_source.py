@@ -15,14 +15,18 @@ from typing import Any
 
 import torch
 
+from specwood.drafting.base import DraftSource
 from specwood.drafting.model_source import processed_path
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.llamacpp import LlamaCppModel
 from specwood.tree.token_tree import TokenTree
 
 
-class LlamaCppDraftSource:
-    """DraftSource protocol on a llama.cpp context (see the module docstring)."""
+class LlamaCppDraftSource(DraftSource):
+    """A DraftSource on a llama.cpp context (see the module docstring): its own KV state, which it
+    prefills and drafts on itself (not `batched`)."""
+
+    uses_draft_model = True
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner  # the LlamaCppDraft whose contexts this source borrows

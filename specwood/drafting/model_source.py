@@ -7,6 +7,7 @@ from typing import Container
 import torch
 from torch import nn
 
+from specwood.drafting.base import DraftSource
 from specwood.drafting.shapes import MAX_BUDGET
 from specwood.errors import SpecwoodError
 from specwood.models.batch import RowInput, forward_rows_features
@@ -29,7 +30,7 @@ class _DraftRows:
     inputs: torch.Tensor | None = None  # the rows' model inputs where they are not just `tokens` (a head's pairs)
 
 
-class ModelDraftSource:
+class ModelDraftSource(DraftSource):
     """Runs a draft model over tree nodes; one request's drafting state in one KV cache row.
 
     The row holds the committed context; nodes of the current tree get slots after it as they
@@ -41,6 +42,10 @@ class ModelDraftSource:
     and given back in `close`), so `forward_draft_calls` can serve all their calls in one
     forward; without a pool the source keeps a one-row cache of its own.
     """
+
+    uses_draft_model = True
+    defers_prefill = True
+    batched = True
 
     def __init__(self, model: Transformer, extra_slots: int = MAX_BUDGET + 1, pool: KVCache | None = None):
         self.model = model
@@ -89,6 +94,10 @@ class ModelDraftSource:
         if self.pool is not None and self.row is not None:
             self.pool.release(self.row)
             self.row = None
+
+    def shares_prefixes(self) -> bool:
+        # on a shared pool, attached: its row holds the draft model's K/V of context tokens alone
+        return self.pool is not None and self.row is not None
 
     # --- drafting -------------------------------------------------------------------------------
 

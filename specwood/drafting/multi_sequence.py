@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specwood.drafting.base import Drafting, ShapeBase, draft_probs
+from specwood.drafting.base import Drafting, TreeShape, draft_probs
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams, sample_token
 from specwood.tree.token_tree import TokenTree
@@ -39,11 +39,15 @@ def split_budget(budget: int, n: int) -> list[int]:
 
 
 @dataclass
-class MultiSequenceShape(ShapeBase):
+class MultiSequenceShape(TreeShape):
     budget: int = 6  # gamma: drafted tokens over all sequences
     max_sequences: int = MAX_SEQUENCES
     max_depth: int | None = None  # cap on a sequence's length
     name: str = "duo"
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget
 
     def draft(self, context: list[int], root: int, params: SamplingParams,
               generator: torch.Generator | None) -> Drafting:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from specwood.drafting.base import Drafting, ShapeBase
+from specwood.drafting.base import Drafting, TreeShape
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
@@ -33,7 +33,7 @@ def find_continuation(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngr
 
 
 @dataclass
-class PromptLookupShape(ShapeBase):
+class PromptLookupShape(TreeShape):
     """A chain of up to `k` tokens copied from the context (the root included). Rule "selected";
     needs no source (makes no draft calls); an empty tree (root only) when nothing matches."""
 
@@ -41,6 +41,11 @@ class PromptLookupShape(ShapeBase):
     max_ngram: int = 3
     min_ngram: int = 1
     name: str = "pld"
+    needs_model = False  # copies from the context: no draft calls
+
+    @property
+    def max_nodes(self) -> int:
+        return self.k
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:

@@ -30,16 +30,14 @@ from typing import Sequence
 
 import torch
 
-from specwood.drafting.base import Drafting, ShapeBase, TreeShape, draft_probs
+from specwood.drafting.base import MAX_BUDGET, Drafting, TreeShape, draft_probs
 from specwood.drafting.ngram import PromptLookupShape
 from specwood.drafting.sequoia import DEFAULT_ACCEPTANCE, Layout, sequoia_tree
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams, sample_token
 from specwood.tree.token_tree import ChildRule, TokenTree
 
-MAX_BUDGET = 1024
 SPECINFER_BRANCHING: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
-SHAPES: list[str] = ["chain", "static", "sequoia", "eagle", "dyspec", "dyspec-threshold", "pld"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +112,7 @@ def static_layout(branching: Sequence[int], limit: int = MAX_BUDGET) -> Layout:
 
 
 @dataclass
-class LayoutShape(ShapeBase):
+class LayoutShape(TreeShape):
     """Drafts a fixed positional tree layer by layer: one draft call per layer for all of its
     parents. Greedy: children are the parent's top tokens ("selected"); sampling: children are drawn
     without replacement from q ("sampled"). A position that cannot be filled (q ran out of tokens)
@@ -130,6 +128,10 @@ class LayoutShape(ShapeBase):
             if not 0 <= parent < pos or rank != len(self._kids.get(parent, [])):
                 raise ValueError(f"layout entry {pos} = {(parent, rank)} is not BFS with contiguous ranks")
             self._kids.setdefault(parent, []).append(pos)
+
+    @property
+    def max_nodes(self) -> int:
+        return len(self.layout)
 
     def draft(
         self,
@@ -177,7 +179,7 @@ def sequoia_shape(
 
 
 @dataclass
-class EagleShape(ShapeBase):
+class EagleShape(TreeShape):
     """For `depth` layers, the `topk` newest nodes with the highest cumulative draft probability
     (product of q along the path) each propose their top-`topk` tokens; then all drafted nodes are
     reranked by cumulative probability and the best `budget` kept. Rule "selected" always.
@@ -188,6 +190,10 @@ class EagleShape(ShapeBase):
     depth: int = 6
     topk: int = 8
     name: str = "eagle"
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget
 
     def draft(
         self,
@@ -243,7 +249,7 @@ def prune(tree: TokenTree, keep: set[int]) -> TokenTree:
 
 
 @dataclass
-class DySpecShape(ShapeBase):
+class DySpecShape(TreeShape):
     """DySpec Algorithm 1: greedy heap expansion under a node budget.
 
     The heap holds one *slot* per node: "draw the next child of this node", valued by the
@@ -261,6 +267,10 @@ class DySpecShape(ShapeBase):
     max_depth: int | None = None
     prefetch: int = 0
     name: str = "dyspec"
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget
 
     def draft(
         self,
@@ -313,7 +323,7 @@ class DySpecShape(ShapeBase):
 
 
 @dataclass
-class DySpecThresholdShape(ShapeBase):
+class DySpecThresholdShape(TreeShape):
     """DySpec Algorithm 2: layer by layer, one draft call per layer for every frontier node whose
     value exceeds the threshold; each such node keeps drawing children while its value
     v > threshold (child value v * R[y]; v *= 1 - R[y]; y removed from R, renormalised).
@@ -325,6 +335,10 @@ class DySpecThresholdShape(ShapeBase):
     budget: int = 32
     max_depth: int | None = None
     name: str = "dyspec-threshold"
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget
 
     def draft(
         self,
@@ -386,6 +400,15 @@ def _check_int(what: str, value: object, low: int, high: int | None = None) -> N
         raise SpecwoodError(f"{what} must be {bound}, got {value!r}")
 
 
+# the shapes `make_shape` builds, by name, and the class of each: the one place that says which
+# shapes need a draft model (TreeShape.needs_model)
+SHAPE_CLASSES: dict[str, type[TreeShape]] = {
+    "chain": LayoutShape, "static": LayoutShape, "sequoia": LayoutShape, "eagle": EagleShape,
+    "dyspec": DySpecShape, "dyspec-threshold": DySpecThresholdShape, "pld": PromptLookupShape}
+SHAPES: list[str] = list(SHAPE_CLASSES)
+MODEL_SHAPES: list[str] = [name for name, cls in SHAPE_CLASSES.items() if cls.needs_model]  # all but pld
+
+
 def _canonical(name: str) -> str:
     key = str(name).strip().lower().replace("_", "-")
     if key not in SHAPES:
@@ -395,7 +418,7 @@ def _canonical(name: str) -> str:
 
 def needs_model(name: str) -> bool:
     """Whether the shape asks a draft source for distributions (pld does not)."""
-    return _canonical(name) != "pld"
+    return SHAPE_CLASSES[_canonical(name)].needs_model
 
 
 def make_shape(

@@ -19,7 +19,7 @@ from typing import Any, Container, Sequence
 
 import torch
 
-from specwood.drafting.base import Drafting, ShapeBase
+from specwood.drafting.base import Drafting, TreeShape
 from specwood.drafting.suffix_index import SuffixIndex
 from specwood.drafting.suffix_tree import SuffixDraft, continuation_tree
 from specwood.errors import SpecwoodError
@@ -271,15 +271,20 @@ def global_allowed(params: SamplingParams) -> bool:
     return params.greedy or params.seed is None
 
 
-class SuffixShape(ShapeBase):
+class SuffixShape(TreeShape):
     """`--method suffix`: each step's tree is the suffix source's proposal (no draft forward)."""
 
     name = "suffix"
+    needs_model = False  # a suffix-tree proposal: no draft calls
 
     def __init__(self, source: SuffixSource, options: SuffixOptions):
         self.source = source
         self.options = options
         self.last: SuffixDraft | None = None
+
+    @property
+    def max_nodes(self) -> int:
+        return self.options.budget
 
     def draft(self, context: list[int], root: int, params: SamplingParams,
               generator: torch.Generator | None) -> Drafting:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, TypeVar
 
 from specwood.drafting.base import Drafting
-from specwood.drafting.model_source import ModelDraftSource, forward_draft_calls
+from specwood.drafting.model_source import forward_draft_calls
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.tree.token_tree import TokenTree
 
@@ -41,7 +41,7 @@ def draft_together(drafts: dict[K, tuple[Drafting, Any]], no_room: Callable[[K],
     rounds = 0
     while active:
         rounds += 1
-        batched = [k for k, (_, source, _) in active.items() if isinstance(source, ModelDraftSource)]
+        batched = [k for k, (_, source, _) in active.items() if source is not None and source.batched]
         answers: dict[K, Any] = {}
         if batched:
             try:

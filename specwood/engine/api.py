@@ -238,9 +238,8 @@ class Engine:
         factory = prepared if prepared is not None else self.prepare(method, method_options)
         load = scheduler.admission_load if isinstance(scheduler, Scheduler) else 1  # an executor alone: 1
         drafter = factory(scheduler.draft_source, len(prompt_ids), max_tokens, load, cache_scope)
-        repeatable = getattr(drafter.shape, "repeatable", None)
-        if repeatable is not None and params.seed is not None and not params.greedy:
-            repeatable()  # the same seed, the same trees: no choice by measured time (auto)
+        if drafter.shape is not None and params.seed is not None and not params.greedy:
+            drafter.shape.repeatable()  # the same seed, the same trees: no choice by measured time (auto)
         out = OutputStream(self.tokenizer, len(prompt_ids), max_tokens, self.eos_token_ids, stop, on_text,
                            emit_limit=self.emit_limit)
         return Request(prompt_ids, max_tokens, params, drafter, out, method=method, device=self.device,

@@ -8,9 +8,9 @@ requests, or the prompt of `n` choices, is computed once. At a normal finish the
 tokens of both rows are kept (`keep`); a cancelled or failed request leaves nothing behind.
 
 Where it applies: the target on our torch runtime, unless the request's draft head reads the
-target's features (it must see every prompt token's); a draft model on a shared pool
-(`ModelDraftSource`). Other sources (n-gram lookup, llama.cpp drafts, draft heads) prefill as
-before.
+target's features (it must see every prompt token's); a draft model on a shared pool whose rows
+hold its K/V of the context tokens alone (`DraftSource.shares_prefixes`: ModelDraftSource).
+Other sources (n-gram lookup, llama.cpp drafts, draft heads) prefill as before.
 
 Reuse stays within a request's cache scope (Request.cache_scope: a server's tenant and
 `cache_salt`): entries, running rows and newcomers of another scope are never matched, so no
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.request import Request
 from specwood.engine.step import wants_features
 from specwood.models.cache import KVCache
@@ -33,8 +32,7 @@ def target_reusable(req: Request) -> bool:
 
 def draft_reusable(req: Request) -> bool:
     src = req.drafter.source
-    return (req.cache_scope is not None and type(src) is ModelDraftSource and src.pool is not None
-            and src.row is not None)
+    return req.cache_scope is not None and src is not None and src.shares_prefixes()
 
 
 class PrefixReuse:
@@ -70,7 +68,7 @@ class PrefixReuse:
             got = self.cache.restore(src.cache, src.row, req.prompt_ids, n, self._live_draft(src.cache, req.cache_scope),
                                      "draft", scope=req.cache_scope)
             if src.pending:  # a deferred draft prefill: what is left waits for its first forward
-                src.pending = list(req.prompt_ids[got:])
+                src.defer(req.prompt_ids[got:])
             else:
                 req.draft_prefilled = got
         self.running.append(req)

@@ -17,7 +17,7 @@ import torch
 from specwood.errors import SpecwoodError
 
 from specwood.constrain.processors import Processors
-from specwood.drafting.base import DraftSource, TreeShape
+from specwood.drafting.base import DraftSource, ShapePolicy, TreeShape
 from specwood.engine.output import GenerationResult, OutputStream
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
@@ -33,14 +33,13 @@ _ids = itertools.count()
 @dataclass
 class Drafter:
     """One request's drafting: its draft source (state: cache row, pending tokens) and its tree
-    shape (policy). `shape` None decodes plainly. A shape may also choose per step, knowing how
-    many requests share the step and how many prefill tokens ride in its forward
-    (`for_batch(batch_size, context_len, riding, free)` -> shape or None), and
-    observe each verdict and what the step cost the batch (`on_step(tree, verdict, cost)`), as
-    `auto` does."""
+    shape policy (specwood.drafting.base). `shape` None decodes plainly. The policy chooses the
+    shape per step, knowing how many requests share the step and how many prefill tokens ride in
+    its forward (`for_batch`), and observes each verdict and what the step cost the batch
+    (`on_step`), as `auto` does; a TreeShape is its own policy."""
 
     source: DraftSource | None = None
-    shape: Any = None
+    shape: ShapePolicy | None = None
     hooks: list[StepHook] = field(default_factory=list)
     extra_stats: Callable[[], dict[str, Any]] | None = None  # what the method adds to the stats
     # the draft model reads the prompt in its first forward instead of a prefill before the first
@@ -50,13 +49,11 @@ class Drafter:
     def shape_for_step(self, batch_size: int, context_len: int, riding: int = 0, free: int = 0) -> TreeShape | None:
         """The shape for this step; `free`: tokens of the grammar's forced run the tree grows after
         (context_len counts them)."""
-        choose = getattr(self.shape, "for_batch", None)
-        return choose(batch_size, context_len, riding, free) if choose is not None else self.shape
+        return self.shape.for_batch(batch_size, context_len, riding, free) if self.shape is not None else None
 
     def on_step(self, tree: TokenTree, verdict: Verdict, cost: StepRecord | None = None) -> None:
-        observe = getattr(self.shape, "on_step", None)
-        if observe is not None:
-            observe(tree, verdict, cost)
+        if self.shape is not None:
+            self.shape.on_step(tree, verdict, cost)
         for hook in self.hooks:
             hook(tree, verdict)
 
@@ -64,9 +61,18 @@ class Drafter:
         """The request ended: the source gives its rows back, a shape with state (a suffix
         source's answer for the global cache) closes too."""
         for part in (self.source, self.shape):
-            close = getattr(part, "close", None)
-            if close is not None:
-                close()
+            if part is not None:
+                part.close()
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Its source is a draft model with KV state that the executor attaches and prefills."""
+        return self.source is not None and self.source.uses_draft_model
+
+    @property
+    def wants_target_features(self) -> bool:
+        """Its source reads the target's features (a feature-level draft head)."""
+        return self.source is not None and self.source.wants_target_features
 
 
 @dataclass
@@ -175,7 +181,7 @@ class Request:
 
     @property
     def uses_draft_model(self) -> bool:
-        return hasattr(self.drafter.source, "attach")
+        return self.drafter.uses_draft_model
 
     def attach_draft(self) -> None:
         """Give the draft source its cache row at admission; a deferred one takes the prompt as

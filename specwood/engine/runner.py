@@ -144,9 +144,9 @@ class RunnerExecutor(SequentialExecutor):
                 outs.append(None)
         return outs
 
-    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
+    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
         self.runner.commit([0] + verdict.accepted)
-        return advance(req, tree, verdict, cost)
+        return advance(req, tree, verdict, cost, forced)
 
     def release(self, req: Request) -> None:
         req.row = None

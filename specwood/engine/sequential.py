@@ -266,7 +266,7 @@ class SequentialExecutor(Executor):
                     left[draft] -= take
         pools: dict[int, list] = {}
         for chunk in draft_chunks:
-            if isinstance(chunk[0].drafter.source, ModelDraftSource):
+            if chunk[0].drafter.source.batched:  # one prefill forward per draft pool
                 pools.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
             else:
                 self._prefill_own_source(*chunk)
@@ -344,10 +344,11 @@ class SequentialExecutor(Executor):
             chunks = self._draft_prefill(newcomers, decoding=True) if newcomers else []
             riding = sum(b - a for _, a, b in chunks)
             t0 = time.perf_counter()
-            trees = draft_trees(batch, len(batch), failed, riding)
+            trees, forced = draft_trees(batch, len(batch), failed, riding)
             for req, tree in trees.items():  # no room to speculate: a plain step
                 if not self._fits(req, tree):
                     trees[req] = plain_tree(req)
+                    forced.pop(req, None)
             live = [r for r in batch if r in trees]
             t1 = time.perf_counter()
             outs = self._forward_with_prefill(live, trees, failed, chunks)
@@ -362,7 +363,7 @@ class SequentialExecutor(Executor):
                 tree = trees[req]
                 try:
                     verdict = verify_tree(req, tree, logits)
-                    tokens = self._commit(req, tree, verdict, record)
+                    tokens = self._commit(req, tree, verdict, record, forced.get(req, 0))
                     record.drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
                     if req.out.push_step(tokens):
                         self.finish(req)
@@ -376,8 +377,8 @@ class SequentialExecutor(Executor):
         L = self.cache.lengths[req.row]
         return L + tree.max_depth < self.target.max_positions and L + len(tree) <= self.cache.max_len
 
-    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
-        return commit(self.cache, req, tree, verdict, cost)
+    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
+        return commit(self.cache, req, tree, verdict, cost, forced)
 
     def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
         if not live:

@@ -44,19 +44,24 @@ def plain_tree(request: Request) -> TokenTree:
 
 
 def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, BaseException],
-                riding: int = 0) -> dict[Request, TokenTree]:
+                riding: int = 0) -> tuple[dict[Request, TokenTree], dict[Request, int]]:
     """Each request's tree for this step (`riding` prefill tokens share its target forward),
-    drafted together (specwood.drafting.together: one draft forward per model a round). A request
-    whose drafting raises is put in `failed` and gets no tree."""
+    drafted together (specwood.drafting.together: one draft forward per model a round), and the
+    length of the grammar's forced run that starts the tree of each request that has one (its
+    nodes 1..k: `commit` tells the drafter only of what it drafted after). A request whose
+    drafting raises is put in `failed` and gets no tree."""
     trees: dict[Request, TokenTree] = {}
+    forced: dict[Request, int] = {}
     drafts: dict[Request, tuple[Drafting, object]] = {}
     for req in requests:
         try:
             # the grammar's forced run: free candidates, verified, no draft forward; the drafter
             # goes on from its end in the same tree (a feature-level head cannot: it reads the
             # target's features of every path token, so it drafts at the next step)
-            run = forced_run(req.processors) if req.processors is not None and req.drafter.shape else []
+            run = forced_run(req.processors) if req.processors is not None and req.drafter.shape is not None else []
             chain = forced_tree(req.root, run, req.processors) if run else None
+            if chain is not None:
+                forced[req] = len(run)
             if chain is not None and wants_features(req):
                 trees[req] = chain
                 continue
@@ -67,16 +72,24 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
                 continue
             drafting = shape.draft(context, root, req.params, req.draft_generator)
             if chain is not None:
-                drafting = drafting_after(drafting, chain, req.processors)
+                drafting = drafting_after(drafting, chain)
             if req.processors is not None:  # draft rows processed per node: every child drawn is allowed
                 drafting = processed_drafting(drafting, req.processors)
             drafts[req] = (drafting, req.drafter.source)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
             failed[req] = e
-    drafted, _ = draft_together(drafts, plain_tree, failed)
+            forced.pop(req, None)
+
+    def no_room(req: Request) -> TokenTree:  # a plain tree: no forced run either
+        forced.pop(req, None)
+        return plain_tree(req)
+
+    drafted, _ = draft_together(drafts, no_room, failed)
     for req, tree in drafted.items():
         trees[req] = tree if req.processors is None else prune_refused(tree, req.processors)
-    return trees
+    for req in failed:
+        forced.pop(req, None)
+    return trees, forced
 
 
 def target_forward(model: Transformer, cache: KVCache, requests: list[Request],
@@ -90,7 +103,7 @@ def target_forward(model: Transformer, cache: KVCache, requests: list[Request],
 
 def wants_features(request: Request) -> bool:
     """Whether the request's draft source reads the target's features (a feature-level draft head)."""
-    return getattr(request.drafter.source, "wants_target_features", False)
+    return request.drafter.wants_target_features
 
 
 def hand_tree_features(requests: list[Request], features: list[torch.Tensor | None]) -> None:
@@ -133,9 +146,9 @@ def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verd
     processed logits after the context, padding ids masked: what the sampler chooses from (auto's
     late draft)."""
     logits = processed(request, tree, logits)
-    watch = getattr(request.drafter.shape, "on_root_logits", None)
-    if watch is not None:
-        watch(without_padding(logits[0], request.params))
+    shape = request.drafter.shape
+    if shape is not None and shape.watches_root_logits:
+        shape.on_root_logits(without_padding(logits[0], request.params))
     if len(tree) == 1:
         verdict = Verdict([], int(next_token(logits[0], request.params, request.target_generator)))
     else:
@@ -160,34 +173,36 @@ def first_token(request: Request, logits: torch.Tensor) -> int:
     return token
 
 
-def drafted_part(request: Request, tree: TokenTree, verdict: Verdict) -> tuple[TokenTree, Verdict] | None:
+def drafted_part(tree: TokenTree, verdict: Verdict, forced: int = 0) -> tuple[TokenTree, Verdict] | None:
     """What the drafter proposed this step and what of it was accepted: the whole tree, or where
-    it grew from the end of the grammar's forced run, the subtree after the run (None where the
-    target left the run early, so the draft went untested, or where nothing was drafted after it).
-    The stats and `auto` learn from this part only: a forced run is no draft."""
-    proc = request.processors
-    if proc is None or proc.forced_tree is not tree:
+    it grew from the end of the grammar's forced run (its first `forced` nodes), the subtree after
+    the run (None where the target left the run early, so the draft went untested, or where
+    nothing was drafted after it). The stats and `auto` learn from this part only: a forced run
+    is no draft."""
+    if not forced:
         return tree, verdict
-    k = proc.forced_len
+    k = forced
     if len(tree) == k + 1 or len(verdict.accepted) < k:
         return None
     return tree.reroot(k), Verdict([a - k for a in verdict.accepted[k:]], verdict.next_token)
 
 
-def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
-    """Keep the accepted path in the request's cache row and draft source; the emitted tokens."""
+def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord,
+           forced: int = 0) -> list[int]:
+    """Keep the accepted path in the request's cache row and draft source; the emitted tokens.
+    `forced`: the tree starts with a grammar's forced run of that many nodes (draft_trees)."""
     L = cache.lengths[request.row]
     cache.compact([L + i for i in [0] + verdict.accepted], L, request.row)
-    return advance(request, tree, verdict, cost)
+    return advance(request, tree, verdict, cost, forced)
 
 
-def advance(request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord) -> list[int]:
+def advance(request: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
     """The target's cache already holds the accepted path: move the draft source, stats, drafter
-    and context on by the verdict; the emitted tokens."""
+    and context on by the verdict; the emitted tokens. `forced`: as for `commit`."""
     path = [0] + verdict.accepted
     if request.drafter.source is not None:
         request.drafter.source.commit(tree, verdict.accepted, verdict.next_token)
-    drafted = drafted_part(request, tree, verdict)
+    drafted = drafted_part(tree, verdict, forced)
     if drafted is not None:
         sub, sub_verdict = drafted
         if len(sub) > 1 or request.drafter.shape is not None:

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from specwood.drafting.base import ShapePolicy
 from specwood.drafting.model_source import early_exit_model
 from specwood.drafting.suffix_source import SuffixSource, suffix_cache_for
 from specwood.drafting.shapes import make_shape as make_named_shape
@@ -52,7 +53,7 @@ from specwood.verify import Verdict
 PLAN_RECHECK_S = 30.0  # how often a starter plan looks for a measured one in the store
 
 
-class PlannedShape:
+class PlannedShape(ShapePolicy):
     """A per-request tree-shape policy that follows a plan as the context grows, as acceptance is
     observed and as the load changes.
 
@@ -75,6 +76,8 @@ class PlannedShape:
     copies or decodes plainly -- unless `late` (LateDraft) finds the target sure enough of its
     tokens that the draft, reading the context in its first forward, now pays.
     """
+
+    watches_root_logits = True  # LateDraft learns from the target's confidence
 
     def __init__(self, plan: Plan, make_shape: Callable[[int], Any], adapt: bool = True, lookup: bool = False,
                  model: bool = True, draft_costs: DraftCostTracker | None = None, late: LateDraft | None = None,
@@ -380,7 +383,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         late = (LateDraft(prompt_len, max_tokens, threshold=late_threshold, announce=announce_late)
                 if not model and late_draft and load == 1 and draft_model is not None else None)
         source = sources(draft_model) if ((model or late) and draft_model is not None) else None
-        if late is not None and not hasattr(source, "defer"):  # e.g. a llama.cpp draft: it prefills itself
+        if late is not None and (source is None or not source.defers_prefill):  # e.g. a llama.cpp draft: it prefills itself
             late, source = None, None
         suffix = (SuffixSource(suffix_cache if scope is not None else None, prompt_len, max_tokens, eos_ids=eos,
                                scope=scope or "") if suffix_cache is not None else None)

@@ -146,8 +146,10 @@ def draft_forwards(method: str, x: int) -> list[tuple[int, int]]:
     nodes, 2 tokens each; pld: none; layer-wise shapes (static, sequoia, prior, eagle,
     dyspec-threshold, early-exit): one forward per level, depth ~ 1.5 ln x + 1 (Eq. 11's Depth(x)).
     """
+    from specwood.drafting.shapes import SHAPE_CLASSES
+
     n = x - 1
-    if n <= 0 or method == "pld":
+    if n <= 0 or (method in SHAPE_CLASSES and not SHAPE_CLASSES[method].needs_model):  # pld
         return []
     if method == "chain":
         return [(n, 1)]

@@ -282,7 +282,7 @@ def emulate_specpipe(draft: Any, prompt: list[int], reference: list[int], width:
     pruned to its subtree), else MISS (the pipeline refills from that token). `emit_limit`: the
     engine's, so the draft never proposes a padding id the target would never emit."""
     from specwood.engine.specpipe.draft import FixedWidthSource
-    from specwood.engine.specpipe.state import EMPTY, HIT, MISS, Level, TreeMirror, Verdict
+    from specwood.engine.specpipe.state import EMPTY, HIT, MISS, Level, LevelVerdict, TreeMirror
 
     seq = list(prompt) + list(reference)
     src = FixedWidthSource(draft, width, topk, len(seq) + (width + 1) * (m + 2) + 8, emit_limit=emit_limit)
@@ -317,10 +317,10 @@ def emulate_specpipe(draft: Any, prompt: list[int], reference: list[int], width:
                 kids = mirror.children(root)
                 node = next((c for c in kids if mirror.token[c] == seq[pos]), None)
                 if node is not None:
-                    v = Verdict(HIT, seq[pos], node, pos)
+                    v = LevelVerdict(HIT, seq[pos], node, pos)
                     hits += 1
                 else:
-                    v = Verdict(MISS if kids else EMPTY, seq[pos], -1, pos)
+                    v = LevelVerdict(MISS if kids else EMPTY, seq[pos], -1, pos)
                     misses += 1
                     refill = (seq[pos], pos)
                 mirror.apply(v)

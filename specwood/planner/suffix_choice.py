@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from specwood.drafting.base import Drafting, ShapeBase
+from specwood.drafting.base import Drafting, TreeShape
 from specwood.drafting.hybrid import merge_suffix
 from specwood.drafting.suffix_source import SuffixSource, global_allowed
 from specwood.drafting.suffix_tree import SuffixDraft
@@ -111,7 +111,7 @@ def cut(draft: SuffixDraft, k: int) -> SuffixDraft:
     return SuffixDraft(tree, probs, sum(probs[1:]), draft.match, draft.occurrences, draft.source)
 
 
-class SuffixOrModelShape(ShapeBase):
+class SuffixOrModelShape(TreeShape):
     """One step of `auto` with a suffix source: proposes, weighs the four options, drafts the best.
 
     `t_v`, `t_d`: this request's share of a step's verify and draft time at its context and load;

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from specwood.drafting.base import ShapeBase
+from specwood.drafting.base import TreeShape
 from specwood.drafting.ngram import copied_chain, find_continuation
 from specwood.planner.store import Plan, PlanKey, plan_path, write_json_atomically
 from specwood.tree.token_tree import TokenTree
@@ -248,7 +248,7 @@ class LateDraft:
         return self.max_tokens - (context_len - self.prompt_len)
 
 
-class LookupOrModelShape(ShapeBase):
+class LookupOrModelShape(TreeShape):
     """One step's tree: a chain copied from the context where an n-gram of it recurs, cut to the
     length `chain_length(longest)` picks (0: do not copy; e.g. the copy would emit tokens slower
     than the model's tree), else the model's shape (None: a plain step). Copying needs no draft

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any, Callable
 
-from specwood.drafting.shapes import SHAPES
+from specwood.drafting.shapes import MODEL_SHAPES
 from specwood.engine.specpipe.jobs import DRAFTED_MODES, check_pipeline_args, tree_nodes
 from specwood.engine.specpipe.launch import generate_pipeline
 from specwood.errors import SpecwoodError
@@ -22,8 +22,8 @@ def cli_mode(args: Any) -> tuple[str, dict[str, Any] | None, int]:
     tree = None
     if mode == "specinfer":
         name = "static" if args.method in ("auto", "specinfer") else args.method
-        if name not in SHAPES or name == "pld":
-            shapes = ", ".join(s for s in SHAPES if s != "pld")
+        if name not in MODEL_SHAPES:
+            shapes = ", ".join(MODEL_SHAPES)
             raise SpecwoodError(f"--pipeline-mode specinfer drafts a tree shape ({shapes}), not method '{args.method}'")
         tree = {"name": name, **{k: getattr(args, k) for k in ("budget", "depth", "threshold")
                                  if getattr(args, k, None) is not None}}

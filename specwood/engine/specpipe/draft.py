@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specwood.engine.specpipe.state import Level, StageKV, TreeMirror, Verdict, run_levels
+from specwood.engine.specpipe.state import Level, LevelVerdict, StageKV, TreeMirror, run_levels
 
 
 class FixedWidthSource:
@@ -49,7 +49,7 @@ class FixedWidthSource:
         if level.verified:
             self.cum[level.ids[-1]] = 0.0
 
-    def prune(self, v: Verdict, mirror: TreeMirror) -> None:
+    def prune(self, v: LevelVerdict, mirror: TreeMirror) -> None:
         self.kv.prune(v, mirror)
         for d in (self.cands, self.cum):
             for x in [x for x in d if x not in mirror.position]:

@@ -25,11 +25,7 @@ def tree_nodes(tree: dict[str, Any] | None) -> int:
     """The most nodes (root excluded) a specinfer tree of these `make_shape` options can have;
     bad options raise SpecwoodError (checked before any process starts)."""
     opts = dict(tree or DEFAULT_TREE)
-    shape = make_shape(opts.pop("name", "static"), **opts)
-    layout = getattr(shape, "layout", None)
-    if layout is not None:
-        return len(layout)
-    return int(getattr(shape, "budget", None) or getattr(shape, "k", None) or 1024)
+    return make_shape(opts.pop("name", "static"), **opts).max_nodes
 
 
 def check_pipeline_args(stages: Any, width: Any, topk: Any, n_layers: int | None = None) -> None:

@@ -12,7 +12,7 @@ import torch
 from specwood.engine.output import GenerationResult, OutputStream
 from specwood.engine.specpipe.draft import FixedWidthSource
 from specwood.engine.specpipe.jobs import PROMPT_CHUNK, Job
-from specwood.engine.specpipe.state import NONE, Level, StageKV, TreeMirror, Verdict
+from specwood.engine.specpipe.state import NONE, Level, LevelVerdict, StageKV, TreeMirror
 from specwood.tree.token_tree import TokenTree
 
 
@@ -67,7 +67,7 @@ class Lane:
         self.tree: TokenTree | None = None  # specinfer: the drafted tree in flight
         self.chunks = [job.prompt[i:i + PROMPT_CHUNK] for i in range(0, len(job.prompt), PROMPT_CHUNK)]
         self.next_id = self.pos = 0
-        self.v = Verdict(NONE)  # the latest verdict
+        self.v = LevelVerdict(NONE)  # the latest verdict
         self.emitted: list[int] = []  # the tokens the latest verdict settled
         self.limit = len(job.prompt) + job.max_tokens - 2  # the last input position any token needs
         self.result: GenerationResult | None = None  # finished: it leaves at the next step

@@ -551,16 +551,16 @@ PIPELINE_METHODS = {**{mode: mode for mode in MODES}, **EXECUTOR_ALIASES["pipeli
 def pipeline_mode(method: str, budget: int | None = None, depth: int | None = None,
                   threshold: float | None = None) -> tuple[str, dict[str, Any] | None]:
     """A method name on the pipeline executor -> (mode, specinfer tree options)."""
-    from specwood.drafting.shapes import SHAPES
+    from specwood.drafting.shapes import MODEL_SHAPES
 
     if method in PIPELINE_METHODS:
         mode = PIPELINE_METHODS[method]
         name = "static"
-    elif method in SHAPES and method != "pld":
+    elif method in MODEL_SHAPES:
         mode, name = "specinfer", method
     else:
         raise SpecwoodError(f"the pipeline executor runs {', '.join(PIPELINE_METHODS)} or a tree shape for "
-                            f"PP + SpecInfer ({', '.join(s for s in SHAPES if s != 'pld')}), not method '{method}'")
+                            f"PP + SpecInfer ({', '.join(MODEL_SHAPES)}), not method '{method}'")
     if mode != "specinfer":
         return mode, None
     tree = {"name": name, **{k: v for k, v in (("budget", budget), ("depth", depth), ("threshold", threshold))

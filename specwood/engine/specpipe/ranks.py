@@ -53,7 +53,7 @@ from specwood.engine.output import GenerationResult, OutputStream
 from specwood.engine.specpipe.comm import CMD_EXIT, CMD_NOOP, CMD_STEP, Comm, Monitor, die, init_group, is_comm_error
 from specwood.engine.specpipe.jobs import DEFAULT_TREE, DRAFTED_MODES, MODES, Job, check_pipeline_args
 from specwood.engine.specpipe.lanes import Lane
-from specwood.engine.specpipe.state import EMPTY, HIT, MISS, NONE, TREE, KVPool, Level, Verdict, run_levels
+from specwood.engine.specpipe.state import EMPTY, HIT, MISS, NONE, TREE, KVPool, Level, LevelVerdict, run_levels
 from specwood.errors import SpecwoodError
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import verify
@@ -350,7 +350,7 @@ class PipelineRank:
         if r == last:
             mine_v = []
             for lane in active:
-                v, mine = Verdict(NONE), lane.held[last]
+                v, mine = LevelVerdict(NONE), lane.held[last]
                 if mine is not None and mine.tree:
                     v = self._verify_tree(lane, mine, outs[lane.kv.row])
                 elif mine is not None and mine.ids[-1] == lane.mirror.root:
@@ -364,7 +364,7 @@ class PipelineRank:
         for lane, (got_step, *v) in zip(active, verdicts):
             if got_step != step:
                 raise RuntimeError(f"protocol: verdict of step {got_step} from rank {last} during step {step}")
-            lane.v = v = Verdict(*v)
+            lane.v = v = LevelVerdict(*v)
             mirror = lane.mirror
             path = mirror.path(v.node) if v.kind == TREE else None  # the accepted path, root first
             lane.emitted = [mirror.token[x] for x in path[1:]] + [v.token] if path is not None else [v.token]
@@ -473,7 +473,7 @@ class PipelineRank:
         parents = [-1] + [first_id + p for p in tree.parents[1:]]
         return Level(ids, parents, list(tree.tokens), v.position, False, tree=True), tree
 
-    def _verify_tree(self, lane: Lane, level: Level, logits: torch.Tensor) -> Verdict:
+    def _verify_tree(self, lane: Lane, level: Level, logits: torch.Tensor) -> LevelVerdict:
         """A whole tree (logits [n, V], row i after node i) through the shared verifier."""
         params = lane.job.params
         index = {x: i for i, x in enumerate(level.ids)}
@@ -482,9 +482,9 @@ class PipelineRank:
                          [1.0] * len(level), dict(dists), rule, wor)
         verdict = verify(tree, logits, params, lane.gen)
         node = level.ids[verdict.accepted[-1]] if verdict.accepted else level.ids[0]
-        return Verdict(TREE, int(verdict.next_token), node, level.position + len(verdict.accepted) + 1)
+        return LevelVerdict(TREE, int(verdict.next_token), node, level.position + len(verdict.accepted) + 1)
 
-    def _verify(self, lane: Lane, logits: torch.Tensor) -> Verdict:
+    def _verify(self, lane: Lane, logits: torch.Tensor) -> LevelVerdict:
         """The token after the root, from the root's logits [V]; a HIT if it is one of the root's
         drafted children. A one-level tree through the shared verifier (its children were chosen
         deterministically by the draft: the "selected" rule keeps sampling lossless)."""
@@ -499,8 +499,8 @@ class PipelineRank:
         position = m.position[root] + 1
         if verdict.accepted:
             node = kids[verdict.accepted[0] - 1]
-            return Verdict(HIT, m.token[node], node, position)
-        return Verdict(MISS if kids else EMPTY, int(verdict.next_token), -1, position)
+            return LevelVerdict(HIT, m.token[node], node, position)
+        return LevelVerdict(MISS if kids else EMPTY, int(verdict.next_token), -1, position)
 
 
 def lane_key(lane_id: int, node: int) -> int:

@@ -79,7 +79,11 @@ class Level:
 
 
 @dataclass
-class Verdict:
+class LevelVerdict:
+    """The last rank's verdict on a lane's newest level (or whole tree), which every rank applies:
+    `kind` (NONE, HIT, MISS, EMPTY, TREE), the token it settles and where. A pipeline message,
+    not a tree's outcome: that is specwood.verify.Verdict, from which a TREE verdict is made."""
+
     kind: int
     token: int = -1
     node: int = -1  # the verified node's id on a HIT
@@ -139,7 +143,7 @@ class TreeMirror:
             out.append(self.parent[out[-1]])
         return out[::-1]
 
-    def apply(self, v: Verdict) -> None:
+    def apply(self, v: LevelVerdict) -> None:
         """To-subtree pruning: keep the verified node and its descendants (every rank does this).
         A TREE verdict settles the one tree in flight: nothing speculative is left."""
         if v.kind == NONE:
@@ -259,7 +263,7 @@ class StageKV:
             self.spec.extend(level.ids)
         self.cache.lengths[self.row] = self.committed + len(self.spec)
 
-    def prune(self, v: Verdict, mirror: TreeMirror) -> None:
+    def prune(self, v: LevelVerdict, mirror: TreeMirror) -> None:
         """Keep the verified node (its KV becomes committed) and its subtree; drop the rest.
         `mirror` has already applied `v`, so the live nodes are exactly that subtree."""
         if v.kind == NONE:
