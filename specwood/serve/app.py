@@ -28,6 +28,7 @@ from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.request import Request
 from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
 from specwood.errors import ContextLengthError, DeadlineExceeded, GrammarError, SamplingParamsError, SpecwoodError
+from specwood.methods import MethodTable
 from specwood.sampling import SEED_LIMIT
 from specwood.serve import protocol as P
 from specwood.serve.background import pause_while_busy
@@ -55,7 +56,7 @@ def _log(msg: str) -> None:
     print(f"specwood serve: {msg}", file=sys.stderr, flush=True)
 
 
-class _Methods:
+class _Methods(MethodTable):
     """Prepared method factories, one per method name: the server's default prepared at start-up,
     the others on first use (off the event loop) and cached."""
 
@@ -177,8 +178,8 @@ def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", optio
         raise SpecwoodError(f"the scheduler's cache rows ({scheduler.row_len} slots, {tree_room} kept for trees) "
                             "leave no room for a request; build it with row_len = max_context + TREE_ROOM")
     # the pipeline runs its own modes; every other executor the method registry's methods
-    methods: Any = (PipelineMethods(method, options) if isinstance(scheduler.executor, PipelineExecutor)
-                    else _Methods(engine, method, options))
+    methods: MethodTable = (PipelineMethods(method, options) if isinstance(scheduler.executor, PipelineExecutor)
+                            else _Methods(engine, method, options))
     name = model_name or str(engine.target_name or "specwood")
     metrics = ServerMetrics(scheduler, name)
     scheduler.observers.append(metrics.observe_step)

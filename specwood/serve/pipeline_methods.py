@@ -8,20 +8,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from specwood.drafting.shapes import SHAPES
+from specwood.drafting.shapes import MODEL_SHAPES
 from specwood.engine.specpipe.launch import PIPELINE_METHODS, pipeline_mode
 from specwood.errors import SpecwoodError
+from specwood.methods import MethodTable
 from specwood.serve.protocol import ProtocolError
 
 
-class PipelineMethods:
-    """The server's method table on the pipeline (the app's `_Methods` interface)."""
+class PipelineMethods(MethodTable):
+    """The server's method table on the pipeline."""
 
     def __init__(self, default: str, options: dict[str, Any] | None = None):
         self.options = {k: v for k, v in (options or {}).items() if v is not None}
         name, (mode, _) = self._check(default)
         self.default = mode if name == "auto" else name  # auto on the pipeline is SpecPipe
-        self.names = [*PIPELINE_METHODS, *(s for s in SHAPES if s != "pld")]  # what a request may name
+        self.names = [*PIPELINE_METHODS, *MODEL_SHAPES]  # what a request may name: the shapes drafted by a model
 
     def _check(self, name: str) -> tuple[str, tuple[str, dict[str, Any] | None]]:
         o = self.options
