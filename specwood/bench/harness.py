@@ -318,7 +318,16 @@ class _Runner:
     def warmup(self, method: str) -> None:
         """One short untimed generation: first-call allocations, kernel selection, lazy init.
         Errors here are configuration errors (unknown method, missing draft) and abort the bench."""
-        self.generate(method, WARMUP_MESSAGES, False, min(WARMUP_TOKENS, self.max_tokens))
+        chat = takes_chat(self.engine)
+        content = WARMUP_MESSAGES if chat else "\n\n".join(m["content"] for m in WARMUP_MESSAGES)
+        self.generate(method, content, not chat, min(WARMUP_TOKENS, self.max_tokens))
+
+
+def takes_chat(engine: Any) -> bool:
+    """Whether chat messages can be encoded: False for a base model whose tokenizer has no chat
+    template (its prompts then run as raw text)."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    return tokenizer is None or bool(getattr(tokenizer, "chat_template", None))
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -416,6 +425,11 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
         workload = Workload(prompts=list(workload), source="(in memory)")
     if not workload.prompts:
         raise SpecwoodError("the workload has no prompts to run (check --categories / --limit)")
+    if not takes_chat(engine) and any(not p.raw for p in workload.prompts):  # a base model: the chat prompts as raw text
+        workload = Workload(prompts=[p.as_raw() for p in workload.prompts], source=workload.source)
+        if progress:
+            print("[bench] the model has no chat template: chat prompts run as raw text (their contents)",
+                  file=sys.stderr)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -51,6 +51,13 @@ class Prompt:
             return self.prompt
         return [dict(m) for m in self.messages or ()]
 
+    def as_raw(self) -> "Prompt":
+        """The prompt as raw text, for a model without a chat template (a base model): the
+        messages' contents, one after another."""
+        if self.prompt is not None:
+            return self
+        return Prompt(self.id, self.category, prompt="\n\n".join(str(m.get("content", "")) for m in self.messages or ()))
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "category": self.category}
         if self.prompt is not None:
