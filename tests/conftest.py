@@ -237,6 +237,21 @@ def real_pair_engine_fp32():
     return _held("real_pair_engine_fp32", lambda: specwood.load(dtype="fp32", max_context=4096, progress=False))
 
 
+@pytest.fixture(scope="module")
+def served_tiny_engine(tiny_pair, tiny_tokenizer, tmp_path_factory):
+    """The tiny fp32 pair as a server's engine: one torch thread (the server's threads share the
+    two cores) and a private specwood cache (plans, suffix caches) for the module."""
+    from specwood.engine.api import Engine
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECWOOD_CACHE", str(tmp_path_factory.mktemp("cache")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft")
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
 @pytest.fixture()
 def tiny_engine(tiny_pair, tiny_tokenizer):
     from specwood.engine.api import Engine

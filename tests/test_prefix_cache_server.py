@@ -9,23 +9,15 @@ import time
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from specwood.engine.api import Engine
 from specwood.serve.app import create_app, make_scheduler
 from test_server import ServerThread
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_pair, tiny_tokenizer, tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECWOOD_CACHE", str(tmp_path_factory.mktemp("cache")))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft")
-    torch.set_num_threads(threads)
-    mp.undo()
+def engine(served_tiny_engine):
+    return served_tiny_engine
 
 
 @pytest.fixture(scope="module")

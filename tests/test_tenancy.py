@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from specwood.cli import main, read_keys_file
 from specwood.engine.api import Engine
@@ -25,14 +24,8 @@ PROBES = tuple(f"key-of-prober-{i}" for i in range(3))  # one key a guess: a key
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_pair, tiny_tokenizer, tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECWOOD_CACHE", str(tmp_path_factory.mktemp("cache")))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft")
-    torch.set_num_threads(threads)
-    mp.undo()
+def engine(served_tiny_engine):
+    return served_tiny_engine
 
 
 def _server(engine: Engine, sharing: Sharing = Sharing(), keys: tuple[str, ...] = (KEY_A, KEY_B, KEY_SALTS, *PROBES)
