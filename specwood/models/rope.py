@@ -68,11 +68,17 @@ def _longrope(config: ModelConfig, inv: torch.Tensor, scaling: dict[str, Any], m
     factors = scaling["long_factor"] if max_len > original else scaling["short_factor"]
     if len(factors) != len(inv):
         raise ModelFileError(f"longrope factors: {len(factors)} given, the heads need {len(inv)}")
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        s = config.max_position_embeddings / original
-        attention_factor = math.sqrt(1 + math.log(s) / math.log(original)) if s > 1 else 1.0
-    return inv / torch.tensor(factors, dtype=torch.float64), float(attention_factor)
+    return inv / torch.tensor(factors, dtype=torch.float64), longrope_attention_factor(config, scaling)
+
+
+def longrope_attention_factor(config: ModelConfig, scaling: dict[str, Any]) -> float:
+    """LongRoPE's cos / sin factor: the config's, else sqrt(1 + ln(s) / ln(pretrained length)) for
+    s = context / pretrained length (what transformers and llama.cpp's converter compute)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = int(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+    s = config.max_position_embeddings / original
+    return math.sqrt(1 + math.log(s) / math.log(original)) if s > 1 else 1.0
 
 
 def rope_tables(config: ModelConfig, max_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from specwood.models.config import ModelConfig
 from specwood.models.canonical import canonical_shapes
 from specwood.models.gguf_dequant import permute_qk
 from specwood.models.hf_export import to_hf_model
+from specwood.models.rope import longrope_attention_factor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -213,8 +214,8 @@ def _add_arch_metadata(w, config: ModelConfig, arch: str) -> None:
         w.add_rope_scaling_factor(scaling["factor"])
     if scaling.get("rope_type") == "longrope":
         w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
-        if scaling.get("attention_factor") is not None:
-            w.add_rope_scaling_attn_factors(scaling["attention_factor"])
+        # always, as llama.cpp's converter does: without the key llama.cpp scales cos / sin by 1.0
+        w.add_rope_scaling_attn_factors(longrope_attention_factor(config, scaling))
         w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
     if arch == "phi3":
