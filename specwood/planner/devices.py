@@ -39,6 +39,7 @@ class DeviceModel:
     bw_efficiency: float = 0.8  # achieved / peak bandwidth
     flops_efficiency: float = 1.0
     overhead_s: float = 0.0  # fixed cost per forward (launches, host round trip)
+    call_s: float = 0.0  # fixed cost per matmul call (a CPU op's dispatch; a MoE layer makes one per woken expert)
     note: str = ""
 
     @classmethod
@@ -59,12 +60,12 @@ class DeviceModel:
         cols = n / (c * math.ceil(n / c))
         return rows * cols
 
-    def matmul_time(self, m: int, k: int, n: int, count: int, bytes_per_elem: float) -> float:
+    def matmul_time(self, m: float, k: int, n: int, count: float, bytes_per_elem: float) -> float:
         """`count` matmuls [m, k] x [k, n] whose right operand (weights or KV) is read from memory."""
         flops = 2.0 * m * k * n * count
         compute = flops / (self.peak_flops * self.flops_efficiency * self.utilisation(m, n))
         memory = k * n * count * bytes_per_elem / (self.mem_bw * self.bw_efficiency)
-        return max(compute, memory)
+        return max(compute, memory) + count * self.call_s
 
     @property
     def ridge_tokens(self) -> float:
@@ -223,8 +224,12 @@ def measure_local_cpu(dtype: str = "bf16", seconds: float = 1.5) -> DeviceModel:
     n = 1024
     a, b = torch.randn(n, n).to(tdtype), torch.randn(n, n).to(tdtype)
     flops = 2.0 * n**3 / median_s(lambda: a @ b, 5)
-    return DeviceModel("local-cpu", "cpu", flops, bw, bw_efficiency=1.0, flops_efficiency=1.0,
-                       note=f"measured: {bw / 1e9:.1f} GB/s read, {flops / 1e9:.0f} GFLOP/s {dtype} matmul")
+    # a small matmul's fixed cost: what a MoE layer pays per woken expert beside reading its weights
+    x, w = torch.randn(1, 64).to(tdtype), torch.randn(64, 64).to(tdtype)
+    call = median_s(lambda: [torch.nn.functional.linear(x, w) for _ in range(100)], 5) / 100
+    return DeviceModel("local-cpu", "cpu", flops, bw, bw_efficiency=1.0, flops_efficiency=1.0, call_s=call,
+                       note=f"measured: {bw / 1e9:.1f} GB/s read, {flops / 1e9:.0f} GFLOP/s {dtype} matmul, "
+                            f"{call * 1e6:.0f} µs a small matmul call")
 
 
 # ---------------------------------------------------------------------------------------------
