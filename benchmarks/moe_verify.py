@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from specwood.models.config import ModelConfig
 from specwood.models.transformer import Transformer
 from specwood.planner.devices import expected_experts, measure_local_cpu
-from specwood.planner.profiler import measure_verify_times
+from specwood.planner.profiler import measure_verify_times, median_time
 
 XS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -42,16 +41,6 @@ def per_row(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             hidden = layer.ops.silu_mul(F.linear(x[n:n + 1], layer.w13[e]))
             out[n] += (F.linear(hidden, layer.w2[e]) * weights[n, j].to(x.dtype))[0]
     return out
-
-
-def timed(fn, repeats: int = 7) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
 
 
 def main() -> int:
@@ -102,7 +91,7 @@ def main() -> int:
     with torch.inference_mode():
         for rows in (1, 4, 8, 16, 32):
             x = torch.randn(rows, args.dim, dtype=torch.bfloat16)
-            g, r = timed(lambda: layer(x)), timed(lambda: per_row(layer, x))
+            g, r = median_time(lambda: layer(x), 7), median_time(lambda: per_row(layer, x), 7)
             print(f"| {rows} | {g * 1e3:.2f} | {r * 1e3:.2f} | {r / g:.2f}x |")
     return 0
 

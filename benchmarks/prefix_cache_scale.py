@@ -24,14 +24,12 @@ import argparse
 import importlib.util
 import itertools
 import random
-import statistics
 import subprocess
 import sys
-import time
 import tracemalloc
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+
 
 import numpy as np
 import torch
@@ -39,6 +37,7 @@ import torch
 from specwood.bench.harness import machine_info
 from specwood.models.cache import KVCache
 from specwood.models.prefix_cache import PrefixCache
+from specwood.planner.profiler import median_time
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 150_000
@@ -57,16 +56,6 @@ def old_module(ref: str, path: str, name: str) -> ModuleType | None:
     sys.modules[name] = module  # dataclasses look their module up
     exec(compile(text, f"{ref}:{path}", "exec"), module.__dict__)  # noqa: S102 - our own file, as it was
     return module
-
-
-def timed(fn: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of `repeats` calls."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 # --- the prefix cache ---------------------------------------------------------------------------------
@@ -103,14 +92,14 @@ def prefix_case(cls: type, n: int, old: ModuleType | None, repeats: int) -> tupl
     queries = sequences(rnd, repeats, stems)
     fresh = iter(sequences(rnd, repeats, stems))
     q = iter(queries)
-    restore = timed(lambda: cache.restore(pool, 1, next(q), 64), repeats)
+    restore = median_time(lambda: cache.restore(pool, 1, next(q), 64), repeats, warmup=0)
 
     def store() -> None:
         toks = next(fresh)
         pool.lengths[0] = len(toks)
         cache.store(pool, 0, toks)
 
-    return restore, timed(store, repeats)
+    return restore, median_time(store, repeats, warmup=0)
 
 
 def prefix_table(counts: list[int], old_ref: str | None) -> None:
@@ -176,9 +165,9 @@ def suffix_table(old_ref: str | None) -> None:
             for tail in tails:
                 index.find(tail, 16)
 
-        find_s = timed(find, 5) / len(tails)
+        find_s = median_time(find, 5, warmup=0) / len(tails)
         print(f"| {label} | {held['Zipf ids'] / 2 ** 20:.1f} MiB | {held['uniform ids'] / 2 ** 20:.1f} MiB | "
-              f"{timed(extend, 3) * 1e3:.1f} ms | {find_s * 1e6:.1f} us |", flush=True)
+              f"{median_time(extend, 3, warmup=0) * 1e3:.1f} ms | {find_s * 1e6:.1f} us |", flush=True)
 
 
 def main() -> int:
