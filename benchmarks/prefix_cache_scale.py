@@ -30,7 +30,6 @@ import tracemalloc
 from pathlib import Path
 from types import ModuleType
 
-
 import numpy as np
 import torch
 
