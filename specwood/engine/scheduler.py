@@ -104,15 +104,20 @@ class Scheduler:
             self._lock.notify()
         return call.result(timeout_s)
 
-    def _run_calls(self) -> None:
+    def _run_calls(self, refuse: BaseException | None = None) -> None:
+        """Run the queued `run_on_loop` calls, or fail each with `refuse` (the loop is ending)."""
         with self._lock:
             calls, self._calls = self._calls, []
         for fn, call in calls:
-            if call.set_running_or_notify_cancel():
-                try:
-                    call.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - the caller gets it
-                    call.set_exception(e)
+            if not call.set_running_or_notify_cancel():
+                continue
+            if refuse is not None:
+                call.set_exception(refuse)
+                continue
+            try:
+                call.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller gets it
+                call.set_exception(e)
 
     @property
     def failure(self) -> str | None:
@@ -334,11 +339,7 @@ class Scheduler:
             for req in list(self.running) + list(self.waiting):
                 self._fail(req, SpecwoodError("the server is shutting down"))
             self.waiting.clear()
-            with self._lock:
-                calls, self._calls = self._calls, []
-            for _, call in calls:
-                if call.set_running_or_notify_cancel():
-                    call.set_exception(SpecwoodError("the server is shutting down"))
+            self._run_calls(refuse=SpecwoodError("the server is shutting down"))
         finally:
             try:
                 self.executor.close()  # workers and ranks end with the loop
