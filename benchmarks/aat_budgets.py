@@ -48,7 +48,7 @@ def main() -> None:
                 tps.append(r.stats["tokens_per_s"] or 0.0)
             rows.append((budget, method, statistics.mean(aat), statistics.mean(tps), extra.get("branching")))
             print(f"budget {budget:3d} {method:8s} AAT {rows[-1][2]:.2f} tok/s {rows[-1][3]:.2f}", flush=True)
-    print(f"\n| budget | method | AAT | tokens/s | tree |\n|---:|---|---:|---:|---|")
+    print("\n| budget | method | AAT | tokens/s | tree |\n|---:|---|---:|---:|---|")
     for budget, method, a, t, br in rows:
         print(f"| {budget} | {method} | {a:.2f} | {t:.2f} | {'<' + ','.join(map(str, br)) + '>' if br else ''} |")
 

@@ -47,11 +47,11 @@ def main() -> None:
     runs = [("ar", lambda p, raw: engine.generate(p, raw=raw, max_tokens=args.max_tokens, method="ar")),
             (f"duo (sequential, budget {args.budget})",
              lambda p, raw: engine.generate(p, raw=raw, max_tokens=args.max_tokens, method="duo", budget=args.budget)),
-            (f"duo parallel (gamma = round(c), re-measured)",
+            ("duo parallel (gamma = round(c), re-measured)",
              lambda p, raw: ex.generate(p, raw=raw, max_tokens=args.max_tokens))]
     runs += [(f"duo parallel, fixed gamma {g}",
               lambda p, raw, g=g: ex.generate(p, raw=raw, max_tokens=args.max_tokens, budget=g)) for g in fixed]
-    for name, run in runs:  # warm-up
+    for _name, run in runs:  # warm-up
         run("Say hello in one short sentence.", False)
     rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for pid, content, raw in prompts:

@@ -151,7 +151,9 @@ def main() -> None:
     ap.add_argument("--attention-tokens", default="1,8")
     ap.add_argument("--prefill-tokens", default="1024,4096")
     args = ap.parse_args()
-    ints = lambda text: [int(x) for x in text.split(",")]
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
+
     kernels = kernel_layer_ops()
     if kernels is None:
         raise SystemExit("the layer kernels cannot run here (no AVX512 or no C++ compiler)")
@@ -162,7 +164,9 @@ def main() -> None:
 
         impls[f"kernels @{args.against}"] = KernelLayerOps(
             build_old(args.against, Path(tempfile.mkdtemp()), "specwood/models/kernels/layer_ops.cpp", KERNEL.cflags))
-    attention = lambda: bench_attention(impls, args.rounds, ints(args.attention_contexts), ints(args.attention_tokens))
+    def attention() -> None:
+        bench_attention(impls, args.rounds, ints(args.attention_contexts), ints(args.attention_tokens))
+
     if parts == ["attention"]:  # no model needed
         attention()
         return

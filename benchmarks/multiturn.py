@@ -144,9 +144,12 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["# Multi-turn chats over HTTP", "", f"`{result['command']}`", "",
              "| server | mean TTFT turn 1 | mean TTFT turns 2.. | cached share of later prompts | decode tok/s |",
              "|---|---:|---:|---:|---:|"]
+
+    def f(x: float | None, spec: str = ".2f") -> str:
+        return "-" if x is None else format(x, spec)
+
     for label, run in result["servers"].items():
         s = run["summary"]
-        f = (lambda x, spec=".2f": "-" if x is None else format(x, spec))
         lines.append(f"| {label} | {f(s['mean_ttft_turn1_s'])} s | {f(s['mean_ttft_later_s'])} s | "
                      f"{f(s['later_hit_rate'], '.0%')} | {f(s['mean_decode_tok_s'], '.1f')} |")
     lines += ["", "Per turn (TTFT s / prompt tokens / cached):", ""]

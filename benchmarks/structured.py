@@ -187,7 +187,7 @@ def report(rows: Sequence[dict[str, Any]]) -> str:
                                         f(r["mean_accepted_tokens"]), *[f(r.get(k), ".3g") for k in extra]]) + " |")
     by = {(r["server"], r["method"], r["concurrency"]): r for r in rows if r["category"] == "all"}
     out = ["\n".join(lines), ""]
-    for (server, method, c), r in by.items():
+    for (_server, method, c), r in by.items():
         if method == "auto":
             for other in (("specwood", "ar"), ("llama.cpp", "plain")):
                 o = by.get((*other, c))

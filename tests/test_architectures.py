@@ -62,7 +62,7 @@ def hf_tiny(arch: str):
     model = cls(cfg).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 1:  # norms: around 1 (Gemma's are stored as w in 1 + w)
                 p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.1 * torch.randn(p.shape, generator=g))
             else:

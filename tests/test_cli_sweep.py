@@ -4,7 +4,6 @@ in one line on stderr and a non-zero exit; a good one runs. In-process through `
 exception that escapes it (what a user would see as a traceback) fails the test with its own."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

@@ -13,7 +13,6 @@ fail the same test.
 from __future__ import annotations
 
 import llguidance
-import numpy as np
 import pytest
 import torch
 from llguidance._tokenizer import TokenizerWrapper
@@ -94,8 +93,6 @@ def run_case(layout, rule, params, seed, accept_prob, trials=TRIALS):
 
     lay = Layout.build(layout)
     n = len(lay.parents)
-    depth = torch.tensor(lay.depths)
-    parent = torch.tensor([max(p, 0) for p in lay.parents])
     g_draft = torch.Generator().manual_seed(100 + seed)
     g_verify = torch.Generator().manual_seed(200 + seed)
     counts = torch.zeros(V ** EMITTED, dtype=torch.long)

@@ -56,7 +56,7 @@ def test_random_header_corruption_never_escapes_as_another_error(tmp_path):
     rnd = random.Random(2026)
     outcomes = {"ok": 0, "refused": 0}
     bad = tmp_path / "fuzz.gguf"
-    for trial in range(400):
+    for _trial in range(400):
         data = bytearray(good)
         for _ in range(rnd.choice((1, 2, 4, 16))):
             i = rnd.randrange(header_end)

@@ -1,6 +1,5 @@
 """CPU weight layouts: pre-packed bf16 linears are bit-identical to plain ones; int4 draft
 linears approximate the weights closely, and an int4 draft leaves the output lossless."""
-import pytest
 import torch
 from torch import nn
 

@@ -233,7 +233,7 @@ def test_pruning_keeps_each_stage_cache_exact(pair, stages, w, k, lanes):
     seqs = [prompt + res.token_ids for prompt, res in zip(prompts, results)]
     full = [reference_kv(pair.target, seq) for seq in seqs]
     checked_spec = 0
-    for lane, r, step, committed, spec, paths, k_, v_ in snaps:
+    for lane, r, _step, committed, spec, paths, k_, v_ in snaps:
         seq, (full_k, full_v) = seqs[lane], full[lane]
         layers = ranges[r]
         lo, hi = layers.start, layers.stop

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 from test_planner import KEY, synthetic_plan

@@ -473,7 +473,7 @@ def test_a_high_drafting_price_drifts_back_on_steps_without_the_model():
     shape = PlannedShape(plan, lambda budget: ("tree", budget), draft_costs=costs)
     assert plan.decide(128).method == "sd" and shape.choose_x(128, 1) == 1 and costs.scale(1) > 3.5
     plain = TokenTree.with_root(1)
-    for steps in range(1, 400):  # plain steps: nothing drafted, nothing to measure
+    for steps in range(1, 400):  # noqa: B007 (read after the loop) plain steps: nothing drafted, nothing to measure
         assert shape.for_batch(1, 128) is None
         shape.on_step(plain, Verdict([], 3), StepRecord(1, 1, draft_s=0.0, verify_s=0.1))
         if shape.choose_x(128, 1) > 1:

@@ -49,6 +49,7 @@ def test_a_chat_reuses_its_history_and_answers_as_alone(engine, http, method):
     messages = [{"role": "system", "content": f"You answer in short words ({method})."},
                 {"role": "user", "content": "Tell me about the sea."}]
     hits_before = metric(http, "specwood:prefix_cache_hits_total", model="target")
+    previous_prompt = 0
     for turn in range(3):
         r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0,
                                                      "method": method})

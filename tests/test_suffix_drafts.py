@@ -198,7 +198,7 @@ def test_concurrent_requests_under_the_batched_scheduler_keep_the_cache_whole(en
     prepared = engine.prepare("suffix", {"suffix_cache_tokens": 4096})
     sched = Scheduler(engine.target, max_batch=4)
     prompts = [engine.encode(p, raw=True) for p in PROMPTS] * 3
-    for rnd in range(2):
+    for _rnd in range(2):
         reqs = [engine.new_request(p, max_tokens=24, method="suffix", scheduler=sched, prepared=prepared)
                 for p in prompts]
         for r in reqs:

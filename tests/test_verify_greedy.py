@@ -50,7 +50,7 @@ def test_root_only_tree() -> None:
 def test_multi_branch_follows_the_argmax_child() -> None:
     tree = TokenTree.with_root(0)
     a, b, c = (tree.add_node(0, t) for t in (5, 7, 1))  # 1, 2, 3
-    a1, b1, b2 = tree.add_node(a, 2), tree.add_node(b, 3), tree.add_node(b, 4)  # 4, 5, 6
+    _a1, _b1, b2 = tree.add_node(a, 2), tree.add_node(b, 3), tree.add_node(b, 4)  # 4, 5, 6
     b2x = tree.add_node(b2, 6)  # 7
     rows = [7, 0, 0, 0, 0, 0, 0, 0]
     rows[b], rows[b2], rows[b2x] = 4, 6, 2

@@ -218,7 +218,7 @@ def measure_local_cpu(dtype: str = "bf16", seconds: float = 1.5) -> DeviceModel:
         return statistics.median(samples)
 
     big = torch.ones(48 * 2**20, dtype=torch.float32)  # 192 MiB: far beyond any cache
-    bw = big.numel() * 4 / median_s(lambda: big.sum(), 5)
+    bw = big.numel() * 4 / median_s(big.sum, 5)
     del big
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.bfloat16, "fp32": torch.float32}.get(dtype, torch.bfloat16)
     n = 1024

@@ -333,7 +333,7 @@ class PipelineRank:
                 x = torch.tensor(mine.tokens) if r == 0 else lane.inbox
                 mode = ("all" if mine.tree else "last") if r == last else "none"
                 runs.append((lane.kv, mine, x, lane.mirror, mode))
-        for (kv, mine, _, _, _), out in zip(runs, run_levels(runs)):
+        for (kv, _, _, _, _), out in zip(runs, run_levels(runs)):
             outs[kv.row] = out
         t2 = time.perf_counter()
         drafting = [(lane.draft, entered[lane.id], lane.mirror) for lane in active
