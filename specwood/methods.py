@@ -150,7 +150,8 @@ def prepare_method(engine: Any, name: str, options: dict[str, Any] | None = None
         raise SpecwoodError(f"method '{method.name}' does not use option(s) {', '.join(unknown)} ({takes})")
     check_backend(method.name, getattr(engine, "backend", "torch"))
     if method.needs_draft and engine.draft_model is None:
-        raise SpecwoodError(f"method '{method.name}' needs a draft model; pass --draft NAME|PATH (draft=... in the API)")
+        raise SpecwoodError(f"method '{method.name}' needs a draft model; "
+                            "pass --draft NAME|PATH (draft=... in the API)")
     return method.prepare(engine, options)
 
 
@@ -227,7 +228,8 @@ def _prepare_head(engine: Any, options: dict[str, Any]) -> DrafterFactory:
                             "made by `specwood train-drafter`")
     shape = _shape_option("head", dict(options), "eagle")
     # the head reads the prompt from the target's prefill features, in its first draft forward
-    return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(sources(head), shape, defer_draft_prefill=True)
+    return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(sources(head), shape,
+                                                                               defer_draft_prefill=True)
 
 
 register(Method("ar", "plain autoregressive decoding (the baseline)", False, (), _prepare_ar))
@@ -255,7 +257,8 @@ def _prepare_suffix(engine: Any, options: dict[str, Any]) -> DrafterFactory:
     def new_drafter(sources: SourceFactory, prompt_len: int, max_tokens: int, load: int = 1,
                     scope: str | None = "") -> Drafter:
         # scope None: a request that shares nothing with others drafts from its own text only
-        source = SuffixSource(cache if scope is not None else None, prompt_len, max_tokens, eos_ids=eos, scope=scope or "")
+        source = SuffixSource(cache if scope is not None else None, prompt_len, max_tokens, eos_ids=eos,
+                              scope=scope or "")
         shape = SuffixShape(source, opts)
         return Drafter(None, shape, extra_stats=shape.source.stats)
 

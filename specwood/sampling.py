@@ -76,7 +76,8 @@ class SamplingParams:
             raise SamplingParamsError("grammar must be a non-empty llguidance grammar string")
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
-            raise SamplingParamsError(f"logprobs (top_logprobs) must be an integer in [0, {MAX_TOP_LOGPROBS}], got {lp!r}")
+            raise SamplingParamsError(f"logprobs (top_logprobs) must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                      f"got {lp!r}")
 
     @property
     def processed(self) -> bool:

@@ -32,7 +32,8 @@ def add_train_drafter_parser(sub: Any) -> None:
 
     p = sub.add_parser("train-drafter", help="train a feature-level draft head (EAGLE-style) for a target, here",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="registry name, .gguf file or HF folder (default: the default target)")
+    p.add_argument("--target", default=None,
+                   help="registry name, .gguf file or HF folder (default: the default target)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="the target's weight mode (as in generate)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="the head file (default: <cache>/heads/<target>.safetensors)")

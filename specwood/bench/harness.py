@@ -301,7 +301,8 @@ class _Runner:
             e2e_tokens_per_s=n / wall if wall > 0 and n else None,
             ttft_s=r.get("ttft_s"),
             # prefill throughput: prompt tokens over the time to the first token
-            prefill_tokens_per_s=r["prompt_tokens"] / r["ttft_s"] if r.get("prompt_tokens") and r.get("ttft_s") else None,
+            prefill_tokens_per_s=(r["prompt_tokens"] / r["ttft_s"]
+                                  if r.get("prompt_tokens") and r.get("ttft_s") else None),
             tbt_ms_p50=r.get("tbt_ms_p50"),
             mean_accepted_tokens=r.get("mean_accepted_tokens"),
             acceptance_rate=r.get("acceptance_rate"),
@@ -425,7 +426,8 @@ def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods:
         workload = Workload(prompts=list(workload), source="(in memory)")
     if not workload.prompts:
         raise SpecwoodError("the workload has no prompts to run (check --categories / --limit)")
-    if not takes_chat(engine) and any(not p.raw for p in workload.prompts):  # a base model: the chat prompts as raw text
+    # a base model: the chat prompts as raw text
+    if not takes_chat(engine) and any(not p.raw for p in workload.prompts):
         workload = Workload(prompts=[p.as_raw() for p in workload.prompts], source=workload.source)
         if progress:
             print("[bench] the model has no chat template: chat prompts run as raw text (their contents)",

@@ -64,7 +64,8 @@ class TimingStreamer(_BaseStreamer):  # type: ignore[misc,valid-type]
 
 def require_transformers() -> None:
     if not HAVE_TRANSFORMERS:
-        raise SpecwoodError("methods hf, hf-assisted and hf-pld need Hugging Face transformers: pip install transformers")
+        raise SpecwoodError("methods hf, hf-assisted and hf-pld need Hugging Face transformers: "
+                            "pip install transformers")
 
 
 def torch_dtype_of(engine: Any) -> Any:

@@ -56,7 +56,8 @@ class Prompt:
         messages' contents, one after another."""
         if self.prompt is not None:
             return self
-        return Prompt(self.id, self.category, prompt="\n\n".join(str(m.get("content", "")) for m in self.messages or ()))
+        return Prompt(self.id, self.category,
+                      prompt="\n\n".join(str(m.get("content", "")) for m in self.messages or ()))
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "category": self.category}

@@ -73,7 +73,8 @@ def drafting_after(drafting: Drafting, chain: TokenTree) -> Drafting:
         for i in range(1, len(sub)):
             whole.add_node(sub.parents[i] + k, sub.tokens[i], sub.probs[i])
         whole.child_dists = {i + k: d for i, d in sub.child_dists.items()}
-        whole.selected = {i + k for i in sub.selected} | (set(range(1, k + 1)) if sub.child_rule == "sampled" else set())
+        whole.selected = ({i + k for i in sub.selected}
+                          | (set(range(1, k + 1)) if sub.child_rule == "sampled" else set()))
         return whole
 
     try:

@@ -45,7 +45,8 @@ def read_eagle_tensors(path: Path) -> dict[str, torch.Tensor]:
                 with safe_open(str(f), framework="pt") as sf:
                     out[name] = sf.get_tensor(name)
             except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
-                raise ModelFileError(f"{f}: cannot read tensor {name} ({e}); the file is truncated or corrupt") from None
+                raise ModelFileError(f"{f}: cannot read tensor {name} ({e}); "
+                                     "the file is truncated or corrupt") from None
         return out
     bins = sorted(path.glob("*.bin"))
     if not bins:
@@ -65,7 +66,8 @@ def load_eagle_head(path: str | Path, target: Transformer) -> DraftHead:
     try:
         raw = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
-        raise ModelFileError(f"{path}: no config.json; an EAGLE head folder holds config.json and its weights") from None
+        raise ModelFileError(f"{path}: no config.json; "
+                             "an EAGLE head folder holds config.json and its weights") from None
     except (OSError, ValueError) as e:
         raise ModelFileError(f"{path / 'config.json'}: unreadable or invalid JSON ({e})") from None
     tensors = read_eagle_tensors(path)

@@ -61,7 +61,8 @@ class HeadSpec:
         try:
             return cls(**json.loads(text))
         except (TypeError, ValueError) as e:
-            raise ModelFileError(f"draft head metadata is malformed ({e}); retrain it with `specwood train-drafter`") from None
+            raise ModelFileError(f"draft head metadata is malformed ({e}); "
+                                 "retrain it with `specwood train-drafter`") from None
 
 
 class DraftHead(Transformer):
@@ -130,7 +131,8 @@ def check_head_fits(spec: HeadSpec, target: Transformer, where: str) -> None:
     c = target.config
     if spec.target_vocab_size != c.vocab_size or spec.dim != c.dim:
         raise SpecwoodError(
-            f"draft head {where}{' ' if where else ''}was trained for a target with {spec.target_vocab_size} tokens and hidden size "
+            f"draft head {where}{' ' if where else ''}was trained for a target with {spec.target_vocab_size} tokens "
+            "and hidden size "
             f"{spec.dim} ({spec.target_name or 'unnamed'}), but this target has {c.vocab_size} and {c.dim}; "
             "train one for it with `specwood train-drafter`")
     if not (target.is_first and target.is_last):

@@ -196,7 +196,8 @@ def _resumable(settings: dict) -> dict:
 def _checkpoint(path: Path, head: DraftHead, opt: torch.optim.Optimizer, gen: torch.Generator, step: int,
                 record: TrainRecord, settings: TrainSettings) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"head": {k: v for k, v in head.state_dict().items() if not k.startswith(("tok_embeddings.", "output."))},
+    own = {k: v for k, v in head.state_dict().items() if not k.startswith(("tok_embeddings.", "output."))}
+    torch.save({"head": own,
                 "optimizer": opt.state_dict(), "generator": gen.get_state(), "step": step,
                 "record": asdict(record), "settings": asdict(settings)}, tmp)
     tmp.replace(path)

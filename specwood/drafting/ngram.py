@@ -49,7 +49,8 @@ class PromptLookupShape(TreeShape):
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
-            raise SpecwoodError(f"pld n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
+            raise SpecwoodError("pld n-gram sizes need 1 <= min_ngram <= max_ngram, "
+                                f"got {self.min_ngram}..{self.max_ngram}")
 
     def draft(
         self,

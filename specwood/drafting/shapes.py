@@ -487,4 +487,5 @@ def make_shape(
         return DySpecShape(budget=budget or 12, max_depth=depth)
     # dyspec-threshold
     size = budget or 16
-    return DySpecThresholdShape(threshold=threshold if threshold is not None else 1.0 / size, budget=size, max_depth=depth)
+    return DySpecThresholdShape(threshold=threshold if threshold is not None else 1.0 / size, budget=size,
+                                max_depth=depth)

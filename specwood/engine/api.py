@@ -121,10 +121,12 @@ class Engine:
         if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
             return list(tok.encode(prompt, add_special_tokens=True))
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in messages):
             raise SpecwoodError("messages must be a list of {'role': ..., 'content': ...} objects")
         if not getattr(tok, "chat_template", None):
-            raise SpecwoodError("this model's tokenizer has no chat template; pass a plain prompt with raw=True (--raw)")
+            raise SpecwoodError("this model's tokenizer has no chat template; "
+                                "pass a plain prompt with raw=True (--raw)")
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         return encode_chat(tok, messages, **extra)  # contents as plain text: no forged turns
 
@@ -603,9 +605,10 @@ def load(
         dexact = exact_q4_weights(resolve_model(str(draft)), dq4 or dq4_lite, dq4_lite)
         # q4-lite decodes each weight as the build takes it and requantises each layer as it arrives
         dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype, skip=left_in_file(dexact, dq4_lite), lazy=dq4_lite)
+        # a draft's precision changes speed, never output
         draft_model = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4, int8=dint8,
                                   int8_head=dint8, q4=dq4, q4_lite=dq4_lite, q4_exact=dexact,
-                                  q4_embeddings=dq4_lite, consume=True)  # a draft's precision changes speed, never output
+                                  q4_embeddings=dq4_lite, consume=True)
         del dsd, dexact
     draft_head = None
     if isinstance(head, str) and head.strip().lower() in ("auto", "none"):

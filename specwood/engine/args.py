@@ -59,17 +59,21 @@ def width_arg(value: str) -> int | str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="registry name, .gguf file or HF folder (default: qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--target", default=None,
+                   help="registry name, .gguf file or HF folder (default: qwen2.5-coder-1.5b-instruct)")
     p.add_argument("--draft", default="auto",
                    help="draft model name/path; 'auto' = the target's default draft; 'none' = no draft. "
                         "Loaded only when the method drafts with a model")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto = q4 for a GGUF of Q4_K weights (the default pair) on CPUs with AVX512-VNNI or AVX2, else bf16 on "
-                        "CPUs with AVX512-BF16/AMX and on GPUs, else fp32; q4 = the GGUF's Q4_K, Q5_K, Q6_K and "
+                   help="auto = q4 for a GGUF of Q4_K weights (the default pair) on CPUs with AVX512-VNNI or AVX2, "
+                        "else bf16 on CPUs with AVX512-BF16/AMX and on GPUs, else fp32; "
+                        "q4 = the GGUF's Q4_K, Q5_K, Q6_K and "
                         "Q8_0 weights as the file stores them (Q4_0/Q5_0 as Q8_0, exactly; other types in bf16, one "
                         "line names them) times int8 activations "
-                        "per 32 inputs, on specwood's AVX512-VNNI kernel (or its AVX2 build, same bits) (CPU): closer to the file than llama.cpp "
-                        "(KL against the file's weights: 0.0009 on code, llama.cpp 0.0086; BENCHMARKS.md §9); q4-lite = "
+                        "per 32 inputs, on specwood's AVX512-VNNI kernel (or its AVX2 build, same bits) (CPU): "
+                        "closer to the file than llama.cpp "
+                        "(KL against the file's weights: 0.0009 on code, llama.cpp 0.0086; BENCHMARKS.md §9); "
+                        "q4-lite = "
                         "every linear in 4 bits (Q6_K requantised): 10%% fewer bytes a step, lossier (KL 0.016, "
                         "~18x q4's); int8 = W8A8 linears (int8 weights, per-token "
                         "int8 activations). Every method is token-identical to ar in every mode")
@@ -91,7 +95,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                         "is, CPU, one request at a time) or auto (the configuration `specwood plan --choose-config` "
                         "measured fastest here, both models' backends and weight modes; without one, llama.cpp "
                         "for a GGUF when it is installed)")
-    p.add_argument("--draft-backend", default="torch", choices=BACKEND_CHOICES, help="the draft's runtime (as --backend)")
+    p.add_argument("--draft-backend", default="torch", choices=BACKEND_CHOICES,
+                   help="the draft's runtime (as --backend)")
 
 
 def check_backend_args(args: argparse.Namespace) -> None:
@@ -122,7 +127,8 @@ def add_method_args(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--method", default=default,
                    help="auto (default: the planner's choice of AR or dyspec and its tree size for this hardware; "
                         "the first run profiles for a few minutes), ar, chain, static, sequoia, eagle, dyspec, "
-                        "dyspec-threshold, pld, suffix, early-exit (experimental: no trained exit adapter, slower than ar), prior, duo")
+                        "dyspec-threshold, pld, suffix, early-exit (experimental: no trained exit adapter, "
+                        "slower than ar), prior, duo")
     add_method_options(p)
 
 

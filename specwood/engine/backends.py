@@ -80,7 +80,8 @@ class RuntimeConfig:
     def label(self) -> str:
         def one(backend: str, dtype: str, default: str) -> str:
             return "llama.cpp" if backend == "llama.cpp" else f"torch {default if dtype == 'auto' else dtype}"
-        return f"target {one(self.backend, self.dtype, 'bf16')}, draft {one(self.draft_backend, self.draft_dtype, 'int4')}"
+        return (f"target {one(self.backend, self.dtype, 'bf16')}, "
+                f"draft {one(self.draft_backend, self.draft_dtype, 'int4')}")
 
 
 # (target, draft, device) -> the measured fastest RuntimeConfig and a line saying where it comes
@@ -122,7 +123,8 @@ def resolve_runtime(asked: RuntimeConfig, target: str | os.PathLike[str] | None,
 def check_backends(backend: str, draft_backend: str, *, dtype: Any = "auto", draft_dtype: Any = "auto",
                    device: str = "cpu", executor: str | None = None) -> None:
     """Refuse the combinations the llama.cpp backend does not support, in one line each."""
-    for flag, b, dt, which in (("--dtype", backend, dtype, "target"), ("--draft-dtype", draft_backend, draft_dtype, "draft")):
+    for flag, b, dt, which in (("--dtype", backend, dtype, "target"),
+                               ("--draft-dtype", draft_backend, draft_dtype, "draft")):
         if b != "llama.cpp":
             continue
         if str(dt) != "auto":

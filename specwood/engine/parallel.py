@@ -31,8 +31,8 @@ Message protocol (one multiprocessing Pipe, spawn context; main -> worker, one r
 `hit` is the index (in the tree the worker sent last) of the first-level node that matched the
 target's token, or -1: then the worker truncates its row to `ctx_len` tokens (the target's
 committed context) and drafts from `root`. `catchup` lists committed tokens the worker has not
-seen: those the target decoded plainly while the worker was still prefilling. Only token ids, parent indices and the draft
-probabilities of drafted tokens cross; full vocabulary rows (`dists`, float32) only under sampling
+seen: those the target decoded plainly while the worker was still prefilling. Only token ids, parent indices
+and the draft probabilities of drafted tokens cross; full vocabulary rows (`dists`, float32) only under sampling
 and only for drafted positions that have a drafted child (what the verifier needs).
 
 Scope: the executor advances a *set* of requests in lock step (one batched target forward and one

@@ -60,13 +60,13 @@ class PrefixReuse:
         first token."""
         n = len(req.prompt_ids)
         if target_reusable(req):
-            req.prefilled = self.cache.restore(target, req.row, req.prompt_ids, n - 1, self._live_target(req.cache_scope),
-                                               "target", scope=req.cache_scope)
+            req.prefilled = self.cache.restore(target, req.row, req.prompt_ids, n - 1,
+                                               self._live_target(req.cache_scope), "target", scope=req.cache_scope)
             req.cached_tokens = req.prefilled
         if draft_reusable(req):
             src = req.drafter.source
-            got = self.cache.restore(src.cache, src.row, req.prompt_ids, n, self._live_draft(src.cache, req.cache_scope),
-                                     "draft", scope=req.cache_scope)
+            got = self.cache.restore(src.cache, src.row, req.prompt_ids, n,
+                                     self._live_draft(src.cache, req.cache_scope), "draft", scope=req.cache_scope)
             if src.pending:  # a deferred draft prefill: what is left waits for its first forward
                 src.defer(req.prompt_ids[got:])
             else:
@@ -121,8 +121,8 @@ class PrefixReuse:
                 continue
             ids = token_array(req.prompt_ids)
             here = done(req)
-            if any(lead.cache_scope == req.cache_scope and done(lead) == here and common_prefix(lead_ids, ids) > here + 1
-                   for lead, lead_ids in leaders):
+            if any(lead.cache_scope == req.cache_scope and done(lead) == here
+                   and common_prefix(lead_ids, ids) > here + 1 for lead, lead_ids in leaders):
                 out.add(req)
             else:
                 leaders.append((req, ids))

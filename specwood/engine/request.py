@@ -230,7 +230,8 @@ class Request:
         """Failed with `error`: a SpecwoodError's text is the user's message, anything else an
         internal error."""
         self.state = State.FINISHED
-        self.error = str(error) if isinstance(error, SpecwoodError) else f"internal error: {type(error).__name__}: {error}"
+        self.error = (str(error) if isinstance(error, SpecwoodError)
+                      else f"internal error: {type(error).__name__}: {error}")
         self.exception = error
         self.notify()
 

@@ -20,8 +20,9 @@ from specwood.engine.executor import Executor
 from specwood.engine.output import GenerationResult
 from specwood.engine.prefix_reuse import PrefixReuse
 from specwood.engine.request import Request, State
-from specwood.engine.step import (StepRecord, commit, draft_trees, first_token, hand_prompt_features, hand_tree_features,
-                                  plain_tree, target_forward, tree_rows, verify_tree, wants_features)
+from specwood.engine.step import (StepRecord, commit, draft_trees, first_token, hand_prompt_features,
+                                  hand_tree_features, plain_tree, target_forward, tree_rows, verify_tree,
+                                  wants_features)
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache

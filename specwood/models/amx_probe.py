@@ -38,8 +38,10 @@ def random_packed(op: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
         return ((torch.rand(*shape, generator=g) - low) * 0.01).half()
 
     makers: dict[str, Callable[[], Any]] = {
-        "q4_linear": lambda: Q4Linear(Q4Weights(codes(16), sixbit(32), sixbit(32), half((n, supers)), half((n, supers)))),
-        "q5_linear": lambda: Q5Linear(Q5Weights(codes(32), sixbit(32), sixbit(32), half((n, supers)), half((n, supers)))),
+        "q4_linear": lambda: Q4Linear(Q4Weights(codes(16), sixbit(32), sixbit(32), half((n, supers)),
+                                                half((n, supers)))),
+        "q5_linear": lambda: Q5Linear(Q5Weights(codes(32), sixbit(32), sixbit(32), half((n, supers)),
+                                                half((n, supers)))),
         "q6_linear": lambda: Q6Linear(Q6Weights(codes(64), torch.randint(-128, 128, (n, k // 16), generator=g,
                                                                          dtype=torch.int8), half((n, supers)))),
         "q8_linear": lambda: Q8Linear(Q8Weights(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
@@ -83,7 +85,8 @@ def crossover(amx: Any, vnni: Any) -> tuple[int | None, dict[str, list[float]]]:
     timings: dict[str, list[float]] = {}
     for m in PROBE_ROWS:
         x = torch.randn(m, 1536)
-        timings[str(m)] = [time_ms(lambda: vnni.q4_linear(x, packed, bias)), time_ms(lambda: amx.q4_linear(x, packed, bias))]
+        timings[str(m)] = [time_ms(lambda: vnni.q4_linear(x, packed, bias)),
+                           time_ms(lambda: amx.q4_linear(x, packed, bias))]
     best = None
     for m in reversed(PROBE_ROWS):
         vnni_ms, amx_ms = timings[str(m)]

@@ -146,7 +146,8 @@ def layer_index(canonical_name: str) -> int | None:
 
 
 def validate_state_dict(
-    config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str], layers: range | None = None
+    config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str],
+    layers: range | None = None
 ) -> None:
     """Raise ModelFileError if a tensor the config needs is missing or has the wrong shape."""
     expected = canonical_shapes(config, layers)

@@ -68,7 +68,8 @@ class ModelConfig:
         if self.n_experts and self.moe_intermediate_size < 1:
             raise ModelFileError("model config: the experts' MLP width must be a positive integer")
         if self.hidden_act not in ACTIVATIONS:
-            raise ModelFileError(f"unsupported MLP activation '{self.hidden_act}' (specwood runs {', '.join(ACTIVATIONS)})")
+            raise ModelFileError(f"unsupported MLP activation '{self.hidden_act}' "
+                                 f"(specwood runs {', '.join(ACTIVATIONS)})")
         if self.layer_types is not None:
             check_layer_types(self.layer_types, self.n_layers)
             # a copy cut to n_layers: an early-exit draft or a draft head replaces n_layers of a config

@@ -139,7 +139,8 @@ _CHUNK_VALUES = 1 << 20  # values per torch call: float32 temporaries of ~4 MiB 
 
 
 def dequantize_tensor(
-    buf: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype = torch.float32, path: Path | str = "", use_torch: bool = True
+    buf: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype = torch.float32, path: Path | str = "",
+    use_torch: bool = True
 ) -> torch.Tensor:
     """One GGUF tensor from the mapped file -> a new torch tensor of ``dtype`` and torch shape ``info.shape``."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q

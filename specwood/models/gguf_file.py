@@ -74,7 +74,8 @@ def _show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "...'"
 
 
-_TRUNCATED_FIX = "the file is truncated or corrupt; re-download or re-assemble it (registry models: delete it from the specwood cache and run again)"
+_TRUNCATED_FIX = ("the file is truncated or corrupt; re-download or re-assemble it "
+                  "(registry models: delete it from the specwood cache and run again)")
 
 
 def canonical_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -119,7 +120,8 @@ class _Cursor:
 
     def _need(self, n: int) -> None:
         if n < 0 or self.pos + n > self.size:
-            raise ModelFileError(f"{self.path}: header ends past the end of the file ({self.size} bytes); {_TRUNCATED_FIX}")
+            raise ModelFileError(f"{self.path}: header ends past the end of the file ({self.size} bytes); "
+                                 f"{_TRUNCATED_FIX}")
 
     def scalar(self, fmt: str) -> Any:
         n = struct.calcsize(fmt)
@@ -196,10 +198,12 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
             version = cur.scalar("<I")
             if version not in (2, 3):
                 hint = " (big-endian GGUF files are not supported)" if version & 0xFFFF == 0 else ""
-                raise ModelFileError(f"{path}: unsupported GGUF version {version}{hint}; convert it with a recent llama.cpp")
+                raise ModelFileError(f"{path}: unsupported GGUF version {version}{hint}; "
+                                     "convert it with a recent llama.cpp")
             n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
             if n_tensors > size or n_kv > size:
-                raise ModelFileError(f"{path}: header counts are impossible ({n_tensors} tensors, {n_kv} keys); {_TRUNCATED_FIX}")
+                raise ModelFileError(f"{path}: header counts are impossible ({n_tensors} tensors, {n_kv} keys); "
+                                     f"{_TRUNCATED_FIX}")
             metadata: dict[str, Any] = {}
             lengths: dict[str, int] = {}
             for _ in range(n_kv):
@@ -230,12 +234,14 @@ def read_gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
             ) from None
         n_el = int(np.prod(dims)) if dims else 1
         if dims and dims[0] % block:
-            raise ModelFileError(f"{path}: tensor {_show(name)} row length {dims[0]} is not a multiple of its block size {block}; {_TRUNCATED_FIX}")
+            raise ModelFileError(f"{path}: tensor {_show(name)} row length {dims[0]} is not a multiple of "
+                                 f"its block size {block}; {_TRUNCATED_FIX}")
         n_bytes = n_el // block * type_size
         start = data_offset + rel
         if start + n_bytes > size:
             raise ModelFileError(
-                f"{path}: tensor {_show(name)} data ends at byte {start + n_bytes} but the file has {size} bytes; {_TRUNCATED_FIX}"
+                f"{path}: tensor {_show(name)} data ends at byte {start + n_bytes} but the file has {size} bytes; "
+                f"{_TRUNCATED_FIX}"
             )
         tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, start, n_bytes)
     return GGUFHeader(path, version, metadata, lengths, tensors, data_offset, size, alignment)
@@ -261,7 +267,8 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
             return default
         if isinstance(v, np.ndarray):  # per-layer arrays (e.g. head counts) -- we need uniform layers
             if len(set(v.tolist())) != 1:
-                raise ModelFileError(f"{path}: {_show(f'{arch}.{key}')} varies per layer, which specwood does not support")
+                raise ModelFileError(f"{path}: {_show(f'{arch}.{key}')} varies per layer, "
+                                     "which specwood does not support")
             v = v.tolist()[0]
         return v
 
@@ -280,8 +287,8 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     def real(key: str, default: float) -> float:
         v = get(key, default)
         if isinstance(v, (bool, str, bytes)) or not np.isfinite(float(v)) or float(v) <= 0:
-            raise ModelFileError(f"{path}: GGUF metadata {_show(f'{arch}.{key}')} is {_show(v)}, not a positive number; "
-                                 f"{_TRUNCATED_FIX}")
+            raise ModelFileError(f"{path}: GGUF metadata {_show(f'{arch}.{key}')} is {_show(v)}, "
+                                 f"not a positive number; {_TRUNCATED_FIX}")
         return float(v)
 
     tensors = header.tensors

@@ -102,7 +102,8 @@ def kquant_weights(path: str | os.PathLike[str], layers: range | None = None,
                 continue
             if li is not None and layers is not None and li not in layers:
                 continue
-            parts = read(torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8), info.shape[0])
+            raw = torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8)
+            parts = read(raw, info.shape[0])
             if permute and cname.endswith("attention.wq.weight"):
                 parts = type(parts)(*(unpermute_qk(t, config.n_heads).contiguous() for t in parts))
             elif permute and cname.endswith("attention.wk.weight"):

@@ -104,7 +104,8 @@ def load_gguf(
             freqs = dequantize_tensor(mm, header.tensors["rope_freqs.weight"], torch.float32, path)
             config.rope_scaling["freq_factors"] = freqs.tolist()
         if config.rope_scaling and config.rope_scaling.get("rope_type") == "longrope":  # Phi-3's factor tensors
-            for key, tensor in (("long_factor", "rope_factors_long.weight"), ("short_factor", "rope_factors_short.weight")):
+            for key, tensor in (("long_factor", "rope_factors_long.weight"),
+                                ("short_factor", "rope_factors_short.weight")):
                 if tensor not in header.tensors:
                     raise ModelFileError(f"{path}: missing tensor {tensor} (LongRoPE needs both factor tensors)")
                 config.rope_scaling[key] = dequantize_tensor(mm, header.tensors[tensor], torch.float32, path).tolist()

@@ -134,8 +134,9 @@ def to_hf_model(
     from transformers.initialization import no_init_weights
 
     validate_state_dict(config, state_dict, config.name or "state_dict")
-    cls = getattr(transformers, {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+    cls = getattr(transformers, {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                 "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                 "gemma3": "Gemma3ForCausalLM",
                                  "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}[config.arch])
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     cfg = hf_config(config, dtype, **kwargs)

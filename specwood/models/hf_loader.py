@@ -79,7 +79,8 @@ def read_hf_config(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str,
     try:
         raw = json.loads(cfg_file.read_text())
     except FileNotFoundError:
-        raise ModelFileError(f"{path}: no config.json; give a Hugging Face model folder (config.json + *.safetensors)") from None
+        raise ModelFileError(f"{path}: no config.json; "
+                             "give a Hugging Face model folder (config.json + *.safetensors)") from None
     except (OSError, ValueError) as e:
         raise ModelFileError(f"{cfg_file}: unreadable or invalid JSON ({e}); re-download the model folder") from None
     try:
@@ -114,7 +115,8 @@ def weight_files(path: Path) -> dict[str, Path]:
             with safe_open(f, framework="pt") as sf:
                 out.update({k: f for k in sf.keys()})
         except Exception as e:  # safetensors raises its own error types for bad headers
-            raise ModelFileError(f"{f}: unreadable safetensors file ({e}); it is truncated or corrupt, re-download it") from None
+            raise ModelFileError(f"{f}: unreadable safetensors file ({e}); "
+                                 "it is truncated or corrupt, re-download it") from None
     return out
 
 
@@ -152,7 +154,8 @@ def load_hf_folder(
         except ModelFileError:
             raise
         except Exception as e:
-            raise ModelFileError(f"{f}: cannot read tensors ({e}); the file is truncated or corrupt, re-download it") from None
+            raise ModelFileError(f"{f}: cannot read tensors ({e}); "
+                                 "the file is truncated or corrupt, re-download it") from None
     split_fused(config, sd)
     stack_experts(config, sd)
     validate_state_dict(config, sd, path, layers)
@@ -165,4 +168,5 @@ def load_hf_tokenizer(path: str | os.PathLike[str]):  # -> transformers.PreTrain
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
-        raise ModelFileError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e}); the folder needs tokenizer files") from None
+        raise ModelFileError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e}); "
+                             "the folder needs tokenizer files") from None

@@ -8,8 +8,8 @@ from __future__ import annotations
 from specwood.models.kernels import AVX512_FLAGS, CpuKernel, build_for_this_cpu
 
 KERNEL_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp"]
-VNNI_KERNEL = CpuKernel("specwood_kquants_vnni", "kquants_vnni.cpp", KERNEL_CFLAGS, AVX512_FLAGS + ("avx512_vnni", "f16c"),
-                        "the q4 weight mode")
+VNNI_KERNEL = CpuKernel("specwood_kquants_vnni", "kquants_vnni.cpp", KERNEL_CFLAGS,
+                        AVX512_FLAGS + ("avx512_vnni", "f16c"), "the q4 weight mode")
 AMX_FLAGS = ("amx_tile", "amx_int8")
 AMX_KERNEL = CpuKernel("specwood_kquants_amx", "kquants_amx.cpp", KERNEL_CFLAGS + ["-mamx-tile", "-mamx-int8"],
                        VNNI_KERNEL.required + AMX_FLAGS, "the AMX path")

@@ -73,7 +73,8 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = k, n
         # the same int4 weights (as the kernel sees them) for many-row inputs
         sz = self.scales_zeros.float()  # [groups, n, 2]
-        deq = (q.reshape(n, k // self.GROUP, self.GROUP).float() - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        deq = ((q.reshape(n, k // self.GROUP, self.GROUP).float() - 8) * sz[..., 0].t()[..., None]
+               + sz[..., 1].t()[..., None])
         del q, g, w
         dense = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
         dense.weight.data = deq.reshape(n, k).to(torch.bfloat16)

@@ -28,7 +28,8 @@ def prefill(model: Transformer, cache: KVCache, prompt: list[int], chunk: int = 
     return logits
 
 
-def prefill_rows(model: Transformer, cache: KVCache, chunks: list[tuple[int, list[int], int, int]]) -> list[torch.Tensor]:
+def prefill_rows(model: Transformer, cache: KVCache,
+                 chunks: list[tuple[int, list[int], int, int]]) -> list[torch.Tensor]:
     """Prefill several requests' chunks in ONE forward (padded blocks, `forward_rows`): chunk
     (row, prompt, start, end) writes prompt tokens [start, end) into slots [start, end) of cache
     row `row` and sets the row's length to `end`. Returns each chunk's last-token logits [V]

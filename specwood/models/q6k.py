@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from specwood.models.w4a8 import (BLOCK, GROUP, LANES, SUPER, KQuantLinear, from_lanes, from_stream, pack_nibbles, to_lanes,
-                                  to_stream, unpack_nibbles)
+from specwood.models.w4a8 import (BLOCK, GROUP, LANES, SUPER, KQuantLinear, from_lanes, from_stream, pack_nibbles,
+                                  to_lanes, to_stream, unpack_nibbles)
 
 SUB = 16  # inputs per scale code
 HEADER_BYTES = 2 * BLOCK  # a superblock's d, fp16, per channel of a block
@@ -69,7 +69,8 @@ def pack_q6(w: Q6Weights) -> torch.Tensor:
     tops of chunk 2s's low and high nibbles and of chunk 2s+1's)."""
     n, k = w.codes.shape
     b, g = n // BLOCK, k // GROUP
-    t = (w.codes >> 4).reshape(b, 2, LANES, g, 2, 2, 2, 4).permute(0, 3, 1, 4, 2, 7, 5, 6)  # ..., half, sub, channel, j, cc, low/high
+    # ..., half, sub, channel, j, cc, low/high
+    t = (w.codes >> 4).reshape(b, 2, LANES, g, 2, 2, 2, 4).permute(0, 3, 1, 4, 2, 7, 5, 6)
     tops = (t[..., 0, 0] | (t[..., 0, 1] << 2) | (t[..., 1, 0] << 4) | (t[..., 1, 1] << 6)).reshape(b, g, 256)
 
     scale_codes = to_lanes(b, w.sub_scales.view(torch.uint8)).reshape(b, g, 2 * BLOCK)

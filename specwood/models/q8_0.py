@@ -62,7 +62,8 @@ def unpack_q8(packed: torch.Tensor, in_features: int) -> Q8Weights:
     b, g = packed.shape[0], in_features // GROUP
     _, lines = from_stream(packed, g, 0, GROUP_STRIDE)
     d = lines[..., :2 * BLOCK].contiguous().view(torch.float16)
-    shifted = lines[..., 2 * BLOCK:].reshape(b, g, 2, 8, LANES, 4).permute(0, 2, 4, 1, 3, 5).reshape(b * BLOCK, in_features)
+    shifted = (lines[..., 2 * BLOCK:].reshape(b, g, 2, 8, LANES, 4).permute(0, 2, 4, 1, 3, 5)
+               .reshape(b * BLOCK, in_features))
     return Q8Weights((shifted.to(torch.int16) - 128).to(torch.int8), from_lanes(b, d))
 
 

@@ -327,7 +327,8 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return path
-        raise ModelFileError(f"{path}: not a .gguf file; give a .gguf file, a Hugging Face model folder or a known name")
+        raise ModelFileError(f"{path}: not a .gguf file; "
+                             "give a .gguf file, a Hugging Face model folder or a known name")
     if path.is_dir():
         if (path / "config.json").is_file():
             return path

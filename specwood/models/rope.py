@@ -81,7 +81,8 @@ def longrope_attention_factor(config: ModelConfig, scaling: dict[str, Any]) -> f
     return math.sqrt(1 + math.log(s) / math.log(original)) if s > 1 else 1.0
 
 
-def rope_tables(config: ModelConfig, max_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: ModelConfig, max_len: int,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [len(rope_settings) * max_len, head_dim] in float32: the rows of table k
     (LayerKind.rope) start at k * max_len, so a model of one table indexes them by position alone."""
     t = torch.arange(max_len, dtype=torch.float64)

@@ -64,7 +64,8 @@ _TINY_ARCH_FIELDS: dict[str, dict[str, object]] = {
 }
 
 
-def random_state_dict(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_state_dict(config: ModelConfig, seed: int = 0,
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Canonical weights with scales that keep activations O(1) through the layers (so logits differ
     meaningfully between tokens and numerical comparisons are not dominated by tiny values)."""
     g = torch.Generator().manual_seed(seed)
@@ -108,7 +109,8 @@ _GGUF_LAYER = {
     "feed_forward.experts.w3.weight": "ffn_up_exps.weight",
     "feed_forward.experts.w2.weight": "ffn_down_exps.weight",
 }
-_GGUF_GLOBAL = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
+_GGUF_GLOBAL = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                "output.weight": "output.weight"}
 
 
 def gguf_tensor_name(canonical: str) -> str:
@@ -243,7 +245,8 @@ def fused_blocks(config: ModelConfig, raw: dict[str, tuple[str, np.ndarray]]) ->
     out = dict(raw)
     for i in range(config.n_layers):
         p = f"layers.{i}."
-        for fused, parts in (("attention.wqkv.weight", ["attention.wq.weight", "attention.wk.weight", "attention.wv.weight"]),
+        for fused, parts in (("attention.wqkv.weight",
+                              ["attention.wq.weight", "attention.wk.weight", "attention.wv.weight"]),
                              ("feed_forward.w13.weight", ["feed_forward.w1.weight", "feed_forward.w3.weight"])):
             if all(p + part in out for part in parts):
                 kinds = {out[p + part][0] for part in parts}

@@ -62,7 +62,8 @@ class RowBlock:
     size: tuple[int, int]  # B, T
     cos: torch.Tensor  # [B, 1, T, head_dim], of the layer kind's rotary tables
     sin: torch.Tensor
-    mask: torch.Tensor  # [B, 1, T, S] bool on CUDA; an additive [B, 1, groups*T, S] bias on a CPU (the kind's window applied)
+    # [B, 1, T, S] bool on CUDA; an additive [B, 1, groups*T, S] bias on a CPU (the kind's window applied)
+    mask: torch.Tensor
     slots: torch.Tensor | None  # [T] or [B, T]
     rows: Rows
 
@@ -391,7 +392,8 @@ class Transformer(nn.Module):
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 # the kernel needs whole groups along K and N in multiples of 16
-                if type(child) is nn.Linear and child.in_features % Int4Linear.GROUP == 0 and child.out_features % 16 == 0:
+                if (type(child) is nn.Linear and child.in_features % Int4Linear.GROUP == 0
+                        and child.out_features % 16 == 0):
                     setattr(module, name, Int4Linear(child))
                     swapped = True
         return swapped
@@ -427,8 +429,8 @@ class Transformer(nn.Module):
         layers' linears only (a load quantising each layer as it arrives), no token table or head."""
         from specwood.models.q6k import Q6Linear, Q6Weights
         from specwood.models.q8_0 import Q8Linear, Q8Weights
-        from specwood.models.w4a8 import (GROUP, Q4Linear, Q4Weights, Q5Linear, Q5Weights, QuantEmbedding, StackedLinear,
-                                          quantize_q4)
+        from specwood.models.w4a8 import (GROUP, Q4Linear, Q4Weights, Q5Linear, Q5Weights, QuantEmbedding,
+                                          StackedLinear, quantize_q4)
 
         self.q4_lite = lite
         exact = usable_exact(exact, lite)
@@ -542,7 +544,8 @@ class Transformer(nn.Module):
             if self.is_last:
                 own["norm.weight"] = take("norm.weight")
                 own["output.weight"] = (take("output.weight") if "output.weight" in sd else
-                                        own["tok_embeddings.weight"] if self.is_first else take("tok_embeddings.weight"))
+                                        own["tok_embeddings.weight"] if self.is_first else
+                                        take("tok_embeddings.weight"))
             put(own)
             for local, i in enumerate(self.layer_range):
                 p, q = f"layers.{i}.", f"layers.{local}."
@@ -624,7 +627,8 @@ def usable_exact(exact: dict[str, KQuantWeights] | None, lite: bool) -> dict[str
     return {name: w for name, w in (exact or {}).items() if not lite or type(w) is Q4Weights}
 
 
-def weights_taken_as_stored(config: ModelConfig, exact: dict[str, KQuantWeights] | None, lite: bool = False) -> set[str]:
+def weights_taken_as_stored(config: ModelConfig, exact: dict[str, KQuantWeights] | None,
+                            lite: bool = False) -> set[str]:
     """Transformer.weights_taken_as_stored for a model of `config`, before any weight is read."""
     with torch.device("meta"):
         return Transformer(config).weights_taken_as_stored(exact, lite)

@@ -130,7 +130,8 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     hold inputs 8c..8c+3 in their low nibbles and 8c+4..8c+7 in their high ones."""
     n, k = codes.shape
     b, g = n // BLOCK, k // GROUP
-    v = (codes & 0x0F).reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)  # block, group, half, chunk, channel, j, low/high
+    # block, group, half, chunk, channel, j, low/high
+    v = (codes & 0x0F).reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 2, 6, 5)
     return (v[..., 0] | (v[..., 1] << 4)).reshape(b, g, 512)
 
 
@@ -275,7 +276,8 @@ def pack_fifth_bits(codes: torch.Tensor) -> torch.Tensor:
     high nibbles', bit i for byte i of the vector."""
     n, k = codes.shape
     b, g = n // BLOCK, k // GROUP
-    bits = ((codes >> 4) & 1).reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 5, 2, 6)  # block, group, half, chunk, low/high, channel, j
+    # block, group, half, chunk, low/high, channel, j
+    bits = ((codes >> 4) & 1).reshape(b, 2, LANES, g, 4, 2, 4).permute(0, 3, 1, 4, 5, 2, 6)
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
     return (bits.reshape(b, g, 128, 8) * weights).sum(-1, dtype=torch.uint8)
 

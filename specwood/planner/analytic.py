@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from specwood.models.config import ModelConfig
     from specwood.planner.devices import DeviceModel
 
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "auto": 2.0, "fp32": 4.0, "int8": 1.0, "int4": 0.5, "q4": 0.64, "q4-lite": 0.578}
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "auto": 2.0, "fp32": 4.0, "int8": 1.0, "int4": 0.5, "q4": 0.64,
+                "q4-lite": 0.578}
 
 
 def stored_aat(target: str, draft: str, method: str) -> tuple[AATFit, str] | None:
@@ -26,7 +27,8 @@ def stored_aat(target: str, draft: str, method: str) -> tuple[AATFit, str] | Non
     return newest.aat, f"AAT from the measured plan of {newest.key.device} ({newest.created})"
 
 
-def build_analytic_plan(device: "str | DeviceModel", target: str, draft: str | None = None, *, method: str = DEFAULT_METHOD,
+def build_analytic_plan(device: "str | DeviceModel", target: str, draft: str | None = None, *,
+                        method: str = DEFAULT_METHOD,
                         dtype: str = "bf16", contexts: Sequence[int] = (128, 512, 2048), aat: AATFit | None = None,
                         x_max: int = 128, target_config: "ModelConfig | None" = None,
                         draft_config: "ModelConfig | None" = None) -> Plan:

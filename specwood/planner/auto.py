@@ -194,8 +194,8 @@ class PlannedShape(ShapePolicy):
 
         def chain_length(longest: int) -> int:
             """The copy length with the best expected rate, if that beats the model's (else 0)."""
-            rates = [((free + lt.expected_tokens(c)) / (float(self.plan.t_v(context_len, 1 + free + c)) * copy_price), c)
-                     for c in range(1, longest + 1)]
+            rates = [((free + lt.expected_tokens(c)) / (float(self.plan.t_v(context_len, 1 + free + c)) * copy_price),
+                      c) for c in range(1, longest + 1)]
             rate, best = max(rates)
             return best if rate > model_rate else 0
 
@@ -215,7 +215,8 @@ class PlannedShape(ShapePolicy):
         price = self.copy_cost.ratio / self.plain_cost.ratio if batch_size == 1 and not riding else 1.0
         self._step_x = x
         self._step = SuffixOrModelShape(self.suffix, self._model_shape(x), x, aat, t_v, t_d,
-                                        lambda match, source: self.suffix_trust.ratio(self._load, match, source), price, free)
+                                        lambda match, source: self.suffix_trust.ratio(self._load, match, source),
+                                        price, free)
         return self._step
 
     def _on_suffix_step(self, step: SuffixOrModelShape, tree: TokenTree, verdict: Verdict,
@@ -333,7 +334,8 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         draft_model = engine.draft_model
     else:
         # shapes are stateless policies: one per budget, shared by every request
-        make_shape = functools.cache(lambda budget: prepare_method(engine, base, {"budget": budget})(_no_source, 0, 0).shape)
+        make_shape = functools.cache(
+            lambda budget: prepare_method(engine, base, {"budget": budget})(_no_source, 0, 0).shape)
         draft_model = _draft_model_of(engine, base)
 
     told = []
@@ -383,7 +385,8 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         late = (LateDraft(prompt_len, max_tokens, threshold=late_threshold, announce=announce_late)
                 if not model and late_draft and load == 1 and draft_model is not None else None)
         source = sources(draft_model) if ((model or late) and draft_model is not None) else None
-        if late is not None and (source is None or not source.defers_prefill):  # e.g. a llama.cpp draft: it prefills itself
+        # e.g. a llama.cpp draft: it prefills itself
+        if late is not None and (source is None or not source.defers_prefill):
             late, source = None, None
         suffix = (SuffixSource(suffix_cache if scope is not None else None, prompt_len, max_tokens, eos_ids=eos,
                                scope=scope or "") if suffix_cache is not None else None)

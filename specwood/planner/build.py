@@ -206,7 +206,8 @@ def build_plan(
         n = 2 if quick else 4
         sets = {c: calibration_set(engine, c, n, n if i == 0 else 0) for i, c in enumerate(fit_ctx)}
         sets = {c: ids for c, ids in sets.items() if ids} or {fit_ctx[0]: encode_prompts(engine, CALIBRATION_PROMPTS)}
-        what = f"{n} chat prompts + {n} raw code/prose windows of the bucket's length (first bucket), {n} windows (others)"
+        what = (f"{n} chat prompts + {n} raw code/prose windows of the bucket's length (first bucket), "
+                f"{n} windows (others)")
     prompts_ids = sets[min(sets)]
     notes = ["x = verification length (tree tokens incl. root); budget = x - 1 drafted nodes",
              f"AAT(x) measured per context bucket on {what}, {max_tokens} tokens each (greedy)"]
@@ -271,7 +272,8 @@ def build_plan(
     plan = Plan(key=plan_key_for(engine, method, device_id),
                 contexts=sorted(t_v), verify_times=t_v, draft_times=t_d, aat=aat, aat_points=points,
                 aat_by_context=by_ctx, aat_points_by_context=points_by_ctx, x_cap=x_cap,
-                draft_prefill_s=draft_prefill, draft_row_times=draft_rows, source="measured", mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
+                draft_prefill_s=draft_prefill, draft_row_times=draft_rows, source="measured",
+                mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
                 created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     if parallel and engine.draft_model is not None:
         plan.refresh()  # the T_v rows the parallel model reads

@@ -48,9 +48,11 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--draft", default="auto", help="draft name/path/preset; 'auto' = the target's default; "
                                                   "'one-layer' (analytic) = an EAGLE-style one-layer draft; 'none'")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8", "int4", "q4", "q4-lite"],
-                   help="the local target's weight mode (auto, bf16, fp32, int8, q4, q4-lite), or an analytic device's weights (int8, int4)")
+                   help="the local target's weight mode (auto, bf16, fp32, int8, q4, q4-lite), "
+                        "or an analytic device's weights (int8, int4)")
     p.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPE_CHOICES,
-                   help="the local draft's weight mode (auto = q4-lite on VNNI CPUs, else int4 on CPUs); part of the plan's key")
+                   help="the local draft's weight mode (auto = q4-lite on VNNI CPUs, else int4 on CPUs); "
+                        "part of the plan's key")
     p.add_argument("--method", default="dyspec", help="speculative method to tune: dyspec, chain, static, sequoia, "
                                                      "eagle, dyspec-threshold, pld, early-exit, prior")
     p.add_argument("--device", default="local", help="'local' (measure here) or a device model name")
@@ -108,8 +110,9 @@ def format_plan(plan: Any) -> str:
     pp = plan.parallel
     if pp is not None:
         lines.append(f"parallel executor (DuoDecoding), measured at ctx {pp.context}: {pp.tokens_per_s:.2f} tok/s, "
-                     f"gamma {pp.gamma:.1f}, {pp.tokens_per_iteration:.2f} tokens/iteration, T_d {pp.t_draft_token_s * 1e3:.1f} "
-                     f"ms/token, target {pp.target_slowdown:.2f}x slower beside the draft, comm {pp.comm_s * 1e3:.1f} ms")
+                     f"gamma {pp.gamma:.1f}, {pp.tokens_per_iteration:.2f} tokens/iteration, "
+                     f"T_d {pp.t_draft_token_s * 1e3:.1f} ms/token, target {pp.target_slowdown:.2f}x slower "
+                     f"beside the draft, comm {pp.comm_s * 1e3:.1f} ms")
         lines.append("executor per bucket: " + ", ".join(
             f"{c.context}: {c.executor} (parallel {c.p_parallel:.2f} tok/s)" for c in plan.choices))
     lines += [f"note: {n}" for n in plan.notes]
@@ -156,7 +159,8 @@ def _local_plan(args: argparse.Namespace) -> Any:
 
 
 def _compare_trees(engine: Any, plan: Any, quick: bool) -> None:
-    from specwood.planner.prior_tree import HELD_OUT_CATEGORIES, compare_tree_methods, held_out_prompts, paired_difference
+    from specwood.planner.prior_tree import (HELD_OUT_CATEGORIES, compare_tree_methods, held_out_prompts,
+                                             paired_difference)
 
     if plan.prior is None:
         print("[plan] --compare-trees needs --method prior", file=sys.stderr)

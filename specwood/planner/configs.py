@@ -107,8 +107,8 @@ def candidate_configs(target: str, draft: str | None, device: str = "cpu") -> li
         if draft is not None and _is_gguf(draft):
             out += [RuntimeConfig(dtype=mode, draft_backend="llama.cpp") for mode in modes]
         if _is_gguf(target):
-            out.append(RuntimeConfig(backend="llama.cpp", draft_backend="llama.cpp" if draft is not None and _is_gguf(draft)
-                                     else "torch"))
+            out.append(RuntimeConfig(backend="llama.cpp",
+                                     draft_backend="llama.cpp" if draft is not None and _is_gguf(draft) else "torch"))
     return out
 
 

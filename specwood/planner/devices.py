@@ -99,7 +99,8 @@ def forward_ops(cfg: ModelConfig, x: int, ctx: int) -> list[tuple[float, int, in
     """(M, K, N, count, operand) for every matmul of a forward; operand "w" = weights, "kv" = cache.
     Attention groups the query heads that share a KV head (GQA), so M = x * group. A sliding
     layer's queries read at most its window. MoE layers (`moe_ops`) read only the experts routed to."""
-    hd, nh, nkv, d, inter, layers = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.dim, cfg.intermediate_size, cfg.n_layers
+    hd, nh, nkv, d = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.dim
+    inter, layers = cfg.intermediate_size, cfg.n_layers
     group = nh // nkv
     spans = [ctx + x if kind == "full_attention" or not cfg.sliding_window else min(ctx, cfg.sliding_window) + x
              for kind in (cfg.layer_types or ["full_attention"] * layers)]

@@ -125,7 +125,8 @@ def timed_plan(engine: Any, method: str, verify_times: dict[int, dict[int, float
     return plan.refresh()
 
 
-def runner_verify_times(engine: Any, xs: Sequence[int], contexts: Sequence[int], repeats: int = 3) -> dict[int, dict[int, float]]:
+def runner_verify_times(engine: Any, xs: Sequence[int], contexts: Sequence[int],
+                        repeats: int = 3) -> dict[int, dict[int, float]]:
     """T_v(x, ctx) of a llama.cpp target: one tree forward of x tokens after ctx random tokens, on
     a context of its own over the loaded weights (a request may be decoding on the serving one)."""
     import torch

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specwood.errors import SpecwoodError
-from specwood.planner.decision import MAX_X, Decision, ParallelProfile, batch_share, decide, interpolate, monotone, nearest_context, p_eff
+from specwood.planner.decision import (MAX_X, Decision, ParallelProfile, batch_share, decide, interpolate, monotone,
+                                       nearest_context, p_eff)
 from specwood.planner.fits import AATFit, RooflineFit, fit_roofline
 from specwood.planner.prior_tree import PriorScores
 from specwood.planner.profiler import TimeTable

@@ -55,11 +55,13 @@ class SuffixTrust:
                  relax_decay: float = 0.95):
         self.decay, self.relax_decay = decay, relax_decay
         by_source = priors or self.PRIORS
-        self.priors = {(src, m): (p * weight, weight) for src, by_match in by_source.items() for m, p in by_match.items()}
+        self.priors = {(src, m): (p * weight, weight)
+                       for src, by_match in by_source.items() for m, p in by_match.items()}
         self.buckets = {src: sorted(by_match) for src, by_match in by_source.items()}
         if any(b[0] != 0 for b in self.buckets.values()) or set(self.buckets) != {"local", "global"}:
             raise ValueError("SuffixTrust's priors need both sources, 'local' and 'global', with buckets from 0")
-        self.sums = {(b, key): list(prior) for b in (1, 2, 5) for key, prior in self.priors.items()}  # -> [accepted, tested]
+        # -> [accepted, tested]
+        self.sums = {(b, key): list(prior) for b in (1, 2, 5) for key, prior in self.priors.items()}
 
     @staticmethod
     def bucket(load: int) -> int:

@@ -30,7 +30,8 @@ _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": _NAME, "description": {"type": "string"}, "parameters": _SCHEMA, "strict": {"type": "boolean"}}}}}
 _RESPONSE_FORMAT = {"anyOf": [
-    {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type"],
+     "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
     {"type": "object", "required": ["type", "json_schema"], "properties": {
         "type": {"type": "string", "enum": ["json_schema"]},
         "json_schema": {"type": "object", "required": ["name"], "properties": {
@@ -45,7 +46,8 @@ _TOOL_CHOICE = {"anyOf": [
     {"type": "null"}], "description": "only with tools"}
 _PROCESSORS = {
     "logit_bias": {"type": ["object", "null"], "description": "token id (a string) -> a bias in [-100, 100]",
-                   "propertyNames": {"pattern": "^-?[0-9]{1,10}$"}, "additionalProperties": {"type": "number", "minimum": -P.LOGIT_BIAS_LIMIT,
+                   "propertyNames": {"pattern": "^-?[0-9]{1,10}$"},
+                   "additionalProperties": {"type": "number", "minimum": -P.LOGIT_BIAS_LIMIT,
                                             "maximum": P.LOGIT_BIAS_LIMIT}},
     "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},

@@ -342,7 +342,8 @@ def _parse_response_format(body: dict[str, Any], req: GenerationRequest) -> None
             spec = rf.get("json_schema")
             where = "response_format.json_schema"
             if not isinstance(spec, dict):
-                raise ProtocolError(f"{where} is required with type json_schema: {{\"name\": ..., \"schema\": {{...}}}}",
+                raise ProtocolError(f"{where} is required with type json_schema: "
+                                    "{\"name\": ..., \"schema\": {...}}",
                                     param=where)
             name = spec.get("name")
             if name is not None and not isinstance(name, str):

@@ -361,7 +361,8 @@ def _is_byte_level(tokenizer: Any) -> bool:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: each byte as a printable character."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1)))
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:

@@ -77,7 +77,8 @@ class Monitor(threading.Thread):
                         return
             except Exception as e:  # noqa: BLE001 - the store's host (launcher or torchrun) is gone
                 if not self.closing:
-                    self._found(f"lost the pipeline's rendezvous store ({type(e).__name__}); its host or rank 0 is gone")
+                    self._found(f"lost the pipeline's rendezvous store ({type(e).__name__}); "
+                                "its host or rank 0 is gone")
                 return
             time.sleep(HEARTBEAT_S)
 

@@ -213,7 +213,8 @@ class PipelineRank:
         level, m = None, lane.mirror
         if lane.chunks:
             chunk = lane.chunks.pop(0)
-            level = Level(list(range(lane.next_id, lane.next_id + len(chunk))), [-1] * len(chunk), chunk, lane.pos, True)
+            level = Level(list(range(lane.next_id, lane.next_id + len(chunk))), [-1] * len(chunk), chunk, lane.pos,
+                          True)
             lane.pos += len(chunk)
         elif m.root is None and lane.v.kind in (MISS, EMPTY, TREE):  # refill from the verified token
             if lane.trees is not None:  # specinfer: a whole tree rooted at it

@@ -238,7 +238,8 @@ class StageKV:
             if self.spec:
                 raise RuntimeError("protocol: a verified chain reached a stage that holds speculative nodes")
             if level.position != self.committed:
-                raise RuntimeError(f"protocol: verified tokens at position {level.position}, stage has {self.committed}")
+                raise RuntimeError(f"protocol: verified tokens at position {level.position}, "
+                                   f"stage has {self.committed}")
             start = self.committed
             mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
         else:
