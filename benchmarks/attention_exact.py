@@ -39,7 +39,8 @@ def with_hook(text: str) -> str:
     keep = "  g_dump.insert(g_dump.end(), scores.begin(), scores.end());\n"
     text = text.replace(SOFTMAX, keep + SOFTMAX, 1).replace(SOFTMAX_END, SOFTMAX_END + keep, 1)
     return text.replace('  mod.def("attention"',
-                        '  mod.def("dump", []() { auto r = g_dump; g_dump.clear(); return r; });\n  mod.def("attention"', 1)
+                        '  mod.def("dump", []() { auto r = g_dump; g_dump.clear(); return r; });\n'
+                        '  mod.def("attention"', 1)
 
 
 def build(name: str, text: str, folder: Path):

@@ -47,7 +47,8 @@ def main() -> None:
             tokens = sum(len(r.result.token_ids) for r in reqs)
             rate = (tokens - c) / (wall - first)
             base = base or rate
-            aat = [r.result.stats.get("mean_accepted_tokens") for r in reqs if r.result.stats.get("mean_accepted_tokens")]
+            aat = [r.result.stats.get("mean_accepted_tokens") for r in reqs
+                   if r.result.stats.get("mean_accepted_tokens")]
             print(f"| {method} | {c} | {tokens} | {wall:.1f} | {rate:.2f} | {rate / base:.2f}x | "
                   f"{sum(aat) / len(aat) if aat else float('nan'):.2f} |", flush=True)
 

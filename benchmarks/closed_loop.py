@@ -100,7 +100,8 @@ def main() -> None:
             for rnd in range(args.rounds):
                 for name, cls in policies:
                     r = run_level(engine, prepared, method, prompts, c, args.max_tokens, cls)
-                    print(f"| {method} | {c} | {name} | {rnd + 1} | {r['wall']:.1f} | {r['rate']:.2f} | {r['ttft']:.2f} | "
+                    print(f"| {method} | {c} | {name} | {rnd + 1} | {r['wall']:.1f} | {r['rate']:.2f} | "
+                          f"{r['ttft']:.2f} | "
                           f"{r['n_mixed']}, {r['mixed']:.3f}, {r['drafted']} | {r['plain']:.3f} |", flush=True)
 
 

@@ -113,14 +113,16 @@ def render(records: list[dict], args: argparse.Namespace, engine) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     t_v1 = 1000 / statistics.mean(r["tokens_per_s"] for r in by[("ar", "all")])
     lines += ["", f"T_v(1), a plain step: {t_v1:.1f} ms (1 / ar's tok/s).", "",
-              "| config | T_d per draft forward (ms) | T_d / T_v(1) | verify per step (ms) | acceptance by depth (all) |",
+              "| config | T_d per draft forward (ms) | T_d / T_v(1) | verify per step (ms) "
+              "| acceptance by depth (all) |",
               "|---|---:|---:|---:|---|"]
     for name in names[1:]:
         rs = by[(name, "all")]
         depth = max(len(r["by_depth"]) for r in rs)
         acc = [statistics.mean(r["by_depth"][d] for r in rs if len(r["by_depth"]) > d) for d in range(depth)]
         t_d = statistics.mean(r["draft_ms_per_forward"] for r in rs)
-        lines.append(f"| {name} | {t_d:.2f} | {t_d / t_v1:.3f} | {statistics.mean(r['verify_ms_per_step'] for r in rs):.1f} | "
+        verify_ms = statistics.mean(r["verify_ms_per_step"] for r in rs)
+        lines.append(f"| {name} | {t_d:.2f} | {t_d / t_v1:.3f} | {verify_ms:.1f} | "
                      + ", ".join(f"{a:.2f}" for a in acc) + " |")
     return "\n".join(lines) + "\n"
 

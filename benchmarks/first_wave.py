@@ -54,7 +54,8 @@ def main() -> None:
     workload = load_workload("builtin", limit=16)
     prompts = plan_requests(workload.prompts, [args.concurrency])[:args.concurrency]
     policies = [("now", Scheduler)] + ([] if args.no_old else [("old", OldShareScheduler)])
-    print("| method | prefill | round | TTFT s per request (prompt tokens) | TTFT p50 s | wall s | tok/s after first, over the wave |")
+    print("| method | prefill | round | TTFT s per request (prompt tokens) | TTFT p50 s | wall s "
+          "| tok/s after first, over the wave |")
     print("|---|---|---:|---|---:|---:|---:|")
     for method in args.methods.split(","):
         prepared = engine.prepare(method, {"progress": False} if method == "auto" else {})

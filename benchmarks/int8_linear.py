@@ -194,7 +194,8 @@ def bench_ar(args) -> None:
           " | mean | tokens equal to bf16's (prefix) | identical to own ar |")
     print("|---|" + "---:|" * (len(PROMPTS) + 2) + "---|")
     for label, rates, outs, checks in rows:
-        prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r))) for o, r in zip(outs, ref)]
+        prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+                  for o, r in zip(outs, ref)]
         print(f"| {label} | " + " | ".join(f"{r:.2f}" for r in rates) + f" | {statistics.mean(rates):.2f} | "
               f"{prefix} | {', '.join(checks) or '-'} |")
 

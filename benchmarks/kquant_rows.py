@@ -155,7 +155,8 @@ def int8_peak_rate() -> float:
 
 def peak() -> None:
     rate = int8_peak_rate()
-    print(f"int8 multiply-add peak ({torch.get_num_threads()} threads, {kquant_kernel().name}): {rate / 1e9:.0f} GMAC/s")
+    print(f"int8 multiply-add peak ({torch.get_num_threads()} threads, {kquant_kernel().name}): "
+          f"{rate / 1e9:.0f} GMAC/s")
 
 
 def main() -> int:

@@ -45,7 +45,8 @@ def main() -> None:
     after = rss()
     gguf = sum(os.path.getsize(resolve_model(m)) for m in (DEFAULT_TARGET, default_draft_for(DEFAULT_TARGET)))
     g = 2**30
-    print(f"target {a.backend} ({a.dtype}), draft {a.draft_backend} ({a.draft_dtype}): RSS {after['VmRSS'] / g:.2f} GiB "
+    print(f"target {a.backend} ({a.dtype}), draft {a.draft_backend} ({a.draft_dtype}): "
+          f"RSS {after['VmRSS'] / g:.2f} GiB "
           f"(anonymous {after['RssAnon'] / g:.2f}, file pages {after['RssFile'] / g:.2f}); before loading "
           f"{before['VmRSS'] / g:.2f} GiB; GGUF files {gguf / g:.2f} GiB; ratio {after['VmRSS'] / gguf:.2f}, "
           f"models only (RSS growth) {(after['VmRSS'] - before['VmRSS']) / gguf:.2f}")

@@ -80,9 +80,11 @@ def main() -> int:
         a = (measured[1] + predicted[x] - predicted[1]) / measured[1]
         errors.append(abs(p - m) / m)
         anchored_errors.append(abs(a - m) / m)
-        print(f"| {x} | {expected_experts(args.experts, args.used, x):.1f} | {m:.2f} | {p:.2f} | {100 * (p - m) / m:+.0f}% "
+        print(f"| {x} | {expected_experts(args.experts, args.used, x):.1f} | {m:.2f} | {p:.2f} "
+              f"| {100 * (p - m) / m:+.0f}% "
               f"| {a:.2f} | {100 * (a - m) / m:+.0f}% |")
-    print(f"mean |error| {100 * statistics.mean(errors):.1f}% (anchored {100 * statistics.mean(anchored_errors):.1f}%), "
+    print(f"mean |error| {100 * statistics.mean(errors):.1f}% "
+          f"(anchored {100 * statistics.mean(anchored_errors):.1f}%), "
           f"max {100 * max(errors):.1f}% (anchored {100 * max(anchored_errors):.1f}%)")
     layer = model.layers[0].feed_forward
     print("\none MoE layer: grouped expert pass against one expert call per row and choice")

@@ -50,8 +50,8 @@ def main() -> None:
             chunk = [prefill_input(8, prompt, CACHED, CACHED + n)]
             alone = best_of(lambda: forward_rows(model, cache, chunk))
             packed = best_of(lambda: forward_rows(model, cache, decode + chunk))
-            print(f"| {n} | {alone * 1e3:.0f} ({alone / n * 1e3:.2f}) | {packed * 1e3:.0f} | {(alone + rows) * 1e3:.0f} |",
-                  flush=True)
+            print(f"| {n} | {alone * 1e3:.0f} ({alone / n * 1e3:.2f}) | {packed * 1e3:.0f} "
+                  f"| {(alone + rows) * 1e3:.0f} |", flush=True)
     print(f"8 decode rows alone: {rows * 1e3:.0f} ms")
 
 

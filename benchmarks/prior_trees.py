@@ -54,7 +54,8 @@ def main() -> None:
     xs = [int(x) for x in args.xs.split(",") if int(x) <= len(prior.layout) + 1]
     rows = compare_tree_methods(engine, prior, xs, ids, args.max_tokens)
     print(f"held-out prompts ({len(names)}): {', '.join(names)}; {args.max_tokens} new tokens each, greedy\n")
-    print("| x | prior AAT | width AAT | depth AAT | prior - width | prior - depth | prior tok/s | width tok/s | depth tok/s |")
+    print("| x | prior AAT | width AAT | depth AAT | prior - width | prior - depth "
+          "| prior tok/s | width tok/s | depth tok/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         dw, sw = paired_difference(r["prior_per_prompt"], r["width_per_prompt"])

@@ -503,8 +503,8 @@ def summarize(records: Sequence[dict[str, Any]], level_rows: Sequence[dict[str, 
                                                 default=None),
                     "met_overall": None if overall is None else overall >= g,
                     "met_every_category": None if low is None else low >= g}
-    return {"c1": c1, "categories": cats, "buckets": buckets, "per_request": per_req, "c1_ratios": c1_ratios, "per_round": per_round,
-            "aggregate": agg, "goals": goals, "series": keys}
+    return {"c1": c1, "categories": cats, "buckets": buckets, "per_request": per_req, "c1_ratios": c1_ratios,
+            "per_round": per_round, "aggregate": agg, "goals": goals, "series": keys}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -106,7 +106,8 @@ def main() -> None:
     rows = [run_server([], "reuse", a, system, out), run_server(["--kv-memory", "0"], "no reuse", a, system, out)]
     (out / "results.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
     lines = [f"`python {' '.join(sys.argv)}`", "",
-             "| server | requests | prompt tokens | cached tokens | prefilled tokens (/metrics: prompt less cache hits) | mean TTFT | max TTFT | wall |",
+             "| server | requests | prompt tokens | cached tokens "
+             "| prefilled tokens (/metrics: prompt less cache hits) | mean TTFT | max TTFT | wall |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['server']} | {a.requests} | {r['prompt_tokens']} | {r['cached_tokens']} | "

@@ -87,7 +87,8 @@ def main() -> None:
                 rows[name or f"specpipe w={w} k={args.topk}"].append(res.stats)
             print(f"{pid}: done ({len(ids)} tokens)", file=sys.stderr)
     base = statistics.mean(s["tbt_ms_p50"] for s in rows["pp"])
-    print(f"\n| method ({args.stages} stages) | TBT p50 ms | vs PP | tok/s | hit rate (SpecInfer: AAT) | stall steps / token | "
+    print(f"\n| method ({args.stages} stages) | TBT p50 ms | vs PP | tok/s | hit rate (SpecInfer: AAT) "
+          "| stall steps / token | "
           "busy compute s (per stage) | prune s | transfer s | wait s | = PP |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, ss in rows.items():

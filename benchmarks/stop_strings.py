@@ -54,7 +54,8 @@ def main() -> int:
         cost[name] = (time.perf_counter() - t0) / (20 * len(tokens))
     extra_ms = 1000 * (cost["16x512"] - cost["none"])
     print(f"the stop check adds {extra_ms:.3f} ms a token ({1000 * cost['none']:.3f} ms without); a plain decode "
-          f"step here takes {1000 / statistics.mean(rates['none']):.1f} ms: {extra_ms * statistics.mean(rates['none']) / 10:.2f}%")
+          f"step here takes {1000 / statistics.mean(rates['none']):.1f} ms: "
+          f"{extra_ms * statistics.mean(rates['none']) / 10:.2f}%")
     a, b = statistics.mean(rates["none"]), statistics.mean(rates["16x512"])
     print(f"decode tok/s without stop strings {a:.2f}, with {MAX_STOP_STRINGS} of {MAX_STOP_CHARS} characters {b:.2f}: "
           f"{b / a:.3f}x ({len(rates['none'])} requests each, {args.max_tokens} tokens)")

@@ -10,7 +10,8 @@ The requests (benchmarks/structured_requests.jsonl, written for this benchmark):
 JSON-schema extractions that the grammar mostly forces (enums, fixed keys, booleans, bounded
 integers); `json-low`, extractions into long free strings; `tools`, tool calls with
 `tool_choice: "required"` and `parallel_tool_calls: false` (one intent each: a small model
-allowed several calls tends to repeat the call until max_tokens). Each is an OpenAI chat body (temperature 0, max_tokens N, not
+allowed several calls tends to repeat the call until max_tokens). Each is an OpenAI chat body
+(temperature 0, max_tokens N, not
 streamed), sent by c closed-loop clients (c from --concurrency: a request list of max(#requests,
 2c), cycled). Per server, method, level and category:
 - tok/s: completion tokens / request latency (client clock), mean over requests; aggregate tok/s

@@ -91,7 +91,8 @@ async def run_pass(base: str, items: Sequence[dict[str, Any]], method: str | Non
             records.append(r)
             log(f"{item['id']} turn {turn}: {r.get('completion_tokens')} tokens, "
                 f"{r.get('decode_tokens_per_s') or 0:.1f} tok/s, AAT {r.get('mean_accepted_tokens')}"
-                + (f", auto {stats['auto']} (admitted at load {stats.get('auto_admission_load')})" if "auto" in stats else "")
+                + (f", auto {stats['auto']} (admitted at load {stats.get('auto_admission_load')})"
+                   if "auto" in stats else "")
                 + (f" error {r['error']}" if r.get("error") else ""))
             return r
 

@@ -110,7 +110,8 @@ def main() -> int:
         ctx = len(prompt) + len(answer) // 2
         rows.append({"id": item["id"], "category": item["category"], "tokens": len(answer), "runs": steps,
                      "copied_share": sum(steps) / max(len(answer), 1), "plain_s": plain,
-                     "extra_row_s": {run: float(plan.t_v(ctx, 1 + run)) - float(plan.t_v(ctx, 1)) for run in set(steps)}})
+                     "extra_row_s": {run: float(plan.t_v(ctx, 1 + run)) - float(plan.t_v(ctx, 1))
+                                     for run in set(steps)}})
         r = rows[-1]
         print(f"{item['id']:9s} {r['tokens']:4d} tokens, {len(steps):4d} oracle steps "
               f"({r['tokens'] / max(len(steps), 1):.1f} tokens/step), {100 * r['copied_share']:.0f}% copied, "
@@ -121,7 +122,8 @@ def main() -> int:
     cases = list(dict.fromkeys(cases))
     name = lambda c: ("measured T_v" if c[0] is None else f"{c[0] * 1e3:g} ms a row") + f", model x{c[1]:g}"  # noqa: E731
     lines = ["| category | requests | tokens | tokens per oracle step | copied share | "
-             + " | ".join(f"bound ({name(c)})" for c in cases) + " |", "|---|---:|---:|---:|---:|" + "---:|" * len(cases)]
+             + " | ".join(f"bound ({name(c)})" for c in cases) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(cases)]
     for cat in dict.fromkeys(r["category"] for r in rows):
         rs = [r for r in rows if r["category"] == cat]
         tok, st = sum(r["tokens"] for r in rs), sum(len(r["runs"]) for r in rs)
@@ -135,8 +137,8 @@ def main() -> int:
     print(head + "\n\n" + "\n".join(lines))
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "bound.json").write_text(json.dumps({"argv": vars(a) | {"workloads": str(a.workloads), "out": str(a.out)},
-                                                      "head": head, "rows": rows}, indent=1))
+        argv = vars(a) | {"workloads": str(a.workloads), "out": str(a.out)}
+        (a.out / "bound.json").write_text(json.dumps({"argv": argv, "head": head, "rows": rows}, indent=1))
         (a.out / "bound.md").write_text(head + "\n\n" + "\n".join(lines) + "\n")
     return 0
 

@@ -6,7 +6,8 @@ the default target's tokenizer. The global cache is filled to its default bound 
 "answers" (2k-token windows of that text); a request's context is the next `context` tokens; its
 answer follows on, one step at a time, each step committing one token (a plain or model step) or
 four (an accepted copy), as decode does. Timed per step: `SuffixSource.proposals` and auto's pick
-of one (sync, the local and the global query, the trees, their trusted lengths) and auto's weighing of the proposal (`SuffixOrModelShape.weigh`
+of one (sync, the local and the global query, the trees, their trusted lengths) and auto's weighing of
+the proposal (`SuffixOrModelShape.weigh`
 with the plan's T_v and T_d); the first proposal, which indexes the whole context once, apart.
 The target step it is compared with is this machine's T_v(1) from the starter plan at its longest
 timed context (a step at 32k costs more: its attention reads 32k keys), so the share is an upper

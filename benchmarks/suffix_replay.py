@@ -87,7 +87,8 @@ def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model
             aat = float(plan.aat_for(ctx)(x)) if x > 1 else 1.0
             shape = SuffixOrModelShape(source, object() if x > 1 else None, x, aat, t_v, t_d,
                                        lambda m, src: trust.ratio(1, m, src))
-            proposal = shape.pick(source.proposals(context[:-1], context[-1], SUFFIX_NODES, SUFFIX_DEPTH, SUFFIX_MIN_PROB))
+            proposal = shape.pick(source.proposals(context[:-1], context[-1], SUFFIX_NODES, SUFFIX_DEPTH,
+                                                   SUFFIX_MIN_PROB))
             choice, k = shape.weigh(proposal)
             part = cut(proposal, k) if k else None
             accepted = walk(part.tree, answer, i) if part is not None else []
@@ -106,7 +107,8 @@ def replay(rows: list[dict[str, Any]], plan: Any, eos: frozenset[int], use_model
                     time_s += cost if accepted else cost / aat
             whole = walk(proposal.tree, answer, i)  # had the whole proposal been verified (SuffixTrust's measure)
             steps.append({"choice": choice, "k": k, "accepted": len(accepted), "match": proposal.match,
-                          "expected": round(proposal.expected, 2), "occurrences": proposal.occurrences, "source": proposal.source, "whole_accepted": len(whole),
+                          "expected": round(proposal.expected, 2), "occurrences": proposal.occurrences,
+                          "source": proposal.source, "whole_accepted": len(whole),
                           "whole_tested": round(tested_weight(proposal, whole), 3)})
             source.observe(answer[i + moved - 1] if i + moved - 1 < len(answer) else answer[-1])
             ar_s += (moved - 1) * float(t_v(1))  # plain decoding would have taken a step for each
@@ -164,7 +166,8 @@ def main() -> int:
     ap.add_argument("--workloads", type=Path, default=WORKLOADS)
     ap.add_argument("--limit", type=int, default=3, help="the first N items of each category (as suffix.py)")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--answers", type=Path, help="an earlier run's --out: its answers and its plan's timings are used again")
+    ap.add_argument("--answers", type=Path,
+                    help="an earlier run's --out: its answers and its plan's timings are used again")
     ap.add_argument("--no-model", action="store_true", help="weigh the suffix against plain decoding only")
     ap.add_argument("--rule", choices=sorted(RULES), default="as-is",
                     help="an earlier trust rule (benchmarks/suffix_inprocess.py's RULES) instead of today's")
@@ -194,7 +197,8 @@ def main() -> int:
         ar_s, t_s = sum(r["ar_s"] for r in rs), sum(r["time_s"] for r in rs)
         o_s = sum(oracle[r["id"]] for r in rs)
         lines.append(f"| {cat} | {len(rs)} | {sum(r['tokens'] for r in rs)} | {len(st)} | {len(sx)} | "
-                     f"{sum(s['k'] for s in sx) / max(len(sx), 1):.1f} | {sum(s['accepted'] for s in sx) / max(len(sx), 1):.2f} | "
+                     f"{sum(s['k'] for s in sx) / max(len(sx), 1):.1f} | "
+                     f"{sum(s['accepted'] for s in sx) / max(len(sx), 1):.2f} | "
                      f"{100 * sum(s['accepted'] == 0 for s in sx) / max(len(sx), 1):.0f}% | "
                      f"{count('model')} / {count('both')} / {count('none')} | {ar_s / max(t_s, 1e-9):.2f}x | "
                      f"{ar_s / max(o_s, 1e-9):.2f}x |")

@@ -49,7 +49,8 @@ def test_emulated_tiles_give_the_vnni_kernels_bits(emulated, vnni, threads):
     torch.set_num_threads(threads)
     try:
         assert amx_probe.first_difference(emulated, vnni, rows=tuple(range(1, 41))) is None
-        assert amx_probe.first_difference(amx_probe._BiasedKernel(emulated), vnni, rows=(3,)) == "q4_linear, 3 x 288 activations, float32"
+        assert (amx_probe.first_difference(amx_probe._BiasedKernel(emulated), vnni, rows=(3,))
+                == "q4_linear, 3 x 288 activations, float32")
     finally:
         torch.set_num_threads(old)
 
@@ -80,7 +81,8 @@ def test_the_probe_passes_the_emulated_kernel_in_a_child_process(monkeypatch):
 
 
 @pytest.mark.parametrize("fault, why", [("signal", "the child died of SIGILL on a tile instruction"),
-                                        ("mismatch", "its result differs from the VNNI kernel's (q4_linear, 1 x 288 activations")])
+                                        ("mismatch", "its result differs from the VNNI kernel's "
+                                                     "(q4_linear, 1 x 288 activations")])
 def test_a_failing_probe_leaves_vnni_with_one_line(monkeypatch, fault, why):
     """A VM that faults on a tile instruction, or a kernel that gives other bits: the child dies or
     says so, this process goes on with VNNI and one line naming why."""

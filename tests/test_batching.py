@@ -475,7 +475,8 @@ def test_cache_pools_survive_a_thousand_requests(tiny_engine):
     methods = ["ar", "chain", "dyspec", "early-exit", "pld", "eagle"]
     factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in methods}
     chain = make_shape("chain", budget=3)
-    factories["raising"] = lambda sources, n, m, load=1, scope="": Drafter(sources(engine.draft_model), RaisingShape(chain, 1))
+    factories["raising"] = lambda sources, n, m, load=1, scope="": Drafter(sources(engine.draft_model),
+                                                                           RaisingShape(chain, 1))
     sched = Scheduler(engine.target, max_batch=B, max_queue=N, prefill_chunk_tokens=16)
     kinds = rnd.choices(["finish", "cancel-waiting", "cancel-decode", "cancel-prefill", "fail"],
                         weights=[60, 12, 15, 6, 7], k=N)
@@ -593,7 +594,8 @@ def test_a_failing_request_fails_alone(tiny_engine, how):
     prompt = random_prompt(rnd, 12)
     chain = make_shape("chain", budget=3)
     if how == "hook":
-        factory = lambda sources, n, m, load=1, scope="": Drafter(sources(engine.draft_model), chain, hooks=[failing_hook])  # noqa: E731
+        factory = lambda sources, n, m, load=1, scope="": Drafter(sources(engine.draft_model), chain,  # noqa: E731
+                                                                  hooks=[failing_hook])
     elif how == "prompt":  # the batched prefill fails for it alone (set below, past new_request's checks)
         factory = lambda sources, n, m, load=1, scope="": Drafter(sources(engine.draft_model), chain)  # noqa: E731
     else:

@@ -77,7 +77,8 @@ def test_generate_on_every_backend(pair, capsys, backend):
 BAD_GENERATE = [
     ["--max-tokens", "0"], ["--max-tokens", "-5"], ["--temperature", "-1"], ["--temperature", "nan"],
     ["--top-p", "0"], ["--top-p", "2"], ["--top-k", "-3"], ["--seed", "-1"], ["--method", "no-such-method"],
-    ["--method", "chain", "--budget", "0"], ["--method", "dyspec", "--budget", "-2"], ["--depth", "0", "--method", "static"],
+    ["--method", "chain", "--budget", "0"], ["--method", "dyspec", "--budget", "-2"],
+    ["--depth", "0", "--method", "static"],
     ["--threshold", "2", "--method", "dyspec-threshold"], ["--dtype", "no-such"], ["--draft-dtype", "no-such"],
     ["--device", "no-such"], ["--device", "cuda:7"], ["--max-context", "1"], ["--max-context", "-4"],
     ["--executor", "no-such"], ["--stop", ""], ["--target", "/no/such/model"],
@@ -131,7 +132,8 @@ def write_workload(path: Path) -> str:
 def test_bench_with_the_hf_baseline_in_every_weight_mode(pair, capsys, tmp_path, dtype):
     pytest.importorskip("transformers")
     target, draft = pair
-    code, out, err = run(["bench", "--workload", write_workload(tmp_path / "w.jsonl"), "--methods", "ar,hf", "--limit", "1",
+    code, out, err = run(["bench", "--workload", write_workload(tmp_path / "w.jsonl"), "--methods", "ar,hf",
+                          "--limit", "1",
                           "--target", target, "--draft", draft, "--dtype", dtype, "--max-tokens", "3", "--no-progress",
                           "--out", str(tmp_path / "out")], capsys)
     assert code == 0 or "q4" in dtype and "error" in err, err[-2000:]
@@ -140,7 +142,8 @@ def test_bench_with_the_hf_baseline_in_every_weight_mode(pair, capsys, tmp_path,
 BAD_BENCH = [["--methods", "no-such"], ["--methods", ""], ["--max-tokens", "0"], ["--repeats", "0"],
              ["--workload", "/no/such.jsonl"], ["--limit", "0"], ["--categories", "no-such"],
              ["--temperature", "-1"], ["--methods", "ar,hf", "--backend", "llama.cpp"],
-             ["--methods", "ar@no-such"], ["--fidelity", "--fidelity-tokens", "1"], ["--fidelity", "--fidelity-modes", ","]]
+             ["--methods", "ar@no-such"], ["--fidelity", "--fidelity-tokens", "1"],
+             ["--fidelity", "--fidelity-modes", ","]]
 
 
 @pytest.mark.parametrize("bad", BAD_BENCH, ids=lambda a: " ".join(a))
@@ -205,7 +208,8 @@ BAD_TRAIN = [["--steps", "0"], ["--prompts", "-1"], ["--window", "1"], ["--draft
 @pytest.mark.parametrize("bad", BAD_TRAIN, ids=lambda a: " ".join(a))
 def test_train_drafter_refuses_bad_arguments_in_one_line(pair, capsys, bad):
     target, _ = pair
-    code, _, err = run(["train-drafter", "--target", target, "--dtype", "fp32", "--prompts", "2", "--answer-tokens", "4",
+    code, _, err = run(["train-drafter", "--target", target, "--dtype", "fp32", "--prompts", "2",
+                        "--answer-tokens", "4",
                         "--text-tokens", "64", "--window", "16", "--steps", "1", "--draft-vocab", "32",
                         "--intermediate-size", "32", *bad], capsys)
     assert_one_line_error(code, err)

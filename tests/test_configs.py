@@ -121,7 +121,8 @@ def test_cli_choose_config_then_generate_with_backend_auto(tiny_pair_folders, tm
     assert p.returncode == 0, p.stderr
     from specwood.models.w4a8 import q4_available
 
-    n = 4 if q4_available() else 2  # torch bf16, int8 and (with the AVX512-VNNI kernel) q4 targets, q4 also with a q4 draft
+    # torch bf16, int8 and (with the AVX512-VNNI kernel) q4 targets, q4 also with a q4 draft
+    n = 4 if q4_available() else 2
     assert "`--backend auto` now loads:" in p.stdout and f"configuration {n}/{n}" in p.stderr
     chosen = p.stdout.strip().splitlines()[-1].split("now loads: ", 1)[1]
     g = cli("generate", "hello", "--target", target, "--draft", draft, "--backend", "auto", "--method", "dyspec",

@@ -27,7 +27,8 @@ GRAMMARS = {
     "few": LARK('start: /[01]{4,24}/ ";"'),
     # JSON with fixed keys (forced) and free values
     "json": llguidance.LLMatcher.grammar_from_json_schema({
-        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "tag": {"enum": ["red", "green", "blue"]},
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                         "tag": {"enum": ["red", "green", "blue"]},
                                          "name": {"type": "string", "maxLength": 6}},
         "required": ["id", "tag", "name"], "additionalProperties": False},
         overrides={"whitespace_flexible": False}),

@@ -128,7 +128,8 @@ def run_case(layout, rule, params, seed, accept_prob, trials=TRIALS):
         node_codes = torch.stack([node_code(i) for i in range(n)], 1)  # [B, n]
         if rule == "selected":  # prune refused candidates (their subtrees are below them)
             ok = valid[node_codes]
-            kid_ok = torch.where(children >= 0, ok.gather(1, children.clamp(min=0).reshape(B, -1)).reshape(children.shape),
+            kid_ok = torch.where(children >= 0,
+                                 ok.gather(1, children.clamp(min=0).reshape(B, -1)).reshape(children.shape),
                                  torch.zeros_like(children, dtype=torch.bool))
             order = torch.sort((~kid_ok).to(torch.int8), dim=2, stable=True).indices
             children = torch.where(kid_ok, children, -1).gather(2, order)
@@ -154,7 +155,8 @@ def run_case(layout, rule, params, seed, accept_prob, trials=TRIALS):
                 c = code(torch.full((B,), i), seq[:, 0], seq[:, i - 1])
                 cont = draw(P[c], g_draft)
             seq[:, i] = torch.where(i < k, on_path, torch.where(i == k, out.next_token, cont))
-        counts += torch.bincount(sum(seq[:, i] * V ** (EMITTED - 1 - i) for i in range(EMITTED)), minlength=V ** EMITTED)
+        counts += torch.bincount(sum(seq[:, i] * V ** (EMITTED - 1 - i) for i in range(EMITTED)),
+                                 minlength=V ** EMITTED)
     joint = counts.reshape([V] * EMITTED).numpy()
     law1 = P[0].double()
     law2 = law1[:, None] * P[1:1 + V].double()

@@ -55,7 +55,8 @@ ALLOWED_PROBES: dict[tuple[str, str], str] = {
 # (file under specwood/engine, plug-in class) -> why an isinstance on it is no capability probe
 ALLOWED_ISINSTANCE: dict[tuple[str, str], str] = {
     ("executor.py", "Executor"): "executor=... is a name or an executor object",
-    ("scheduler.py", "Executor"): "Scheduler(target model) builds the sequential executor; Scheduler(executor) drives it",
+    ("scheduler.py", "Executor"): "Scheduler(target model) builds the sequential executor; "
+                                  "Scheduler(executor) drives it",
     ("executors.py", "ParallelExecutor"): "executor=... is a name or a ParallelExecutor object",
     ("specpipe/launch.py", "PipelineExecutor"): "executor=... is a name or a PipelineExecutor object",
 }
@@ -124,13 +125,13 @@ def test_the_engine_asks_no_plugin_its_class(path):
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         classes: list[str] = []
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass") \
-                and len(node.args) == 2:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2:
             arg = node.args[1]
             parts = arg.elts if isinstance(arg, ast.Tuple) else [arg]
             classes = [ast.unparse(p).rpartition(".")[2] for p in parts]
-        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) and isinstance(node.left.func, ast.Name) \
-                and node.left.func.id == "type":
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) \
+                and isinstance(node.left.func, ast.Name) and node.left.func.id == "type":
             classes = [ast.unparse(c).rpartition(".")[2] for c in node.comparators]
         for name in classes:
             if name in names and (_rel(path), name) not in ALLOWED_ISINSTANCE:
@@ -213,7 +214,8 @@ def test_every_concrete_plugin_implements_its_base():
         for cls in _subclasses(base):
             if not cls.__module__.startswith("specwood.") or cls is TreeShape:
                 continue
-            assert not inspect.isabstract(cls), f"{cls.__module__}.{cls.__qualname__} lacks {sorted(cls.__abstractmethods__)}"
+            assert not inspect.isabstract(cls), \
+                f"{cls.__module__}.{cls.__qualname__} lacks {sorted(cls.__abstractmethods__)}"
             concrete.append(cls.__name__)
     for name in ("ModelDraftSource", "FeatureHeadSource", "LlamaCppDraftSource", "LayoutShape", "EagleShape",
                  "DySpecShape", "DySpecThresholdShape", "PromptLookupShape", "MultiSequenceShape", "SuffixShape",

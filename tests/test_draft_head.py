@@ -141,7 +141,8 @@ def write_eagle_folder(head: DraftHead, folder, with_input_norm: bool, as_bin: b
     gate, up = layer.feed_forward.w13.weight.data.split(c.intermediate_size)
     tensors = {"fc.weight": head.fc.weight.data, "fc.bias": head.fc.bias.data,
                "layers.0.self_attn.q_proj.weight": q, "layers.0.self_attn.k_proj.weight": k,
-               "layers.0.self_attn.v_proj.weight": v, "layers.0.self_attn.o_proj.weight": layer.attention.wo.weight.data,
+               "layers.0.self_attn.v_proj.weight": v,
+               "layers.0.self_attn.o_proj.weight": layer.attention.wo.weight.data,
                "layers.0.mlp.gate_proj.weight": gate, "layers.0.mlp.up_proj.weight": up,
                "layers.0.mlp.down_proj.weight": layer.feed_forward.w2.weight.data,
                "layers.0.post_attention_layernorm.weight": layer.ffn_norm.weight.data,

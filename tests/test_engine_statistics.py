@@ -163,7 +163,8 @@ def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, st
             spec_steps += r.stats.steps
             accepted += r.stats.accepted
             sources = r.result.stats.get("auto_sources") or {}
-            copied += int(r.result.stats.get("auto_lookup_steps", 0)) + sources.get("suffix", 0) + sources.get("both", 0)
+            copied += (int(r.result.stats.get("auto_lookup_steps", 0)) + sources.get("suffix", 0)
+                       + sources.get("both", 0))
     assert sched.idle and sched.cache.free_rows == batch
     run_requests.copied = copied  # auto's steps that copied from the context (the last run)
     return counts, spec_steps, accepted

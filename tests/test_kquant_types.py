@@ -29,7 +29,8 @@ def random_q5(n: int, k: int, seed: int = 0) -> Q5Weights:
     return Q5Weights(torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8),
                      torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
                      torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8),
-                     (torch.rand(n, supers, generator=g) * 0.01).half(), (torch.rand(n, supers, generator=g) * 0.01).half())
+                     (torch.rand(n, supers, generator=g) * 0.01).half(),
+                     (torch.rand(n, supers, generator=g) * 0.01).half())
 
 
 def random_q8(n: int, k: int, seed: int = 0) -> Q8Weights:

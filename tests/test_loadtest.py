@@ -26,7 +26,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 # A fake OpenAI-compatible server. Per request: TTFT_S before the first content chunk, then one
 # chunk every STEP_S; method "ar" streams one token per chunk, "spec" three (AAT 3); "slow" waits
-# 5 s before anything (so does a prompt ending in 9); "bad" is rejected with a 400; "broken" sends an error event mid-stream;
+# 5 s before anything (so does a prompt ending in 9); "bad" is rejected with a 400; "broken" sends an
+# error event mid-stream;
 # "cut" stops after the first chunk; "empty" finishes at once with zero tokens; "multiline" spreads
 # each event over several data lines.
 # The prompt's last character, a digit, sets how many tokens it generates (N_BY_DIGIT).
@@ -114,8 +115,8 @@ def make_app():
                 if method == "spec":
                     stats["mean_accepted_tokens"] = 3.0
                     stats["auto"] = "dyspec"  # as specwood's auto reports its choice
-                yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": len(text), "completion_tokens": n,
-                                             "total_tokens": len(text) + n}, "specwood_stats": stats}) + "\n\n"
+                usage = {"prompt_tokens": len(text), "completion_tokens": n, "total_tokens": len(text) + n}
+                yield "data: " + json.dumps({"choices": [], "usage": usage, "specwood_stats": stats}) + "\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")
@@ -215,7 +216,8 @@ def test_chunk_token_counts() -> None:
     # several tokens per chunk: the first (prefill) chunk holds one, the rest split by text share
     assert load_stats.chunk_token_counts([4, 12, 12, 4], 8) == ([1, 3, 3, 1], "estimated")
     counts, mode = load_stats.chunk_token_counts([5, 1, 1, 50], 20)
-    assert sum(counts) == 20 and counts[0] == 1 and min(counts) >= 1 and counts[3] == max(counts) and mode == "estimated"
+    assert (sum(counts) == 20 and counts[0] == 1 and min(counts) >= 1 and counts[3] == max(counts)
+            and mode == "estimated")
     # fewer tokens than chunks: some carry none, the total is kept
     counts, _ = load_stats.chunk_token_counts([1, 1, 1, 1], 2)
     assert sum(counts) == 2
@@ -393,7 +395,8 @@ def test_cli_with_url(fake_server, tmp_path: Path, capsys) -> None:
     assert "# specwood loadtest" in cap.out and "| spec | 2 | 4 | 0 |" in cap.out
     assert "specwood loadtest: [spec c=2] done" in cap.err
     saved = json.loads((out / "results.json").read_text())
-    assert [(r["method"], r["concurrency"]) for r in saved["levels"]] == [("ar", 1), ("ar", 2), ("spec", 1), ("spec", 2)]
+    assert ([(r["method"], r["concurrency"]) for r in saved["levels"]]
+            == [("ar", 1), ("ar", 2), ("spec", 1), ("spec", 2)])
     assert saved["meta"]["server"]["spawned"] is False
     assert all(r["completion_tokens"] <= 8 for r in saved["requests"])
     # without per-chunk usage the spec method's tokens per chunk are estimated from the text (exactly, here)
@@ -495,7 +498,8 @@ def test_sigterm_stops_the_spawned_server(fake_script: Path, tmp_path: Path) -> 
     wrapper = tmp_path / "run.py"
     wrapper.write_text(WRAPPER.format(script=str(fake_script)))
     wl = tmp_path / "w.jsonl"
-    wl.write_text(json.dumps({"id": "q", "prompt": "quick 3"}) + "\n" + json.dumps({"id": "h", "prompt": "hang 9"}) + "\n")
+    wl.write_text(json.dumps({"id": "q", "prompt": "quick 3"}) + "\n"
+                  + json.dumps({"id": "h", "prompt": "hang 9"}) + "\n")
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, str(wrapper), "loadtest", "--methods", "ar", "--concurrency", "1",
                              "--workload", str(wl), "--no-warmup", "--out", str(out),

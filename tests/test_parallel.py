@@ -541,7 +541,8 @@ def test_server_on_the_parallel_executor(engine):
             assert complete("hello")["choices"][0]["text"] == engine.generate("hello", max_tokens=16, raw=True).text
     finally:
         srv.stop()
-    assert sched._thread is None and sched._loop_done.is_set() and sched.executor.worker_pid is None  # loop and worker ended
+    # loop and worker ended
+    assert sched._thread is None and sched._loop_done.is_set() and sched.executor.worker_pid is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -576,7 +576,8 @@ def test_torchrun_stage_count_must_match_world_size():
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [2, 2]
     assert outs[0][1].strip().splitlines() == [
-        "specwood: error: --stages 3 does not match the 2 launched ranks (torchrun --nproc-per-node 3, or drop --stages)"]
+        "specwood: error: --stages 3 does not match the 2 launched ranks "
+        "(torchrun --nproc-per-node 3, or drop --stages)"]
     assert outs[1][1].strip() == ""
 
 

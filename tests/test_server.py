@@ -409,7 +409,8 @@ BAD_INPUTS = [
     ("chat", {"messages": CHATS[0], "stop": ["a", 1]}, "stop"),
     ("chat", {"messages": CHATS[0], "stop": [f"s{i}" for i in range(17)]}, "stop"),  # at most 16
     ("chat", {"messages": CHATS[0], "stop": "x" * 513}, "stop"),  # of at most 512 characters
-    ("chat", {"messages": CHATS[0], "stop": [chr(97 + i) * 512 for i in range(16)]}, "OK-JSON"),  # the limits themselves
+    # the limits themselves
+    ("chat", {"messages": CHATS[0], "stop": [chr(97 + i) * 512 for i in range(16)]}, "OK-JSON"),
     ("chat", {"messages": CHATS[0], "stream": "yes"}, "stream"),
     ("chat", {"messages": CHATS[0], "seed": "7"}, "seed"),
     ("chat", {"messages": CHATS[0], "seed": 2 ** 64}, "seed"),  # beyond torch's seeds: was a 500

@@ -263,7 +263,8 @@ def test_large_prompts_are_tokenized_on_one_thread_of_their_own():
 def test_bad_connection_limits_fail_in_one_line(tmp_path, flag, value):
     import subprocess
 
-    cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(tmp_path / "none"), "--port", "0", flag, value]
+    cmd = [sys.executable, "-m", "specwood.cli", "serve", "--target", str(tmp_path / "none"), "--port", "0",
+           flag, value]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith(f"specwood: error: {flag} must be"), p.stderr

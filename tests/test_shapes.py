@@ -537,7 +537,8 @@ def test_make_shape_unknown_name_and_oversized_static():
         needs_model("nope")
     with pytest.raises(SpecwoodError, match="more than 1024 nodes"):
         make_shape("static", branching=[8, 8, 8, 8])
-    assert make_shape("static", branching=[8, 8, 8, 8], budget=100).build(CONTEXT, ROOT, ToySource(vocab=9), GREEDY, None).size == 100
+    static = make_shape("static", branching=[8, 8, 8, 8], budget=100)
+    assert static.build(CONTEXT, ROOT, ToySource(vocab=9), GREEDY, None).size == 100
 
 
 def test_make_shape_defaults():

@@ -343,7 +343,8 @@ def test_tool_messages_go_through_the_template(http):
     reach the chat template; the tiny template shows roles and contents only)."""
     messages = [{"role": "user", "content": "add 1 and 2"},
                 {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
     out = _chat(http, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=4)
     assert out["choices"][0]["message"]["role"] == "assistant" and out["usage"]["completion_tokens"] >= 1

@@ -265,7 +265,8 @@ def test_one_tree_entry_point_is_lossless() -> None:
             pair[emitted[0], emitted[1]] += 1
         law = syn.expected()
         p_first, p_pair = g_test(first, law[0]), g_test(pair, law[1])
-        print(f"\nverify_sampling ({'real' if want_lossless else 'biased'}): p(first)={p_first:.3g} p(pair)={p_pair:.3g}")
+        print(f"\nverify_sampling ({'real' if want_lossless else 'biased'}): "
+              f"p(first)={p_first:.3g} p(pair)={p_pair:.3g}")
         if want_lossless:
             assert min(p_first, p_pair) > 1e-3
         else:

@@ -166,7 +166,8 @@ def test_load_q4_mode(tiny_checkpoint_files, tiny_tokenizer, monkeypatch):
     files = tiny_checkpoint_files
     # q4 on an F32 file: no k-quant weights to keep, so every weight stays in floats, said in one line
     engine = specwood.load(files.gguf, None, dtype="q4", progress=False)
-    assert engine.target.weight_mode in ("bf16", "fp32") and len(engine.target.weights_in_floats) == 7 * files.config.n_layers + 1
+    assert (engine.target.weight_mode in ("bf16", "fp32")
+            and len(engine.target.weights_in_floats) == 7 * files.config.n_layers + 1)
     from specwood.engine.api import weights_in_floats_note
 
     note = weights_in_floats_note(files.gguf, engine.target)
