@@ -11,6 +11,7 @@ from specwood.engine.args import (add_executor_args, add_method_args, add_model_
                                   check_backend_args, load_engine, method_options)
 from specwood.engine.executor import executor_name
 from specwood.engine.executors import needs_draft_on, plugin_for
+from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
 
 
@@ -179,7 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_background_plan(args: argparse.Namespace, engine: Any):
+def start_background_plan(args: argparse.Namespace, engine: EngineLike):
     """Without a measured plan, `auto` serves from the starter plan at once while `specwood plan`
     measures one in a niced child process; auto switches to it when it is stored. The server
     keeps the child stopped while it has requests (`serve(background=...)`)."""

@@ -12,6 +12,7 @@ from typing import Any, Callable, Protocol
 
 from specwood.drafting.shapes import needs_model
 from specwood.engine.executor import EXECUTORS
+from specwood.engine.protocols import EngineLike
 from specwood.engine.request import Drafter
 from specwood.errors import SpecwoodError
 
@@ -140,7 +141,7 @@ def options_for(name: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in taken}
 
 
-def prepare_method(engine: Any, name: str, options: dict[str, Any] | None = None) -> DrafterFactory:
+def prepare_method(engine: EngineLike, name: str, options: dict[str, Any] | None = None) -> DrafterFactory:
     """Check a method's options and draft needs once; the factory of its per-request drafters."""
     method = get_method(name)
     options = {k: v for k, v in (options or {}).items() if v is not None}
@@ -159,12 +160,12 @@ def prepare_method(engine: Any, name: str, options: dict[str, Any] | None = None
 # built-in methods: plain decoding, every tree shape over the draft model, early-exit
 
 
-def _prepare_ar(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+def _prepare_ar(engine: EngineLike, options: dict[str, Any]) -> DrafterFactory:
     return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter()
 
 
 def _shape_method(name: str, needs_draft: bool, options: tuple[str, ...]) -> Method:
-    def prepare(engine: Any, opts: dict[str, Any]) -> DrafterFactory:
+    def prepare(engine: EngineLike, opts: dict[str, Any]) -> DrafterFactory:
         from specwood.drafting.shapes import make_shape
 
         shape = make_shape(name, **opts)
@@ -209,7 +210,7 @@ def _shape_option(method: str, options: dict[str, Any], default: str) -> Any:
     return make_shape(shape_name, **options)
 
 
-def _prepare_early_exit(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+def _prepare_early_exit(engine: EngineLike, options: dict[str, Any]) -> DrafterFactory:
     from specwood.drafting.model_source import early_exit_model
 
     options = dict(options)
@@ -221,7 +222,7 @@ def _prepare_early_exit(engine: Any, options: dict[str, Any]) -> DrafterFactory:
     return lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(sources(model), shape)
 
 
-def _prepare_head(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+def _prepare_head(engine: EngineLike, options: dict[str, Any]) -> DrafterFactory:
     head = getattr(engine, "draft_head", None)
     if head is None:
         raise SpecwoodError("method 'head' needs a draft head; pass --head PATH (head=... in the API), e.g. one "
@@ -247,7 +248,7 @@ register(Method("head", "a feature-level draft head (EAGLE) drafts the tree from
                 backends=("torch",)))
 
 
-def _prepare_suffix(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+def _prepare_suffix(engine: EngineLike, options: dict[str, Any]) -> DrafterFactory:
     from specwood.drafting.suffix_source import SuffixOptions, SuffixShape, SuffixSource, suffix_cache_for
 
     cache = suffix_cache_for(engine, options.get("suffix_cache_tokens"))
@@ -271,7 +272,7 @@ register(Method("suffix", "a tree from suffix matches over the request and the s
                 False, ("budget", "depth", "suffix_cache_tokens"), _prepare_suffix))
 
 
-def _prepare_duo(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+def _prepare_duo(engine: EngineLike, options: dict[str, Any]) -> DrafterFactory:
     from specwood.drafting.multi_sequence import make_multi_sequence
 
     shape = make_multi_sequence(**options)
@@ -285,7 +286,7 @@ register(Method("duo", "DuoDecoding dynamic multi-sequence drafting (parallel wi
 
 
 def _pipeline_only(name: str) -> Callable[[Any, dict[str, Any]], DrafterFactory]:
-    def prepare(engine: Any, options: dict[str, Any]) -> DrafterFactory:
+    def prepare(engine: EngineLike, options: dict[str, Any]) -> DrafterFactory:
         raise SpecwoodError(f"method '{name}' runs on the pipeline executor: --executor pipeline "
                             "(executor='pipeline' in the API)")
     return prepare

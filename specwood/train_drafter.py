@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
 
 
@@ -128,7 +129,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
     return [f"--{f.replace('_', '-')} {getattr(args, f)}" for f in flags if getattr(args, f) is not None]
 
 
-def _answers(engine: Any, args: argparse.Namespace, work: Path) -> list[list[int]]:
+def _answers(engine: EngineLike, args: argparse.Namespace, work: Path) -> list[list[int]]:
     """Chat-templated prompts and the target's greedy answers (token ids), cached in `work`."""
     from tqdm import tqdm
 
@@ -160,7 +161,7 @@ def _answers(engine: Any, args: argparse.Namespace, work: Path) -> list[list[int
     return sequences
 
 
-def _text(engine: Any, args: argparse.Namespace, work: Path) -> list[list[int]]:
+def _text(engine: EngineLike, args: argparse.Namespace, work: Path) -> list[list[int]]:
     """Standard-library source files as token ids, `--text-tokens` of them in all, cached in `work`."""
     from specwood.drafter_data import stdlib_texts
 
@@ -181,7 +182,7 @@ def _text(engine: Any, args: argparse.Namespace, work: Path) -> list[list[int]]:
     return sequences
 
 
-def _features(engine: Any, windows: torch.Tensor, work: Path) -> torch.Tensor:
+def _features(engine: EngineLike, windows: torch.Tensor, work: Path) -> torch.Tensor:
     """The target's features of every window (bf16), cached in `work`; refuses up front where the
     memory or the disk cannot hold them."""
     from specwood.drafting.head_training import target_features

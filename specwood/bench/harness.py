@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from specwood.engine.executors import build_executor
+from specwood.engine.protocols import EngineLike
 from specwood.methods import options_for, split_backend, split_executor
 from specwood.bench import report as _report
 from specwood.bench.hf_baseline import HF_METHODS, HFBaseline
@@ -133,7 +134,7 @@ def _git_commit() -> str | None:
         return None
 
 
-def _model_label(engine: Any, which: str) -> str | None:
+def _model_label(engine: EngineLike, which: str) -> str | None:
     for attr in (f"{which}_name", f"{which}_path"):
         v = getattr(engine, attr, None)
         if v:
@@ -149,7 +150,7 @@ def _dtype_name(d: Any) -> str | None:
     return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(name, name)
 
 
-def run_metadata(engine: Any, workload: Workload, methods: Sequence[str], sampling: dict[str, Any],
+def run_metadata(engine: EngineLike, workload: Workload, methods: Sequence[str], sampling: dict[str, Any],
                  method_options: dict[str, Any], max_tokens: int, run_info: dict[str, Any] | None) -> dict[str, Any]:
     info = dict(run_info or {})
     argv = info.pop("argv", None) or sys.argv
@@ -216,7 +217,7 @@ def _jsonable(x: Any) -> Any:
 class _Runner:
     """Runs one (prompt, method) generation and returns a record."""
 
-    def __init__(self, engine: Any, methods: Sequence[str], sampling: dict[str, Any],
+    def __init__(self, engine: EngineLike, methods: Sequence[str], sampling: dict[str, Any],
                  method_options: dict[str, Any], max_tokens: int,
                  executor_options: dict[str, Any] | None = None) -> None:
         self.engine = engine
@@ -324,7 +325,7 @@ class _Runner:
         self.generate(method, content, not chat, min(WARMUP_TOKENS, self.max_tokens))
 
 
-def takes_chat(engine: Any) -> bool:
+def takes_chat(engine: EngineLike) -> bool:
     """Whether chat messages can be encoded: False for a base model whose tokenizer has no chat
     template (its prompts then run as raw text)."""
     tokenizer = getattr(engine, "tokenizer", None)
@@ -394,7 +395,7 @@ def write_outputs(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, 
     return md
 
 
-def run_bench(engine: Any, workload: Workload | Sequence[Prompt] | str, methods: str | Sequence[str],
+def run_bench(engine: EngineLike, workload: Workload | Sequence[Prompt] | str, methods: str | Sequence[str],
               out_dir: str | os.PathLike[str], sampling: dict[str, Any] | None = None,
               method_options: dict[str, Any] | None = None, max_tokens: int = 128, *,
               run_info: dict[str, Any] | None = None, warmup: bool = True, progress: bool = True,

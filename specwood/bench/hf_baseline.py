@@ -15,6 +15,7 @@ import statistics
 import time
 from typing import Any, Sequence
 
+from specwood.engine.protocols import EngineLike
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.sampling import GREEDY_BELOW
 
@@ -68,7 +69,7 @@ def require_transformers() -> None:
                             "pip install transformers")
 
 
-def torch_dtype_of(engine: Any) -> Any:
+def torch_dtype_of(engine: EngineLike) -> Any:
     """The engine's compute dtype as a torch.dtype (engine.dtype if it says, else its weights')."""
     import torch
 
@@ -89,7 +90,7 @@ def torch_dtype_of(engine: Any) -> Any:
 class HFBaseline:
     """Lazily builds the transformers twins of the engine's target (and draft) and times generate."""
 
-    def __init__(self, engine: Any, methods: Sequence[str]) -> None:
+    def __init__(self, engine: EngineLike, methods: Sequence[str]) -> None:
         require_transformers()
         try:
             from specwood.models.hf_export import to_hf_model
@@ -203,7 +204,7 @@ class HFBaseline:
         }
 
 
-def decode(engine: Any, ids: Sequence[int]) -> str:
+def decode(engine: EngineLike, ids: Sequence[int]) -> str:
     """Text of generated ids the way the engine would show it (special tokens dropped)."""
     dec = getattr(engine, "decode", None)
     if callable(dec):

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from specwood.engine.output import OutputStream
+from specwood.engine.protocols import EngineLike
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.llamacpp import default_threads, gguf_path, import_llama_cpp
 
@@ -22,7 +23,7 @@ MAX_CTX = 8192  # KV cache size: the bench's prompts + new tokens fit easily; th
 class LlamaCppBaseline:
     """Loads the engine's target GGUF into llama.cpp once and times plain generations on it."""
 
-    def __init__(self, engine: Any, n_threads: int | None = None) -> None:
+    def __init__(self, engine: EngineLike, n_threads: int | None = None) -> None:
         lc = import_llama_cpp()
         name = getattr(engine, "target_name", None)
         if not name:

@@ -9,11 +9,12 @@ from typing import Any, Sequence
 from specwood.bench.load_requests import WARMUP_MESSAGES, WARMUP_TOKENS, Log, _stderr, finalize_record
 from specwood.bench.load_stats import _fmt, _ratio, summarize_level
 from specwood.bench.workload import Prompt
+from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
 
 
 # ------------------------------------------------------------------------------------- in-process
-def run_inprocess(engine: Any, requests: Sequence[Prompt], methods: Sequence[str], max_tokens: int, *,
+def run_inprocess(engine: EngineLike, requests: Sequence[Prompt], methods: Sequence[str], max_tokens: int, *,
                   warmup: bool = True, log: Log | None = _stderr) -> list[dict[str, Any]]:
     """The c=1 level without HTTP: the same requests, one after another, through
     `engine.generate` in this process, timed the same way (chunks = the engine's text callbacks).

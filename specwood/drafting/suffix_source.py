@@ -22,6 +22,7 @@ import torch
 from specwood.drafting.base import Drafting, TreeShape
 from specwood.drafting.suffix_index import SuffixIndex
 from specwood.drafting.suffix_tree import SuffixDraft, continuation_tree
+from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
 
@@ -87,7 +88,7 @@ _caches: "weakref.WeakKeyDictionary[Any, SuffixCache]" = weakref.WeakKeyDictiona
 _caches_lock = threading.Lock()
 
 
-def suffix_cache_for(engine: Any, cache_tokens: int | None = None) -> SuffixCache:
+def suffix_cache_for(engine: EngineLike, cache_tokens: int | None = None) -> SuffixCache:
     """The global suffix cache of `engine`'s target model (one per model per process); a new
     explicit bound starts it afresh at that size."""
     if cache_tokens is not None and (not isinstance(cache_tokens, int) or isinstance(cache_tokens, bool)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable
 
+from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ class Executor(ABC):
     def add_draft_pool(self, model: Any) -> None:
         """Allocate `model`'s KV pool, within the executor's memory budget (stepping thread only)."""
 
-    def make_request(self, engine: Any, prompt: Any, *, scheduler: Any, **kwargs: Any) -> "Request":
+    def make_request(self, engine: EngineLike, prompt: Any, *, scheduler: Any, **kwargs: Any) -> "Request":
         """A request for this executor (Engine.new_request's arguments); an executor that keeps
         state per request makes it here."""
         return engine.new_request(prompt, scheduler=scheduler, **kwargs)

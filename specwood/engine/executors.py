@@ -15,6 +15,7 @@ from typing import Any, Callable
 from specwood.engine.executor import Executor, executor_name
 from specwood.engine.parallel import EXECUTOR_OPTIONS, ParallelExecutor
 from specwood.engine.parallel_args import check_cli_args as parallel_cli_options
+from specwood.engine.protocols import EngineLike
 from specwood.engine.specpipe.args import cmd_generate_pipeline, pipeline_cli_options
 from specwood.engine.specpipe.launch import PipelineExecutor, generate_on_pipeline, pipeline_mode
 from specwood.errors import SpecwoodError
@@ -24,7 +25,7 @@ from specwood.methods import get_method, method_on
 # --- Engine.generate(..., executor="parallel" | a ParallelExecutor) ------------------------------
 
 
-def engine_executor(engine: Any, **options: Any) -> ParallelExecutor:
+def engine_executor(engine: EngineLike, **options: Any) -> ParallelExecutor:
     """The engine's own parallel executor (kept for the next call; a new one if the options differ)."""
     key = (options.get("draft_device", "cpu"), options.get("draft_threads"))
     cached = engine.__dict__.get("_parallel_executor")
@@ -37,7 +38,7 @@ def engine_executor(engine: Any, **options: Any) -> ParallelExecutor:
     return ex
 
 
-def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) -> Any:
+def generate_parallel(engine: EngineLike, executor: Any, prompt: Any, **kwargs: Any) -> Any:
     """Engine.generate with executor="parallel" (or a ParallelExecutor): DuoDecoding."""
     options = {k: kwargs.pop(k) for k in EXECUTOR_OPTIONS if k in kwargs}
     if isinstance(executor, ParallelExecutor):
@@ -97,5 +98,5 @@ def needs_draft_on(executor: str | None, method: str) -> bool:
     return get_method(method_on(name, method) if name != "sequential" else method).loads_draft
 
 
-def build_executor(executor: str | None, engine: Any, options: dict[str, Any]) -> Executor | None:
+def build_executor(executor: str | None, engine: EngineLike, options: dict[str, Any]) -> Executor | None:
     return plugin_for(executor).build(engine, options)

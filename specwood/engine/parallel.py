@@ -57,6 +57,7 @@ from specwood.engine.executor import Executor
 from specwood.engine.parallel_args import available_cores, check_draft_device, check_draft_threads, parallel_method
 from specwood.engine.parallel_process import WorkerFailure, _Inline, _Remote
 from specwood.engine.parallel_worker import draft_spec, time_forward, tree_from_payload
+from specwood.engine.protocols import EngineLike
 from specwood.engine.request import Drafter, Request, State
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
@@ -107,7 +108,8 @@ class ParallelExecutor(Executor):
     name = "parallel"
     steps_in_caller = False  # a batch runs to its end in one step: the server's loop gets its own thread
 
-    def __init__(self, engine: Any, *, draft: Any = None, draft_device: str = "cpu", draft_threads: int | None = None,
+    def __init__(self, engine: EngineLike, *, draft: Any = None, draft_device: str = "cpu",
+                 draft_threads: int | None = None,
                  gamma_max: int = GAMMA_MAX, remeasure_tokens: int = REMEASURE_TOKENS,
                  start_timeout: float = 180.0, reply_timeout: float = 600.0, verbose: bool = True,
                  inline: bool = False, draft_dtype: str | None = None, catch_up: bool = True):
@@ -271,7 +273,7 @@ class ParallelExecutor(Executor):
             raise ContextLengthError(f"the request needs {needed - self.tree_room} context tokens but the models hold "
                                      f"{self.limit_positions}; shorten the prompt or lower max_tokens")
 
-    def make_request(self, engine: Any, prompt: Any, *, scheduler: Any = None, method: str | None = "duo",
+    def make_request(self, engine: EngineLike, prompt: Any, *, scheduler: Any = None, method: str | None = "duo",
                      prepared: Any = None, **kwargs: Any) -> Request:
         """A request for this executor (Engine.new_request's arguments; method options: budget =
         a fixed gamma instead of the hardware-aware one, depth, max_sequences). A server's

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from specwood.engine.executor import Executor, QueueFullError
 from specwood.engine.output import GenerationResult
+from specwood.engine.protocols import EngineLike
 from specwood.engine.request import Request, State
 from specwood.engine.sequential import TREE_ROOM, SequentialExecutor
 from specwood.engine.step import StepRecord
@@ -124,7 +125,7 @@ class Scheduler:
         """Why the executor is down for good, or None while it serves (the server's /health)."""
         return self.executor.failure
 
-    def make_request(self, engine: Any, prompt: Any, **kwargs: Any) -> Request:
+    def make_request(self, engine: EngineLike, prompt: Any, **kwargs: Any) -> Request:
         """A request for this scheduler's executor (Engine.new_request's arguments)."""
         return self.executor.make_request(engine, prompt, scheduler=self, **kwargs)
 

@@ -16,6 +16,7 @@ from specwood.drafting.base import ShapePolicy
 from specwood.drafting.model_source import early_exit_model
 from specwood.drafting.suffix_source import SuffixSource, suffix_cache_for
 from specwood.drafting.shapes import make_shape as make_named_shape
+from specwood.engine.protocols import EngineLike
 from specwood.engine.request import Drafter
 from specwood.engine.step import StepRecord
 from specwood.errors import SpecwoodError
@@ -276,7 +277,7 @@ class PlannedShape(ShapePolicy):
             self.tracker.record(float(self.plan.aat_for(self._context_len)(len(tree))), len(verdict.accepted) + 1)
 
 
-def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter]:
+def _prepare_auto(engine: EngineLike, options: dict[str, Any]) -> Callable[..., Drafter]:
     """`--method auto`: the planner's choice per request, per step and per batch size."""
     base = str(options.get("shape") or DEFAULT_METHOD)
     adapt = bool(options.get("adapt", True))
@@ -411,7 +412,7 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     return new_drafter
 
 
-def _auto_executor(engine: Any, options: dict[str, Any], prompt_len: int) -> str:
+def _auto_executor(engine: EngineLike, options: dict[str, Any], prompt_len: int) -> str:
     """auto's executor: parallel (DuoDecoding) where the measured plan found it faster than both
     sequential SD and AR at this context, sequential everywhere else."""
     base = str(options.get("shape") or DEFAULT_METHOD)
@@ -449,14 +450,14 @@ def _no_source(model: Any) -> None:
     return None
 
 
-def _draft_model_of(engine: Any, base: str) -> Any:
+def _draft_model_of(engine: EngineLike, base: str) -> Any:
     """The model a base method drafts with (None for pld; the early-exit slice of the target)."""
     if base == "early-exit":
         return early_exit_model(engine.target, max(1, engine.target_config.n_layers // 4))
     return engine.draft_model if get_method(base).needs_draft else None
 
 
-def _prepare_prior(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter]:
+def _prepare_prior(engine: EngineLike, options: dict[str, Any]) -> Callable[..., Drafter]:
     """`--method prior`: the best `budget`-node tree from the stored prior scores (plan key method
     "prior"). Without stored scores a warning is given and an analytic prior (rank-only
     acceptance model) is used. Without a budget the plan's choice at the shortest context is used

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
 from specwood.planner.calibration import CALIBRATION_PROMPTS, calibration_set, encode_prompts
 from specwood.planner.decision import MAX_X, ParallelProfile
@@ -20,7 +21,8 @@ from specwood.planner.prior_tree import PriorScores
 from specwood.planner.store import DEFAULT_METHOD, Plan, load_plan, plan_key_for, save_plan
 
 
-def method_factory(engine: Any, method: str, prior: PriorScores | None = None) -> Callable[[int], tuple[Any, Any]]:
+def method_factory(engine: EngineLike, method: str,
+                   prior: PriorScores | None = None) -> Callable[[int], tuple[Any, Any]]:
     """budget -> (source, shape) for a method name, or for "prior" from the prior scores. The
     source is created once and shared (its cache is reused across builds)."""
     from specwood.planner.profiler import method_components
@@ -41,7 +43,7 @@ def method_factory(engine: Any, method: str, prior: PriorScores | None = None) -
     return make
 
 
-def measure_aat(engine: Any, make: Callable[[int], tuple[Any, Any]], xs: Sequence[int],
+def measure_aat(engine: EngineLike, make: Callable[[int], tuple[Any, Any]], xs: Sequence[int],
                 prompts_ids: Sequence[Sequence[int]], max_tokens: int,
                 progress: bool = True, label: str = "") -> dict[int, dict[str, float]]:
     """AAT(x) on the calibration prompts for each verification length x (budget x - 1), plus the
@@ -64,7 +66,7 @@ def measure_aat(engine: Any, make: Callable[[int], tuple[Any, Any]], xs: Sequenc
     return out
 
 
-def measure_draft_prefill(engine: Any, n_tokens: int = 512, repeats: int = 2) -> float | None:
+def measure_draft_prefill(engine: EngineLike, n_tokens: int = 512, repeats: int = 2) -> float | None:
     """Seconds per prompt token of the draft model's prefill (None without a draft model)."""
     from specwood.drafting.model_source import ModelDraftSource
 
@@ -90,7 +92,7 @@ def _seconds(fn: Callable[[], Any]) -> float:
 DRAFT_ROWS = (1, 2, 3, 4, 8, 16)
 
 
-def measure_draft_rows(engine: Any, ctx: int = 128, repeats: int = 5) -> dict[int, float]:
+def measure_draft_rows(engine: EngineLike, ctx: int = 128, repeats: int = 5) -> dict[int, float]:
     """Seconds of one draft-model forward of n rows after ctx cached tokens, for n in DRAFT_ROWS:
     how a batch's draft round grows with the requests in it (batch_share). Empty for a draft
     that is not a torch model (llama.cpp drafts run a context per request, unbatched)."""
@@ -105,7 +107,7 @@ def measure_draft_rows(engine: Any, ctx: int = 128, repeats: int = 5) -> dict[in
     return dict(next(iter(times.values()), {}))
 
 
-def measure_parallel(engine: Any, plan: Plan, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
+def measure_parallel(engine: EngineLike, plan: Plan, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
                      progress: bool = True) -> ParallelProfile | None:
     """DuoDecoding (specwood.engine.parallel) decoding the calibration prompts greedily, with its
     own hardware-aware budget: the per-iteration yield and the split-core step times the plan's
@@ -159,7 +161,7 @@ def measure_parallel(engine: Any, plan: Plan, prompts_ids: Sequence[Sequence[int
 
 
 def build_plan(
-    engine: Any,
+    engine: EngineLike,
     method: str = DEFAULT_METHOD,
     quick: bool = True,
     calibration_prompts: Sequence[str] | None = None,
@@ -284,7 +286,7 @@ def build_plan(
     return plan.refresh()
 
 
-def get_plan(engine: Any, method: str = DEFAULT_METHOD, *, build_if_missing: bool = False, quick: bool = True,
+def get_plan(engine: EngineLike, method: str = DEFAULT_METHOD, *, build_if_missing: bool = False, quick: bool = True,
              progress: bool = True) -> Plan | None:
     """The stored plan for this engine and method; with build_if_missing, plan now (and save)
     when there is none or it is stale."""

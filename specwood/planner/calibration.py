@@ -4,7 +4,9 @@ code and prose for the context buckets, and their encoding to token ids.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Sequence
+
+from specwood.engine.protocols import EngineLike
 
 # Calibration prompts for AAT(x) and the prior-score search. Deliberately *not* the benchmark
 # workload (specwood/bench/data/builtin.jsonl), so plans are not tuned on what we report.
@@ -79,7 +81,8 @@ def calibration_texts() -> list[str]:
     return mixed or list(CALIBRATION_PROMPTS)
 
 
-def calibration_set(engine: Any, ctx: int, n_windows: int, n_chat: int = 0, raw: bool = False) -> list[list[int]]:
+def calibration_set(engine: EngineLike, ctx: int, n_windows: int, n_chat: int = 0,
+                    raw: bool = False) -> list[list[int]]:
     """Calibration prompts for the context bucket `ctx`: `n_chat` short chat prompts (through the
     chat template, as users send them) plus `n_windows` raw windows of exactly `ctx` tokens of
     code and prose (a long document being continued)."""
@@ -94,7 +97,7 @@ def calibration_set(engine: Any, ctx: int, n_windows: int, n_chat: int = 0, raw:
     return out + windows
 
 
-def encode_prompts(engine: Any, prompts: Sequence[str], raw: bool = False) -> list[list[int]]:
+def encode_prompts(engine: EngineLike, prompts: Sequence[str], raw: bool = False) -> list[list[int]]:
     """Token ids through the chat template (or raw text); long prompts keep their last
     half-context tokens."""
     limit = max(8, engine.max_context // 2)

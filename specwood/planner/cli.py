@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
 
 
@@ -158,7 +159,7 @@ def _local_plan(args: argparse.Namespace) -> Any:
     return plan
 
 
-def _compare_trees(engine: Any, plan: Any, quick: bool) -> None:
+def _compare_trees(engine: EngineLike, plan: Any, quick: bool) -> None:
     from specwood.planner.prior_tree import (HELD_OUT_CATEGORIES, compare_tree_methods, held_out_prompts,
                                              paired_difference)
 

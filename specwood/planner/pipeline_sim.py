@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from specwood.engine.protocols import EngineLike
+
 Fn = Callable[[int], float]
 DEFAULT_MS = (2, 4, 8, 16)
 DEFAULT_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128)
@@ -212,7 +214,7 @@ def step_time(ts: Sequence[float], cores: int | None = None, overhead: float = 0
     return t + overhead
 
 
-def measure_step_times(engine: Any, stages: int, widths: Iterable[int], *, ctx: int = 128, reps: int = 5,
+def measure_step_times(engine: EngineLike, stages: int, widths: Iterable[int], *, ctx: int = 128, reps: int = 5,
                        threads: int = 1, draft: bool = True, layers: Sequence[range] | None = None) -> StepTimes:
     """Median time of each stage's real forward over a w-node tree level (all nodes children of
     the last of `ctx` cached tokens, tree mask), the stage split as the pipeline makes it; and of
@@ -331,7 +333,8 @@ def emulate_specpipe(draft: Any, prompt: list[int], reference: list[int], width:
     return {"hits": hits, "misses": misses, "steps": steps, "tokens": hits + misses}
 
 
-def measure_hit_rates(engine: Any, widths: Iterable[int], topk: int, m: int, prompts: Sequence[list[int]] | None = None,
+def measure_hit_rates(engine: EngineLike, widths: Iterable[int], topk: int, m: int,
+                      prompts: Sequence[list[int]] | None = None,
                       tokens: int = 48, n_prompts: int = 4) -> dict[int, float]:
     """P(w): the fixed-width draft's hit rate at each width on calibration prompts (default: the
     planner's chat calibration prompts), verdicts from the target's greedy output."""
@@ -382,7 +385,7 @@ def mean_tbt(stats: Sequence[dict[str, Any]]) -> float:
 AUTO_WIDTHS = (1, 2, 4, 8, 16)
 
 
-def choose_width(engine: Any, stages: int, topk: int, *, threads: int = 1, widths: Sequence[int] = AUTO_WIDTHS,
+def choose_width(engine: EngineLike, stages: int, topk: int, *, threads: int = 1, widths: Sequence[int] = AUTO_WIDTHS,
                  tokens: int = 24, n_prompts: int = 2, store: bool = True) -> dict[str, Any]:
     """`--width auto`: w = argmin E(T) = t(w) + (1 − P(w))·r·t(w) with r = m − 1 (the stall steps a
     miss costs this runtime), from a quick measurement on this engine: t(w) = the slowest stage's

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from specwood.drafting.sequoia import DEFAULT_ACCEPTANCE, Layout, rank_weights
+from specwood.engine.protocols import EngineLike
 from specwood.tree.token_tree import TokenTree
 
 
@@ -214,7 +215,7 @@ def prior_shape(layout: Layout, name: str = "prior"):
     return LayoutShape(name, list(layout))
 
 
-def collect_prior_scores(engine: Any, prompts_ids: Sequence[Sequence[int]], max_tokens: int = 64,
+def collect_prior_scores(engine: EngineLike, prompts_ids: Sequence[Sequence[int]], max_tokens: int = 64,
                          n_nodes: int = 64, levels: int = 8) -> PriorScores:
     """Run greedy SD with the maximal tree on the calibration prompts and count acceptances per
     position."""
@@ -244,7 +245,7 @@ def collect_prior_scores(engine: Any, prompts_ids: Sequence[Sequence[int]], max_
 HELD_OUT_CATEGORIES = ("code", "chat", "math", "translation", "json-extraction", "summarisation")
 
 
-def held_out_prompts(engine: Any, categories: Sequence[str] = HELD_OUT_CATEGORIES,
+def held_out_prompts(engine: EngineLike, categories: Sequence[str] = HELD_OUT_CATEGORIES,
                      per_category: int = 1) -> tuple[list[str], list[list[int]]]:
     """(ids, token ids) of `per_category` built-in workload prompts per category: text the prior
     scores were not collected on (they come from the planner's calibration set)."""
@@ -255,7 +256,8 @@ def held_out_prompts(engine: Any, categories: Sequence[str] = HELD_OUT_CATEGORIE
     return [p.id for p in prompts], [engine.encode(p.content, raw=p.raw) for p in prompts]
 
 
-def compare_tree_methods(engine: Any, prior: PriorScores, xs: Sequence[int], prompts_ids: Sequence[Sequence[int]],
+def compare_tree_methods(engine: EngineLike, prior: PriorScores, xs: Sequence[int],
+                         prompts_ids: Sequence[Sequence[int]],
                          max_tokens: int = 48) -> list[dict[str, Any]]:
     """The paper's Fig. 6 / Table III comparison: AAT, and decode tokens/s (draft + verify time),
     of the prior-score, width-based and depth-based trees at equal verification length x (x - 1

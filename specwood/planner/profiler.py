@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from specwood.engine.protocols import EngineLike
 from specwood.models.transformer import Transformer
 from specwood.planner.pauses import undisturbed
 from specwood.sampling import SamplingParams
@@ -198,7 +199,7 @@ def context_tokens(seed_ids: Sequence[int], ctx: int, vocab: int) -> list[int]:
     return (base * reps)[:ctx]
 
 
-def method_components(engine: Any, shape: str | ShapeFactory, budget: int) -> tuple[Any, Any]:
+def method_components(engine: EngineLike, shape: str | ShapeFactory, budget: int) -> tuple[Any, Any]:
     """(source, shape) for a method name (through the method registry) or a shape factory, with a
     draft source that keeps a cache of its own (reused across builds and requests)."""
     from specwood.drafting.model_source import ModelDraftSource
@@ -217,7 +218,7 @@ def method_components(engine: Any, shape: str | ShapeFactory, budget: int) -> tu
 
 
 def measure_draft_times(
-    engine: Any,
+    engine: EngineLike,
     shapes: Iterable[str] | Mapping[str, ShapeFactory],
     xs: Sequence[int] = QUICK_XS,
     contexts: Sequence[int] = (128,),
@@ -279,7 +280,7 @@ def measure_draft_times(
     return out
 
 
-def _default_seed_ids(engine: Any) -> list[int]:
+def _default_seed_ids(engine: EngineLike) -> list[int]:
     from specwood.planner.calibration import CALIBRATION_PROMPTS
 
     text = "\n\n".join(CALIBRATION_PROMPTS)
@@ -290,7 +291,7 @@ def _default_seed_ids(engine: Any) -> list[int]:
 # running SD on a calibration set (AAT, prior scores)
 
 
-def run_speculative(engine: Any, source: Any, shape: Any, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
+def run_speculative(engine: EngineLike, source: Any, shape: Any, prompts_ids: Sequence[Sequence[int]], max_tokens: int,
                     stats: Any | None = None, hooks: Sequence[Callable[[Any, Any], None]] = ()) -> Any:
     """Greedy SD over every prompt with the engine's own decoding step (a batch of one each);
     returns the SpecStats accumulated over all of them (its mean_accepted_tokens is the AAT,

@@ -5,8 +5,9 @@ measured one is stored (T_v and T_d timed at start, on our runtime or a llama.cp
 from __future__ import annotations
 
 import datetime
-from typing import Any, Sequence
+from typing import Sequence
 
+from specwood.engine.protocols import EngineLike
 from specwood.models.llamacpp import LlamaCppModel
 from specwood.planner.analytic import stored_aat
 from specwood.planner.fits import DEFAULT_AAT
@@ -14,7 +15,7 @@ from specwood.planner.profiler import measure_draft_times, median_time, random_t
 from specwood.planner.store import Plan, PlanKey, plan_key_for
 
 
-def starter_plan(engine: Any, method: str) -> Plan:
+def starter_plan(engine: EngineLike, method: str) -> Plan:
     """A plan that needs no calibration, for a device without a measured one: T_v(x) and T_d(x)
     timed here at start (seconds; `torch_starter_plan`, `runner_starter_plan` on llama.cpp) with
     the stored or default AAT curve, once per process and models. Each request still adapts AAT
@@ -28,7 +29,7 @@ def starter_plan(engine: Any, method: str) -> Plan:
     return _STARTER_PLANS[key]
 
 
-def starter_plan_ready(engine: Any, method: str) -> bool:
+def starter_plan_ready(engine: EngineLike, method: str) -> bool:
     """Whether this process has timed the starter plan for these models already."""
     return plan_key_for(engine, method) in _STARTER_PLANS
 
@@ -49,7 +50,7 @@ def starter_grid() -> tuple[tuple[int, ...], int]:
     return (AMX_XS, AMX_X_CAP) if decided_tile_path() is not None else (TORCH_XS, TORCH_X_CAP)
 
 
-def torch_starter_plan(engine: Any, method: str, repeats: int = 3) -> Plan:
+def torch_starter_plan(engine: EngineLike, method: str, repeats: int = 3) -> Plan:
     """A starter plan for a target on our torch runtime: T_v(x, ctx) timed on the target at two
     contexts, T_d(x) with the method's real drafting, the draft's prefill per token, AAT(x) from a
     stored plan of the pair or the default curve (`timed_plan`). About 15 s for the default pair
@@ -93,7 +94,7 @@ RUNNER_XS = (1, 2, 4, 8, 16)
 _STARTER_PLANS: dict[PlanKey, Plan] = {}
 
 
-def runner_starter_plan(engine: Any, method: str, ctx: int = 128, repeats: int = 3) -> Plan:
+def runner_starter_plan(engine: EngineLike, method: str, ctx: int = 128, repeats: int = 3) -> Plan:
     """A starter plan for a target on llama.cpp, where no analytic model of our
     own runtime applies: T_v(x) timed on the target's runner (one tree forward of x tokens after
     `ctx` tokens), T_d(x) timed with the method's real drafting, AAT(x) from a stored plan of the
@@ -110,7 +111,7 @@ def runner_starter_plan(engine: Any, method: str, ctx: int = 128, repeats: int =
     return plan.refresh()
 
 
-def timed_plan(engine: Any, method: str, verify_times: dict[int, dict[int, float]],
+def timed_plan(engine: EngineLike, method: str, verify_times: dict[int, dict[int, float]],
                draft_times: dict[int, dict[int, float]], *, draft_prefill_s: float | None,
                draft_row_times: dict[int, float] | None = None, note: str) -> Plan:
     """A plan from T_v and T_d timed here, with the AAT(x) of the pair's measured plan (any
@@ -125,7 +126,7 @@ def timed_plan(engine: Any, method: str, verify_times: dict[int, dict[int, float
     return plan.refresh()
 
 
-def runner_verify_times(engine: Any, xs: Sequence[int], contexts: Sequence[int],
+def runner_verify_times(engine: EngineLike, xs: Sequence[int], contexts: Sequence[int],
                         repeats: int = 3) -> dict[int, dict[int, float]]:
     """T_v(x, ctx) of a llama.cpp target: one tree forward of x tokens after ctx random tokens, on
     a context of its own over the loaded weights (a request may be decoding on the serving one)."""

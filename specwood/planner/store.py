@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
 from specwood.planner.decision import (MAX_X, Decision, ParallelProfile, batch_share, decide, interpolate, monotone,
                                        nearest_context, p_eff)
@@ -412,7 +413,7 @@ def list_plans() -> list[Plan]:
 # the key of this engine's plan
 
 
-def local_device_id(engine: Any) -> str:
+def local_device_id(engine: EngineLike) -> str:
     """What the timings depend on: the accelerator or CPU model and the thread count."""
     return device_id(engine.device)
 
@@ -432,12 +433,12 @@ def device_id(dev: Any) -> str:
 _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float16": "fp16"}
 
 
-def plan_key_for(engine: Any, method: str = DEFAULT_METHOD, device: str | None = None) -> PlanKey:
+def plan_key_for(engine: EngineLike, method: str = DEFAULT_METHOD, device: str | None = None) -> PlanKey:
     return PlanKey(device=device or local_device_id(engine), target=str(engine.target_name or "target"),
                    draft=str(engine.draft_name or "none"), dtype=weight_mode_name(engine), method=method)
 
 
-def weight_mode_name(engine: Any) -> str:
+def weight_mode_name(engine: EngineLike) -> str:
     """The dtype part of a plan key: the activation dtype, plus the weight mode where the target's
     linears are quantised (an int8 target times differently from a bf16 one) and the draft's
     weight mode (int4 and bf16 drafts have different T_d)."""

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specwood.constrain import grammars
+from specwood.engine.protocols import EngineLike
 from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.request import Request
 from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
@@ -60,7 +61,7 @@ class _Methods(MethodTable):
     """Prepared method factories, one per method name: the server's default prepared at start-up,
     the others on first use (off the event loop) and cached."""
 
-    def __init__(self, engine: Any, default: str, options: dict[str, Any] | None):
+    def __init__(self, engine: EngineLike, default: str, options: dict[str, Any] | None):
         from specwood.methods import get_method, method_names
 
         self.engine = engine
@@ -156,7 +157,7 @@ def _failure_status(req: Request) -> tuple[int, str]:
     return 500, "generation_failed"
 
 
-def create_app(engine: Any, scheduler: Scheduler, *, method: str = "auto", options: dict[str, Any] | None = None,
+def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto", options: dict[str, Any] | None = None,
                model_name: str | None = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES,
                access: Access = Access(), read_timeout: float = DEFAULT_READ_TIMEOUT_S,
                sharing: Sharing = Sharing()) -> FastAPI:
@@ -675,7 +676,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64,
+def make_scheduler(engine: EngineLike, *, max_batch: int = 8, max_queue: int = 64,
                    kv_memory: int | None = None) -> Scheduler:
     """The server's scheduler: `max_batch` cache rows that grow with the longest request up to the
     engine's whole context (plus tree room) within a KV budget of `kv_memory` bytes (None: half
@@ -694,7 +695,7 @@ def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64,
                                  kv_budget=budget)
 
 
-def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
+def serve(engine: EngineLike, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
           options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
           sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None,
           background: Any = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES, access: Access = Access(),

@@ -26,6 +26,7 @@ import torch
 
 from specwood.engine.executor import Executor
 from specwood.engine.output import GenerationResult
+from specwood.engine.protocols import EngineLike
 from specwood.engine.specpipe.ranks import run_rank
 from specwood.engine.specpipe.jobs import (DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes,
                                            weight_elements)
@@ -172,7 +173,7 @@ class PipelineExecutor(Executor):
     steps_in_caller = False  # the ranks compute; the scheduler's step waits for their results
     tree_room = SERVE_TREE_ROOM
 
-    def __init__(self, engine: Any, stages: int = 2, *, width: int | str | None = 8, topk: int = 4,
+    def __init__(self, engine: EngineLike, stages: int = 2, *, width: int | str | None = 8, topk: int = 4,
                  threads: int | None = None, max_lanes: int = 8, start_timeout_s: float = 600.0,
                  collective_timeout_s: float = 600.0):
         import torch.distributed as dist
@@ -269,7 +270,7 @@ class PipelineExecutor(Executor):
             raise ContextLengthError(f"the request needs {needed - self.tree_room} context tokens but the model holds "
                                      f"{self.engine.max_context}; shorten the prompt or lower max_tokens")
 
-    def make_request(self, engine: Any, prompt: Any, *, scheduler: Any, method: str | None = None,
+    def make_request(self, engine: EngineLike, prompt: Any, *, scheduler: Any, method: str | None = None,
                      prepared: Any = None, **kwargs: Any) -> Request:
         """A request in `method`'s pipeline mode; `prepared`: the server's (mode, specinfer tree)
         for it (serve.pipeline_methods), else the mode `pipeline_mode` gives the name."""
@@ -521,14 +522,14 @@ def _kill_all(procs: list[Any], store_dir: str | None = None) -> None:
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def generate_pipeline(engine: Any, prompt: Any, *, stages: int = 2, width: int | str | None = 8, topk: int = 4,
+def generate_pipeline(engine: EngineLike, prompt: Any, *, stages: int = 2, width: int | str | None = 8, topk: int = 4,
                       threads: int | None = None, **kwargs: Any) -> GenerationResult:
     """One request on a pipeline started for it (and stopped after): `specwood generate --executor pipeline`."""
     with PipelineExecutor(engine, stages, width=width, topk=topk, threads=threads) as ex:
         return ex.generate(prompt, **kwargs)
 
 
-def draft_load(engine: Any) -> float:
+def draft_load(engine: EngineLike) -> float:
     """The draft model rank 0 runs beside its layers, in stage_ranges' unit (target weight
     elements): the target's total times a draft forward's time over a target forward's, both
     timed here (one token at a short context; the ratio is what matters)."""
@@ -569,7 +570,7 @@ def pipeline_mode(method: str, budget: int | None = None, depth: int | None = No
     return mode, tree
 
 
-def generate_on_pipeline(engine: Any, executor: Any, prompt: Any, *, method: str = "specpipe", stages: int = 2,
+def generate_on_pipeline(engine: EngineLike, executor: Any, prompt: Any, *, method: str = "specpipe", stages: int = 2,
                          width: int | None = None, topk: int | None = None, threads: int | None = None,
                          budget: int | None = None, depth: int | None = None, threshold: float | None = None,
                          **kwargs: Any) -> GenerationResult:
