@@ -30,7 +30,8 @@ def processed_drafting(drafting: Drafting, processors: Processors) -> Drafting:
             tree, nodes = call
             call = drafting.send(processors.tree_rows(tree, logits, nodes))
     except StopIteration as done:
-        return done.value
+        built: TokenTree = done.value
+        return built
     finally:
         drafting.close()
 

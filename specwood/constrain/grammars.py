@@ -273,9 +273,10 @@ def parse_tool_choice(choice: Any, tools: list[Tool] | None) -> str:
         name = choice
     elif isinstance(choice, dict):
         f = choice.get("function")
-        name = f.get("name") if isinstance(f, dict) else None
-        if choice.get("type", "function") != "function" or not isinstance(name, str):
+        named = f.get("name") if isinstance(f, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(named, str):
             raise GrammarError("tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        name = named
     else:
         raise GrammarError(f"tool_choice: must be a string or an object, got {_json_type(choice)}")
     if not tools:

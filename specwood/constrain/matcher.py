@@ -37,8 +37,9 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: set[int] | list[int])
             return hit[1]
         try:
             base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)
-            ll = llguidance.LLTokenizer(_AddedTokensAsText(tokenizer, base), n_vocab=vocab_size,
-                                        eos_token=list(eos) or None)
+            # a duck of llguidance's TokenizerWrapper, which is a class (not a Protocol)
+            ll = llguidance.LLTokenizer(_AddedTokensAsText(tokenizer, base),  # type: ignore[arg-type]
+                                        n_vocab=vocab_size, eos_token=list(eos) or None)
         except Exception as e:  # a slow (non-Rust) tokenizer, or one llguidance cannot read
             raise GrammarError(f"grammars need a fast Hugging Face tokenizer; this one cannot be used ({e})") from None
         _TOKENIZERS[key] = (tokenizer, ll)

@@ -178,9 +178,9 @@ class Processors:
             out -= (p.frequency_penalty * base + p.presence_penalty * (base > 0).float()).to(dev)
             pairs = [(i, t, c) for i, tally in enumerate(per_row) for t, c in tally.items()]
             if pairs:
-                r, t, c = zip(*pairs)
-                r, t = torch.tensor(r, dtype=torch.long), torch.tensor(t, dtype=torch.long)
-                extra = p.frequency_penalty * torch.tensor(c, dtype=torch.float32) \
+                row_ids, token_ids, counts = zip(*pairs)
+                r, t = torch.tensor(row_ids, dtype=torch.long), torch.tensor(token_ids, dtype=torch.long)
+                extra = p.frequency_penalty * torch.tensor(counts, dtype=torch.float32) \
                     + p.presence_penalty * (base[t] == 0).float()  # the path makes the token present
                 out.index_put_((r.to(dev), t.to(dev)), -extra.to(dev), accumulate=True)
         return out

@@ -220,4 +220,5 @@ def run_drafting(name: str, drafting: Drafting, source: DraftSource | None) -> T
                 raise SpecwoodError(f"tree shape '{name}' needs a draft model (source); only 'pld' works without one")
             call = drafting.send(source.logits(*call))
     except StopIteration as done:
-        return done.value
+        tree: TokenTree = done.value
+        return tree

@@ -87,6 +87,7 @@ class FeatureHeadSource(ModelDraftSource):
         super().absorb(rows, out)
         if had_pending:  # read: what is left is the root's feature
             self.known = [self.known[0][-1:]]
+        assert features is not None  # wants_target_features: the forward computed them
         for k, node in enumerate(rows.todo):
             self.node_features[node] = features[k]
 
@@ -100,7 +101,8 @@ class FeatureHeadSource(ModelDraftSource):
         got = self.tree_features[path]
         root_read = self.seen is not None and 0 in self.slot_of
         if root_read:
-            self.cache.compact([self.slot_of[0]], self.length, self.row)
+            cache, row = self._attached()
+            cache.compact([self.slot_of[0]], self.length, row)
             self.pending = [tree.tokens[i] for i in accepted]
             self.known = [got]
         else:  # nothing of this tree was processed: the root joins the pending pairs

@@ -5,7 +5,6 @@ from dataclasses import dataclass, replace
 from typing import Container
 
 import torch
-from torch import nn
 
 from specwood.drafting.base import DraftSource
 from specwood.drafting.shapes import MAX_BUDGET
@@ -70,10 +69,11 @@ class ModelDraftSource(DraftSource):
                 self.cache = self.model.new_cache(need)
             self.row = 0
         else:  # the pool's owner keeps its rows long enough as the request goes on (they may grow)
-            self.cache.check_room(prompt_len + self.extra_slots)
+            self.pool.check_room(prompt_len + self.extra_slots)
             if self.row is None:
-                self.row = self.cache.allocate()
-        self.cache.lengths[self.row] = 0
+                self.row = self.pool.allocate()
+        cache, row = self._attached()
+        cache.lengths[row] = 0
         self.pending, self.slot_of, self.node_logits, self.seen = [], {}, {}, None
 
     def defer(self, prompt_tokens: list[int]) -> None:
@@ -82,7 +82,8 @@ class ModelDraftSource(DraftSource):
         self.pending = list(prompt_tokens)
 
     def prefill_part(self, prompt_tokens: list[int], start: int, end: int) -> None:
-        prefill_chunk(self.model, self.cache, prompt_tokens, start, end, self.row)
+        cache, row = self._attached()
+        prefill_chunk(self.model, cache, prompt_tokens, start, end, row)
 
     def start(self, prompt_tokens: list[int], max_new_tokens: int = 0, chunk: int = 512) -> None:
         self.attach(len(prompt_tokens), max_new_tokens)
@@ -101,9 +102,15 @@ class ModelDraftSource(DraftSource):
 
     # --- drafting -------------------------------------------------------------------------------
 
+    def _attached(self) -> tuple[KVCache, int]:
+        """Its cache and row, which `attach` set."""
+        assert self.cache is not None and self.row is not None, "a draft source used before attach"
+        return self.cache, self.row
+
     @property
     def length(self) -> int:
-        return self.cache.lengths[self.row]
+        cache, row = self._attached()
+        return cache.lengths[row]
 
     def logits(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
         return forward_draft_calls([(self, tree, nodes)])[0]
@@ -122,7 +129,7 @@ class ModelDraftSource(DraftSource):
         for k, node in enumerate(todo):
             slot_of[node] = first_new + k
         S, T = first_new + len(todo), n_pending + len(todo)
-        self.cache.check_room(S)
+        self._attached()[0].check_room(S)
         self.model.check_positions(tree_base + max((tree.depths[n] for n in todo), default=0))
         mask = torch.zeros(T, S, dtype=torch.bool)
         if n_pending:
@@ -152,7 +159,7 @@ class ModelDraftSource(DraftSource):
         """This source's rows of a draft forward; logits only for the tree nodes (pending tokens
         need none: the head is the largest matmul of a small draft)."""
         n = len(rows.tokens)
-        return RowInput(self.row, rows.inputs if rows.inputs is not None else torch.tensor(rows.tokens),
+        return RowInput(self._attached()[1], rows.inputs if rows.inputs is not None else torch.tensor(rows.tokens),
                         torch.tensor(rows.positions), torch.tensor(rows.slots), rows.mask,
                         torch.arange(n - len(rows.todo), n))
 
@@ -163,7 +170,8 @@ class ModelDraftSource(DraftSource):
         self.slot_of.update(rows.new_slots)
         n_pending = len(self.pending)
         if n_pending:
-            self.cache.lengths[self.row] = self.length + n_pending
+            cache, row = self._attached()
+            cache.lengths[row] = self.length + n_pending
             self.pending = []
         for k, node in enumerate(rows.todo):
             self.node_logits[node] = out[k]
@@ -185,7 +193,8 @@ class ModelDraftSource(DraftSource):
         if self.pending:  # nothing of this tree was processed: the old pending tokens still wait
             self.pending += tokens
         else:
-            self.cache.compact(kept, self.length, self.row)
+            cache, row = self._attached()
+            cache.compact(kept, self.length, row)
             self.pending = tokens[len(kept):]
         self.slot_of, self.node_logits, self.seen = {}, {}, None
 
@@ -197,7 +206,7 @@ def processed_path(seen: TokenTree, tokens: list[int], processed: Container[int]
     path: list[int] = []
     node: int | None = 0
     for k, token in enumerate(tokens):
-        if k:
+        if k and node is not None:
             node = next((c for c in seen.children(node) if seen.tokens[c] == token), None)
         if node is None or node not in processed:
             break
@@ -212,18 +221,18 @@ def forward_draft_calls(calls: list[tuple[ModelDraftSource, TokenTree, list[int]
     Returns each call's logits."""
     while True:
         plans = [src.plan_forward(tree, nodes) for src, tree, nodes in calls]
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, ((src, _, _), plan) in enumerate(zip(calls, plans)):
+        groups: dict[tuple[int, int], list[tuple[ModelDraftSource, _DraftRows]]] = {}
+        for (src, _, _), plan in zip(calls, plans):
             if plan is not None:
-                groups.setdefault((id(src.model), id(src.cache)), []).append(i)
+                groups.setdefault((id(src.model), id(src.cache)), []).append((src, plan))
         if not groups:
             return [src.answer(nodes) for src, _, nodes in calls]
         for members in groups.values():
-            srcs = [calls[i][0] for i in members]
-            logits, features = forward_rows_features(srcs[0].model, srcs[0].cache,
-                                                     [src.row_input(plans[i]) for src, i in zip(srcs, members)])
-            for k, i in enumerate(members):
-                srcs[k].absorb(plans[i], logits[k], features[k])
+            first = members[0][0]
+            logits, features = forward_rows_features(first.model, first._attached()[0],
+                                                     [src.row_input(plan) for src, plan in members])
+            for k, (src, plan) in enumerate(members):
+                src.absorb(plan, logits[k], features[k])
 
 
 def early_exit_model(target: Transformer, n_layers: int) -> Transformer:
@@ -239,7 +248,7 @@ def early_exit_model(target: Transformer, n_layers: int) -> Transformer:
     with torch.device("meta"):
         draft = Transformer(config, max_positions=target.max_positions)
     draft.tok_embeddings = target.tok_embeddings
-    draft.layers = nn.ModuleList(target.layers[:n_layers])
+    draft.layers = target.layers[:n_layers]
     draft.norm, draft.output = target.norm, target.output
     draft.rope_cos, draft.rope_sin = target.rope_cos, target.rope_sin
     return draft

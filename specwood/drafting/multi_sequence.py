@@ -60,8 +60,8 @@ class MultiSequenceShape(TreeShape):
         k = min(self.max_sequences, self.budget, int((q1 > 0).sum()))
         if k <= 0:
             return tree
-        vals, idx = torch.topk(q1, k)
-        vals, idx = vals.tolist(), idx.tolist()
+        top = torch.topk(q1, k)
+        vals, idx = top.values.tolist(), top.indices.tolist()
         first = tree.add_node(0, idx[0], vals[0])
         if self.budget == 1:
             return tree

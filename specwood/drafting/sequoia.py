@@ -60,9 +60,10 @@ def sequoia_tree(acceptance: Sequence[float], n: int, max_depth: int | None = No
     k = len(w)
     if n == 0 or k == 0 or (max_depth is not None and max_depth < 1):
         return []
-    free = max_depth is None or max_depth >= n  # a depth limit >= n never binds
-    rows = 1 if free else max_depth + 1
-    top = 0 if free else max_depth  # the row that describes the whole tree
+    depth = max_depth if max_depth is not None and max_depth < n else None  # a limit >= n never binds
+    free = depth is None
+    rows = 1 if depth is None else depth + 1
+    top = 0 if depth is None else depth  # the row that describes the whole tree
     wv = np.zeros((rows, n + 2))  # W; W[d][0] is never used (a child subtree has >= 1 node)
     cv = np.zeros((rows, n + 1, k + 1))  # C; C[.., r = k] = 0: no ranks left
     choice = np.zeros((rows, n + 1, k), dtype=np.int32)  # t chosen for (d, i, r); 0 = stop

@@ -26,11 +26,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 
-from specwood.drafting.base import MAX_BUDGET, Drafting, TreeShape, draft_probs
+from specwood.drafting.base import MAX_BUDGET, DraftCall, Drafting, TreeShape, draft_probs
 from specwood.drafting.ngram import PromptLookupShape
 from specwood.drafting.sequoia import DEFAULT_ACCEPTANCE, Layout, sequoia_tree
 from specwood.errors import SpecwoodError
@@ -48,7 +48,8 @@ def _rule(params: SamplingParams) -> ChildRule:
     return "selected" if params.greedy else "sampled"
 
 
-def _dists(tree: TokenTree, nodes: list[int], params: SamplingParams) -> Drafting:
+def _dists(tree: TokenTree, nodes: list[int],
+           params: SamplingParams) -> Generator[DraftCall, torch.Tensor, torch.Tensor]:
     """One draft call (`yield from` it): the proposal q after each of `nodes`, [len(nodes), V]."""
     return draft_probs((yield tree, nodes), params)
 
@@ -312,7 +313,7 @@ class DySpecShape(TreeShape):
         dists: dict[int, torch.Tensor],
         residual: dict[int, torch.Tensor],
         params: SamplingParams,
-    ) -> Drafting:
+    ) -> Generator[DraftCall, torch.Tensor, None]:
         nodes = [node]
         if self.prefetch > 0:
             pending = (e for e in heap if e[2] not in dists and e[2] != node)

@@ -137,7 +137,7 @@ class SuffixIndex:
             self.total = e + 1
 
     def clear(self) -> None:
-        self.__init__(self.capacity, self.anchor, self.max_match, self.max_occurrences)
+        SuffixIndex.__init__(self, self.capacity, self.anchor, self.max_match, self.max_occurrences)
 
     # --- reading -----------------------------------------------------------------------------------
 

@@ -139,7 +139,7 @@ class SuffixSource:
         self.seen = 0  # tokens of context + root already in `local`
         self._indexed_before_root = -1  # the context token the last sync indexed just before its root
         self._indexed_root = -1  # the root the last sync indexed (observe() moves `_root` on)
-        self._root: int | None = None  # the last step's next token (observe)
+        self._root = -1  # the last step's next token (observe)
         # what the request committed, for close(): see _committed
         self._synced: tuple[list[int], int, int] | None = None  # the last step's (context list, its length, root)
         self._observed = False  # the last synced step's verdict came back (observe)
@@ -150,7 +150,7 @@ class SuffixSource:
         self.steps = self.local_wins = self.global_wins = 0
         self.builds = 0  # local indexes built: one a request, unless a forced run was cut short
 
-    def sync(self, context: list[int], root: int) -> None:
+    def sync(self, context: list[int], root: int) -> SuffixIndex:
         """Bring the local index up to context + [root]. Normally an extension of what it saw;
         where it is not (a step drafted after a grammar's forced run that was then cut short),
         the index is built afresh so that it holds only what the request committed."""
@@ -158,7 +158,7 @@ class SuffixSource:
         if self.local is not None and not self._extends(context, root):
             self.local, self.seen = None, 0
         if self.local is not None and len(context) + 1 == self.seen:  # this step's, already held
-            return
+            return self.local
         if self.local is None:
             self.local = SuffixIndex(self.room)
             self.builds += 1
@@ -169,6 +169,7 @@ class SuffixSource:
         self._root, self._indexed_root = root, root
         # a value, not the list: the engine extends the context in place, so the list's last token moves
         self._indexed_before_root = context[-1] if context else -1
+        return self.local
 
     def _extends(self, context: list[int], root: int) -> bool:
         """Whether context + [root] carries on from what the index holds (the two tokens indexed
@@ -181,11 +182,11 @@ class SuffixSource:
     def proposals(self, context: list[int], root: int, budget: int, depth: int, min_prob: float,
                   use_global: bool = True) -> list[SuffixDraft]:
         """The local proposal, and the global one where earlier answers match."""
-        self.sync(context, root)
-        m = self.local.max_match
+        local = self.sync(context, root)
+        m = local.max_match
         tail = [*context[-(m - 1):], root] if m > 1 else [root]
         self.steps += 1
-        match, conts = self.local.find(tail, depth)
+        match, conts = local.find(tail, depth)
         found = [continuation_tree(root, conts, budget, min_prob, match)]
         if self.cache is not None and use_global:
             g_match, g_conts = self.cache.find(tail, depth, self.scope)
@@ -232,12 +233,12 @@ class SuffixSource:
                 return
         self._synced, self._observed, self._accepted = (context, len(context), root), False, None
 
-    def _committed(self) -> list[int]:
+    def _committed(self, synced: tuple[list[int], int, int]) -> list[int]:
         """The request's committed tokens (prompt first), at its end: its own context list and the
         last next token where known; after a forced run whose verdict never came (the target cut
         it short, or nothing was drafted after it) only what earlier steps confirmed, never the
         run's refused tokens."""
-        context, n, root = self._synced
+        context, n, root = synced
         live = context if len(context) > n else self._live
         if live is not None:  # every token in it was accepted (the engine appends accepted paths only)
             return [*live, self._root] if self._observed else list(live)
@@ -251,7 +252,7 @@ class SuffixSource:
             return
         self._closed = True
         if self.cache is not None and self._synced is not None:
-            committed = self._committed()
+            committed = self._committed(self._synced)
             answer = committed[self.prompt_len:]
             # a step's accepted path may run past the end: the answer is what the request emitted
             answer = answer[:self.max_tokens] if self.max_tokens else answer

@@ -33,7 +33,7 @@ def draft_together(drafts: dict[K, tuple[Drafting, Any]], no_room: Callable[[K],
 
     for key, (drafting, source) in drafts.items():
         try:
-            active[key] = (drafting, source, drafting.send(None))
+            active[key] = (drafting, source, next(drafting))
         except StopIteration as done:
             trees[key] = done.value
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the others

@@ -6,10 +6,10 @@ mask, and a pipeline stage is the same class built over a layer range.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import groupby
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 import torch.nn.functional as F
@@ -190,6 +190,18 @@ class Block(nn.Module):
         return x + self.ffn_post_norm(self.feed_forward(self.ffn_norm(x)))
 
 
+class Blocks(nn.ModuleList):
+    """A model's layers: an nn.ModuleList that tells the type checker its items are Blocks."""
+
+    if TYPE_CHECKING:
+        @overload
+        def __getitem__(self, idx: int) -> Block: ...
+        @overload
+        def __getitem__(self, idx: slice) -> Blocks: ...
+        def __getitem__(self, idx: int | slice) -> Block | Blocks: ...
+        def __iter__(self) -> Iterator[Block]: ...
+
+
 class Transformer(nn.Module):
     """The whole model, or the pipeline stage holding layers `layers` (a range)."""
 
@@ -206,7 +218,7 @@ class Transformer(nn.Module):
         table = torch.empty(config.vocab_size, config.dim) if on_meta else None
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=table) if self.is_first else None
         kinds = layer_kinds(config)
-        self.layers = nn.ModuleList(Block(config, kinds[i]) for i in self.layer_range)
+        self.layers = Blocks(Block(config, kinds[i]) for i in self.layer_range)
         self.kinds = tuple(dict.fromkeys(block.kind for block in self.layers))  # each kind once, in order
         self.norm = RMSNorm(config.dim, config.norm_eps) if self.is_last else None
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False) if self.is_last else None

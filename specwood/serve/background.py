@@ -17,7 +17,7 @@ from specwood.planner.pauses import GRACE_ENV
 PAUSE_POLL_S = 0.02  # how often the server looks whether it has requests
 
 
-class Background(subprocess.Popen):
+class Background(subprocess.Popen[bytes]):
     """A child process the server pauses while busy (`pause_while_busy`), in its own process group,
     its output going to `log`. It knows it is paused (specwood.planner.pauses): the server's work
     may run beside it for up to two polls before the stop lands, which is its grace."""

@@ -26,7 +26,7 @@ def header_deadline_protocol(read_timeout_s: float) -> type[asyncio.Protocol]:
     class HeaderDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[valid-type, misc]
         _deadline: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
 

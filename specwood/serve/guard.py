@@ -23,7 +23,8 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from specwood.serve.protocol import error_body
 
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+Message = dict[str, Any]  # an ASGI scope or message
+ASGIApp = Callable[[Message, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 TENANT_KEY = "specwood.tenant"  # the ASGI scope entry naming the request's tenant ("" without keys)
 
@@ -45,8 +46,8 @@ class RequestGuard:
         self.allowed_origins = {o.rstrip("/") for o in allowed_origins}
         self.allowed_hosts = None if allowed_hosts is None else {h.lower().strip("[]") for h in allowed_hosts}
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(self, scope: Message, receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         refusal = self.check(scope)
@@ -56,7 +57,7 @@ class RequestGuard:
         scope[TENANT_KEY] = self.tenant(scope)
         await self.app(scope, receive, send)
 
-    def tenant(self, scope: dict) -> str:
+    def tenant(self, scope: Message) -> str:
         """The id of the tenant whose key the request carries ("" without keys, or without one)."""
         if not self.keys:
             return ""
@@ -75,7 +76,7 @@ class RequestGuard:
                 found = tenant
         return found
 
-    def check(self, scope: dict) -> tuple[int, str, str, dict[str, str]] | None:
+    def check(self, scope: Message) -> tuple[int, str, str, dict[str, str]] | None:
         """(status, message, code, extra headers) of a refusal, or None to let the request in."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.allowed_hosts is not None:
@@ -122,7 +123,7 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def _respond(send: Callable[[dict], Awaitable[None]], status: int, body: dict[str, Any],
+async def _respond(send: Callable[[Message], Awaitable[None]], status: int, body: dict[str, Any],
                    extra: dict[str, str]) -> None:
     data = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]

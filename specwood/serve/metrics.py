@@ -7,11 +7,12 @@ request's end (`on_finish`, also the scheduler thread). prometheus-client is thr
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from specwood.drafting.suffix_source import suffix_caches
 from specwood.engine.request import Request, State
@@ -104,7 +105,7 @@ class ServerMetrics:
                                ("suffix_cache_queries", "Lookups in the global suffix cache", "queries"),
                                ("suffix_cache_hits", "Lookups that found a continuation", "hits"),
                                ("suffix_cache_hit_rate", "Hits over lookups of the global suffix cache", "hit_rate")):
-            Gauge(P + name, doc, registry=r).set_function(lambda key=key: _suffix_total(key))
+            Gauge(P + name, doc, registry=r).set_function(functools.partial(_suffix_total, key))
         r.register(PrefixCacheCollector(scheduler))
         if model_name:
             Gauge(P + "model_info", "The served model", ["model_name"], registry=r).labels(model_name).set(1)
@@ -219,7 +220,7 @@ class PrefixCacheCollector:
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
 
-    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+    def collect(self) -> list[Metric]:  # prometheus_client's collector protocol
         reuse = getattr(self.scheduler.executor, "reuse", None)
         cache = reuse.cache if reuse is not None else None
         queries = CounterMetricFamily(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",

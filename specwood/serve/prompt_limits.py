@@ -49,11 +49,11 @@ def longest_token(tokenizer: Any) -> int | None:
     return longest or None
 
 
-def _spec(component: Any) -> dict | None:
+def _spec(component: Any) -> dict[str, Any] | None:
     return None if component is None else json.loads(component.__getstate__())
 
 
-def _keeps_text(pre_tokenizer: dict | None) -> bool:
+def _keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
     if pre_tokenizer is None:
         return True
     kind = pre_tokenizer.get("type")
@@ -62,7 +62,7 @@ def _keeps_text(pre_tokenizer: dict | None) -> bool:
     return kind in _KEEPING_PRE_TOKENIZERS and pre_tokenizer.get("behavior") != "Removed"
 
 
-def _forms(normalizer: dict | None) -> set[str | None]:
+def _forms(normalizer: dict[str, Any] | None) -> set[str | None]:
     if normalizer is None:
         return set()
     if normalizer.get("type") == "Sequence":
@@ -76,9 +76,10 @@ def prompt_texts(g: GenerationRequest) -> list[str]:
     (templates trim contents, and some drop the reasoning of earlier answers). None for token ids."""
     if isinstance(g.prompt, str):
         return [g.prompt]
-    if g.prompt and all(isinstance(m, dict) for m in g.prompt):
-        return [m["content"].strip() for m in g.prompt  # type: ignore[union-attr]
-                if m.get("role") != "assistant" and isinstance(m.get("content"), str)]  # type: ignore[union-attr]
+    messages = [m for m in g.prompt if isinstance(m, dict)]
+    if messages and len(messages) == len(g.prompt):
+        return [m["content"].strip() for m in messages
+                if m.get("role") != "assistant" and isinstance(m.get("content"), str)]
     return []
 
 

@@ -720,7 +720,7 @@ def stream_chunk(kind: str, rid: str, created: int, model: str, *, text: str | N
 def usage_chunk(kind: str, rid: str, created: int, model: str, usage_: dict[str, int],
                 stats: dict[str, Any] | None) -> dict[str, Any]:
     """The last chunk of `stream_options.include_usage`: no choices, the usage and the stats."""
-    out = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
            "created": created, "model": model, "system_fingerprint": None, "choices": [], "usage": usage_}
     if stats is not None:
         out["specwood_stats"] = jsonable(stats)

@@ -141,10 +141,10 @@ class ToolCallText:
 
     def _spans(self) -> tuple[int | None, list[_Span]]:
         """Where in the text the first call begins (None: no call so far) and each call's span."""
-        return self._token_spans() if self._tags is not None else self._text_spans()
+        return self._token_spans(self._tags) if self._tags is not None else self._text_spans()
 
-    def _token_spans(self) -> tuple[int | None, list[_Span]]:
-        tags = self._tags.update(self.ids)
+    def _token_spans(self, tag_tokens: _TagTokens) -> tuple[int | None, list[_Span]]:
+        tags = tag_tokens.update(self.ids)
         text, first, spans = self.text, None, []
         opened: _Tag | None = None
         for tag in tags:
@@ -183,7 +183,8 @@ class ToolCallText:
             if end is None:  # the object is still being written
                 spans.append(_Span(text[start:], closed=False))
                 break
-            j = _WHITESPACE.match(text, end).end()
+            blank = _WHITESPACE.match(text, end)  # `\s*` always matches
+            j = blank.end() if blank else end
             if text.startswith(close, j):
                 spans.append(_Span(text[start:j], closed=True))
                 at = text.find(tag, j + len(close))
@@ -336,7 +337,7 @@ class TokenBytes:
         return b
 
     def _bytes(self, token_id: int) -> bytes:
-        piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        piece: str | None = self.tokenizer.convert_ids_to_tokens(int(token_id))
         if piece is None:
             return b""
         if self.byte_level and all(c in self._unicode_to_byte for c in piece):

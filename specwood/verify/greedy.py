@@ -50,7 +50,7 @@ def verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> Verdict:
     # Same op as the autoregressive greedy sampler (sampling.next_token), so ties break alike.
     best = target_logits.argmax(-1).tolist()
     kids = children_lists(tree.parents)
-    node, accepted = 0, []
+    node, accepted = 0, list[int]()
     while True:
         want = best[node]
         match = next((c for c in kids[node] if tree.tokens[c] == want), None)

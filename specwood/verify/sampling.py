@@ -50,6 +50,7 @@ from specwood.verify.greedy import Verdict, children_lists, verify_greedy
 AcceptProb = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # rows(trials [b], nodes [b]) -> [b, V]: a row per (tree, node) pair, fetched only when visited.
 RowFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # A rejection whose residual has less mass than this had (numerically) zero probability.
 _MIN_MASS = 1e-6
@@ -83,7 +84,7 @@ def children_table(parents: list[int], device: torch.device | str = "cpu") -> to
 def verify_sampling_batch(
     tokens: torch.Tensor,
     children: torch.Tensor,
-    target_logits: RowFn,
+    target_logits: LogitsFn,
     draft_probs: RowFn | None,
     params: SamplingParams,
     generator: torch.Generator | None,
