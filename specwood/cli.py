@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specwood.engine.args import (add_executor_args, add_method_args, add_model_args, add_sampling_args,
                                   check_backend_args, load_engine, method_options)
@@ -13,6 +13,9 @@ from specwood.engine.executor import executor_name
 from specwood.engine.executors import needs_draft_on, plugin_for
 from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
+
+if TYPE_CHECKING:
+    from specwood.serve.background import Background
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -30,7 +33,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt: Any = args.prompt
     if args.system and not args.raw:
         prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
-    stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    def write(s: str) -> None:
+        sys.stdout.write(s)
+        sys.stdout.flush()
+
+    stream = None if args.json else write
     try:
         result = engine.generate(
             prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -180,7 +187,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_background_plan(args: argparse.Namespace, engine: EngineLike):
+def start_background_plan(args: argparse.Namespace, engine: EngineLike) -> Background | None:
     """Without a measured plan, `auto` serves from the starter plan at once while `specwood plan`
     measures one in a niced child process; auto switches to it when it is stored. The server
     keeps the child stopped while it has requests (`serve(background=...)`)."""

@@ -18,11 +18,16 @@ from specwood.errors import SpecwoodError
 
 # sources(model) -> a draft source for one request on that model (the scheduler's pooled rows)
 SourceFactory = Callable[[Any], Any]
-# new_drafter(sources, prompt_len, max_tokens, load, scope) -> Drafter, once per request; load: the
-# requests that will share its decode steps (itself included, `admission_load`); scope: the
-# request's cache scope (Request.cache_scope): state shared across requests (the suffix cache's
-# answers) is read and written only within it, None: shared with no other request
-DrafterFactory = Callable[[SourceFactory, int, int, int, "str | None"], Drafter]
+
+
+class DrafterFactory(Protocol):
+    """new_drafter(sources, prompt_len, max_tokens, load, scope) -> Drafter, once per request; load: the
+    requests that will share its decode steps (itself included, `admission_load`); scope: the
+    request's cache scope (Request.cache_scope): state shared across requests (the suffix cache's
+    answers) is read and written only within it, None: shared with no other request."""
+
+    def __call__(self, sources: SourceFactory, prompt_len: int, max_tokens: int, load: int = 1,
+                 scope: str | None = "", /) -> Drafter: ...
 
 
 @dataclass(frozen=True)
@@ -32,11 +37,11 @@ class Method:
     needs_draft: bool  # needs the engine's draft model
     options: tuple[str, ...]  # option names it takes
     # prepare(engine, options) -> DrafterFactory; validates option values, builds shared parts once
-    prepare: Callable[[Any, dict[str, Any]], DrafterFactory]
+    prepare: Callable[[EngineLike, dict[str, Any]], DrafterFactory]
     wants_draft: bool | None = None  # load a draft model for it when one is configured (default: needs_draft)
     # choose_executor(engine, options, prompt_len) -> "sequential" | "parallel", when the method
     # picks its executor itself (auto follows the plan); None: sequential unless asked otherwise
-    choose_executor: Callable[[Any, dict[str, Any], int], str] | None = None
+    choose_executor: Callable[[EngineLike, dict[str, Any], int], str] | None = None
     # the executors it runs on (specwood.engine.executors) and the backends its target may use
     executors: tuple[str, ...] = ("sequential",)
     backends: tuple[str, ...] = ("torch", "llama.cpp")
@@ -124,8 +129,8 @@ def split_executor(method: str) -> tuple[str, str | None]:
     """'duo@parallel' -> ('duo', 'parallel'): a method and the executor it runs on (the bench's
     way to put both executors in one run); a bare name gets None: the method decides. A backend
     suffix (split_backend) is dropped."""
-    name, _, executor = split_backend(method)[0].partition("@")
-    executor = executor.strip().lower() or None
+    name, _, suffix = split_backend(method)[0].partition("@")
+    executor = suffix.strip().lower() or None
     if executor is not None and executor not in EXECUTORS:
         raise SpecwoodError(f"unknown executor '{executor}' in '{method}' (use NAME@parallel, NAME@pipeline or "
                             "NAME@sequential; NAME@llama.cpp or NAME@torch picks the backend)")

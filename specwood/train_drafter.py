@@ -104,12 +104,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     windows = windows_of(sequences, args.window, separator=eos)
     features = _features(engine, windows, work)
     spent = time.perf_counter() - t_start
+    max_seconds = max(1.0, args.minutes * 60 - spent - 30)
     settings = TrainSettings(
         draft_vocab_size=args.draft_vocab, intermediate_size=args.intermediate_size, window=args.window,
         batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed,
-        max_seconds=max(1.0, args.minutes * 60 - spent - 30), bf16=engine.device.type == "cpu" and cpu_has_bf16())
+        max_seconds=max_seconds, bf16=engine.device.type == "cpu" and cpu_has_bf16())
     print(f"[train-drafter] {len(windows)} windows of {args.window} tokens, draft vocabulary {len(vocab)}; "
-          f"{spent / 60:.1f} min spent, training for up to {settings.max_seconds / 60:.1f} min", file=sys.stderr)
+          f"{spent / 60:.1f} min spent, training for up to {max_seconds / 60:.1f} min", file=sys.stderr)
     about = {"command": "specwood train-drafter " + " ".join(_argv(args)), "windows": len(windows),
              "data": {"prompts": args.prompts, "answer_tokens": args.answer_tokens, "text_tokens": args.text_tokens}}
     _, record = train_head(engine.target, windows, features, vocab, settings, out=out, progress=True,
@@ -156,7 +157,7 @@ def _answers(engine: EngineLike, args: argparse.Namespace, work: Path) -> list[l
     failed = [r.error for r in requests if r.error is not None]
     if failed:
         raise SpecwoodError(f"the target failed on {len(failed)} training prompts: {failed[0]}")
-    sequences = [r.prompt_ids + r.result.token_ids for r in requests]
+    sequences = [r.prompt_ids + r.outcome().token_ids for r in requests]
     _write_json(cached, sequences)
     return sequences
 

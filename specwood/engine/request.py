@@ -235,6 +235,14 @@ class Request:
         self.exception = error
         self.notify()
 
+    def outcome(self) -> GenerationResult:
+        """The finished request's result; its exception raised if it failed."""
+        if self.exception is not None:
+            raise self.exception
+        if self.result is None:
+            raise SpecwoodError(f"request {self.request_id} has not finished")
+        return self.result
+
     def notify(self) -> None:
         self.done.set()
         if self.on_finish is not None:

@@ -70,7 +70,7 @@ def calibration_texts() -> list[str]:
             code.append(path.read_text(encoding="utf-8", errors="replace"))
     prose = []
     try:
-        from pydoc_data.topics import topics  # type: ignore[import-not-found]
+        from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[k] for k in CALIBRATION_TOPICS if k in topics)
         half = len(text) // 2  # two different prose windows

@@ -10,10 +10,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
+
+if TYPE_CHECKING:
+    from specwood.planner.fits import AATFit
 
 
 def _int_list(text: str) -> list[int]:
@@ -26,7 +29,7 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _aat(text: str):
+def _aat(text: str) -> AATFit:
     from specwood.planner.fits import AATFit
 
     try:

@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specwood.errors import SpecwoodError
 from specwood.models.config import ModelConfig
@@ -52,7 +52,7 @@ class DeviceModel:
 
     # --- roofline of one matmul ---------------------------------------------------------------
 
-    def utilisation(self, m: int, n: int) -> float:
+    def utilisation(self, m: float, n: int) -> float:
         if self.pe_rows is None or self.pe_cols is None:
             return 1.0
         r, c = self.pe_rows, self.pe_cols
@@ -209,7 +209,7 @@ def measure_local_cpu(dtype: str = "bf16", seconds: float = 1.5) -> DeviceModel:
     (about a second). The numbers are achieved rates, so the efficiencies are 1."""
     import torch
 
-    def median_s(fn, n: int) -> float:
+    def median_s(fn: Callable[[], object], n: int) -> float:
         fn()
         samples = []
         for _ in range(n):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, overload
 
 import numpy as np
 
@@ -36,6 +36,11 @@ class RooflineFit:
     p_max: float
     rel_error: float  # RMS relative residual over the measured points
     max_rel_error: float = 0.0
+
+    @overload
+    def __call__(self, x: float) -> float: ...
+    @overload
+    def __call__(self, x: np.ndarray) -> np.ndarray: ...
 
     def __call__(self, x: float | np.ndarray) -> float | np.ndarray:
         x_arr = np.asarray(x, dtype=np.float64)
@@ -139,6 +144,11 @@ class AATFit:
     C: float
     r2: float = 1.0
     n_points: int = 0
+
+    @overload
+    def __call__(self, x: float) -> float: ...
+    @overload
+    def __call__(self, x: np.ndarray) -> np.ndarray: ...
 
     def __call__(self, x: float | np.ndarray) -> float | np.ndarray:
         """The model, clipped to the physical range 1 <= AAT(x) <= x (Eq. 4: never more tokens

@@ -299,6 +299,7 @@ def emulate_specpipe(draft: Any, prompt: list[int], reference: list[int], width:
         next_id, step, refill = len(prompt), 0, None
         hits = misses = steps = 0
         while True:
+            level: Level | None
             if refill is not None:
                 level, refill = Level([next_id], [-1], [refill[0]], refill[1], True), None
             else:

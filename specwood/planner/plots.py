@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specwood.planner.store import Plan
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def _pyplot():
@@ -103,7 +107,7 @@ def plot_plan(plan: Plan, out_dir: Path) -> list[Path]:
             plot_peff(plan, out_dir / "p_eff.png")]
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     path = Path(path)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

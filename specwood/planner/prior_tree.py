@@ -16,11 +16,14 @@ from __future__ import annotations
 import heapq
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from specwood.drafting.sequoia import DEFAULT_ACCEPTANCE, Layout, rank_weights
 from specwood.engine.protocols import EngineLike
 from specwood.tree.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from specwood.drafting.shapes import LayoutShape
 
 
 def maximal_layout(n_nodes: int = 64, levels: int = 8, acceptance: Sequence[float] = DEFAULT_ACCEPTANCE) -> Layout:
@@ -209,7 +212,7 @@ class PriorScores:
                    measured=bool(d.get("measured", True)), extra=dict(d.get("extra", {})))
 
 
-def prior_shape(layout: Layout, name: str = "prior"):
+def prior_shape(layout: Layout, name: str = "prior") -> LayoutShape:
     from specwood.drafting.shapes import LayoutShape
 
     return LayoutShape(name, list(layout))
@@ -265,7 +268,12 @@ def compare_tree_methods(engine: EngineLike, prior: PriorScores, xs: Sequence[in
     paired comparisons. Give prompts the scores were not collected on."""
     from specwood.drafting.model_source import ModelDraftSource
     from specwood.engine.request import SpecStats
+    from specwood.errors import SpecwoodError
     from specwood.planner.profiler import run_speculative
+
+    draft = engine.draft_model
+    if draft is None:
+        raise SpecwoodError("comparing draft trees needs a draft model (--draft)")
 
     rows = []
     builders = {"prior": prior.best_layout, "width": lambda n: width_layout(prior.layout, n),
@@ -277,7 +285,7 @@ def compare_tree_methods(engine: EngineLike, prior: PriorScores, xs: Sequence[in
             total, per_prompt = SpecStats(), []
             for ids in prompts_ids:  # one prompt at a time, into one pooled total
                 before = (total.steps, total.accepted)
-                run_speculative(engine, ModelDraftSource(engine.draft_model), shape, [ids], max_tokens, total)
+                run_speculative(engine, ModelDraftSource(draft), shape, [ids], max_tokens, total)
                 steps, accepted = total.steps - before[0], total.accepted - before[1]
                 per_prompt.append((steps + accepted) / steps if steps else 0.0)
             row[name] = total.as_dict()["mean_accepted_tokens"]

@@ -15,15 +15,19 @@ import math
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from specwood.engine.protocols import EngineLike
+from specwood.models.cache import KVCache
 from specwood.models.transformer import Transformer
 from specwood.planner.pauses import undisturbed
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 # dense at small x: on a CPU T_v(x) already rises between 2 and 8 tokens, and P_eff(x) is flat
 # enough there that interpolating over a gap of 4 picks the wrong neighbour
@@ -36,7 +40,7 @@ TimeTable = dict[int, dict[int, float]]  # ctx -> x -> seconds
 ShapeFactory = Callable[[int], Any]  # budget (drafted nodes) -> TreeShape
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def _progress(total: int, desc: str, enabled: bool) -> tqdm[Any]:
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, disable=not enabled)
@@ -96,7 +100,7 @@ def bend_points(times: Mapping[int, float], threshold: float = 0.35, max_new: in
     return [mid for *_, mid in sorted(ranked)][:max_new]
 
 
-def _verify_callable(model: Transformer, cache, ctx: int, tree: TokenTree) -> Callable[[], Any]:
+def _verify_callable(model: Transformer, cache: KVCache, ctx: int, tree: TokenTree) -> Callable[[], Any]:
     """One target forward over the tree after `ctx` cached tokens, plus the argmax the greedy
     verifier does (part of the step's cost)."""
     dev = model.device
@@ -180,7 +184,7 @@ def measure_verify_times(
             measure(list(xs))
             if refine:
                 extra = bend_points(row, max_new=2 if quick else 4)
-                bar.total += len(extra)
+                bar.total = (bar.total or 0) + len(extra)
                 if extra:
                     measure(extra)
             table[ctx] = dict(sorted(row.items()))

@@ -7,7 +7,9 @@ from __future__ import annotations
 import datetime
 from typing import Sequence
 
+from specwood.engine.backends import LlamaCppTarget
 from specwood.engine.protocols import EngineLike
+from specwood.errors import SpecwoodError
 from specwood.models.llamacpp import LlamaCppModel
 from specwood.planner.analytic import stored_aat
 from specwood.planner.fits import DEFAULT_AAT
@@ -132,7 +134,10 @@ def runner_verify_times(engine: EngineLike, xs: Sequence[int], contexts: Sequenc
     a context of its own over the loaded weights (a request may be decoding on the serving one)."""
     import torch
 
-    serving = engine.target.runner
+    target = engine.target
+    if not isinstance(target, LlamaCppTarget):
+        raise SpecwoodError("runner_verify_times measures a llama.cpp target (--backend llama.cpp)")
+    serving = target.runner
     vocab = engine.target_config.vocab_size
     g = torch.Generator().manual_seed(0)
     out: dict[int, dict[int, float]] = {}

@@ -4,6 +4,7 @@ The plan keeps the measurements and fits behind each choice.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -170,7 +171,7 @@ class Plan:
             method = "ar" if d.method == "ar" else self.key.method
             choice = BucketChoice(c, method, d.x, d.speedup, d.p_eff, d.p_ar, d.x_best_sd)
             if self.parallel is not None:  # DuoDecoding vs the better of sequential SD and AR
-                choice.p_parallel = self.parallel.p_parallel(lambda v, c=c: self.t_v(c, v))
+                choice.p_parallel = self.parallel.p_parallel(functools.partial(self.t_v, c))
                 if choice.p_parallel > max(d.p_ar, d.p_eff if d.method == "sd" else 0.0):
                     choice.executor = "parallel"
             self.choices.append(choice)
@@ -202,9 +203,10 @@ class Plan:
         decision's, whose per-token machine time shrinks as the batch fills the hardware, while
         the draft's prefill costs the same machine time as ever -- so a loaded server stops
         paying for drafts it cannot earn back (vLLM's speculation-under-load complaint)."""
-        d: BucketChoice | Decision = self.choice_for(prompt_len)
+        choice = self.choice_for(prompt_len)
+        d: BucketChoice | Decision = choice
         if load > 1 and d.method != "ar" and d.p_eff > 0:
-            d = self.decide(d.context, batch=load, draft_scale=draft_scale)
+            d = self.decide(choice.context, batch=load, draft_scale=draft_scale)
         return self.prefill_is_earned(d, max_tokens, prompt_len)
 
     def prefill_is_earned(self, d: BucketChoice | Decision, tokens: int, context_len: int) -> bool:

@@ -179,13 +179,13 @@ class SuffixOrModelShape(TreeShape):
         self.source.count(proposal)
         self.choice, k = self.weigh(proposal)
         part = self.part = cut(proposal, k) if k else None
-        if self.choice == "suffix":
+        if self.choice == "suffix" and part is not None:  # (weigh takes "suffix" with k > 0 only)
             yield from ()
             return part.tree  # rule "selected": a deterministic draft
-        if self.choice == "none":
+        if self.choice == "none" or self.model_shape is None:  # (weigh takes "none" without a model)
             yield from ()
             return TokenTree.with_root(root, "selected" if params.greedy else "sampled")
         tree = yield from self.model_shape.draft(context, root, params, generator)
-        if self.choice == "both":
+        if self.choice == "both" and part is not None:
             merge_suffix(tree, part)
         return tree

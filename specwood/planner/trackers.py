@@ -126,18 +126,27 @@ class DraftCostTracker(CostRatio):
     def record(self, predicted_s: float, measured_s: float, batch: int = 2) -> None:
         """A step's drafting share against the plan's price, for steps of `batch` requests."""
         if predicted_s > 0:
-            (self.alone if batch <= 1 else super()).record(predicted_s, measured_s)
+            if batch <= 1:
+                self.alone.record(predicted_s, measured_s)
+            else:
+                super().record(predicted_s, measured_s)
             self._unsaved += 1
             if self.path is not None and self._unsaved >= self.SAVE_EVERY:
                 self.save()
 
-    def relax(self, batch: int = 2) -> None:
+    # (its argument is a batch size, not CostRatio's decay: the tracker picks its part and decay)
+    def relax(self, batch: int = 2) -> None:  # type: ignore[override]
         """A step of `batch` requests that did not draft with the model: its part drifts to 1."""
-        (self.alone if batch <= 1 else super()).relax(self.RELAX_DECAY)
+        if batch <= 1:
+            self.alone.relax(self.RELAX_DECAY)
+        else:
+            super().relax(self.RELAX_DECAY)
 
     def save(self) -> None:
         """Write the ratios (atomically); a cache that cannot be written only means learning them again."""
         self._unsaved = 0
+        if self.path is None:
+            return
         try:
             write_json_atomically(self.path, {"ratio": self.ratio, "ratio_alone": self.alone.ratio,
                                               "saved": datetime.datetime.now().isoformat(timespec="seconds")})
