@@ -48,7 +48,7 @@ def parse_methods(methods: str | Iterable[str]) -> list[str]:
 
 
 def normalise_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
-    s = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+    s: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
     s.update({k: v for k, v in (sampling or {}).items() if v is not None})
     unknown = set(s) - {"temperature", "top_p", "top_k", "seed"}
     if unknown:
@@ -90,7 +90,7 @@ def machine_info() -> dict[str, Any]:
     import torch
 
     try:
-        usable = len(os.sched_getaffinity(0))
+        usable: int | None = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
     mem_gib = None
@@ -260,11 +260,12 @@ class _Runner:
         opts = options_for(name, self.method_options)
         if executor is not None and executor not in self.executors:
             self.executors[executor] = build_executor(executor, self.engine, self.executor_options.get(executor, {}))
+        built = self.executors.get(executor) if executor is not None else None
         t0 = time.perf_counter()
         res = engine.generate(content, max_tokens=max_tokens, method=name, raw=raw,
                                    temperature=self.sampling["temperature"], top_p=self.sampling["top_p"],
                                    top_k=self.sampling["top_k"], seed=self.sampling["seed"],
-                                   executor=self.executors.get(executor) or executor, **opts)
+                                   executor=built or executor, **opts)
         wall = time.perf_counter() - t0
         stats = getattr(res, "stats", None) or {}
         return {
@@ -352,8 +353,8 @@ def _progress(total: int, enabled: bool) -> Any:
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is optional: run silently
-        tqdm = None
-    if tqdm is None or not enabled:
+        enabled = False
+    if not enabled:
         class _Null:
             def update(self, n: int = 1) -> None: ...
             def set_postfix_str(self, s: str) -> None: ...
@@ -361,7 +362,11 @@ def _progress(total: int, enabled: bool) -> Any:
             def close(self) -> None: ...
         return _Null()
     bar = tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, dynamic_ncols=True)
-    bar.write = lambda s: tqdm.write(s, file=sys.stderr)  # type: ignore[method-assign]
+
+    def write(s: str) -> None:
+        tqdm.write(s, file=sys.stderr)
+
+    bar.write = write  # type: ignore[method-assign, assignment]  # this bar's own write, to stderr
     return bar
 
 

@@ -31,7 +31,7 @@ except Exception:  # pragma: no cover - depends on the environment
     HAVE_TRANSFORMERS = False
 
 
-class TimingStreamer(_BaseStreamer):  # type: ignore[misc,valid-type]
+class TimingStreamer(_BaseStreamer):
     """Records when each chunk of new tokens arrives. `generate` first puts the prompt, then every
     step's new tokens (one, or several per assisted step)."""
 
@@ -80,8 +80,8 @@ def torch_dtype_of(engine: EngineLike) -> Any:
              "fp16": torch.float16, "float16": torch.float16}
     if isinstance(d, str) and d.lower() in names:
         return names[d.lower()]
-    target = getattr(engine, "target", None)
-    for p in (target.parameters() if hasattr(target, "parameters") else ()):
+    target = engine.target
+    for p in (target.parameters() if isinstance(target, torch.nn.Module) else ()):
         if p.is_floating_point():
             return p.dtype
     return torch.float32

@@ -31,7 +31,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TextIO
 
 from specwood.bench import llama_cpu_flags
 from specwood.errors import SpecwoodError
@@ -215,7 +215,7 @@ def extract_llama_cpp(sdist: Path, dest: Path, log: Log) -> Path:
 _PROGRESS = re.compile(r"^\[\s*(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
 
 
-def _run_logged(cmd: Sequence[str], logf, log: Log, what: str, timeout: float, env: dict[str, str]) -> None:
+def _run_logged(cmd: Sequence[str], logf: TextIO, log: Log, what: str, timeout: float, env: dict[str, str]) -> None:
     """Run cmd with its output into logf; progress lines ([k/n] of ninja, [p%] of make) at most
     every 5% or 60 s on stderr; a one-line error with the last compiler/cmake message on failure."""
     logf.write(f"\n$ {' '.join(cmd)}\n")

@@ -28,7 +28,7 @@ def machine_summary() -> dict[str, Any]:
     from specwood.bench.harness import _cpu_flags, _cpu_model
 
     try:
-        usable = len(os.sched_getaffinity(0))
+        usable: int | None = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
     mem = None

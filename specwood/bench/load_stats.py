@@ -102,7 +102,7 @@ def summarize_level(records: Sequence[dict[str, Any]], wall_s: float) -> dict[st
         itl += inter_chunk_gaps(r.get("chunk_s") or [])
     ttft = [r.get("ttft_s") for r in good]  # None for a request without content
     lat = [r.get("latency_s") for r in good]
-    modes = sorted({r.get("tokens_per_chunk") for r in good if r.get("tokens_per_chunk")})
+    modes = sorted({str(r["tokens_per_chunk"]) for r in good if r.get("tokens_per_chunk")})
     decisions: dict[str, int] = {}
     for r in good:
         if r.get("auto_decision"):

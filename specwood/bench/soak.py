@@ -68,8 +68,8 @@ class SoakReport:
     statuses: dict[int, int]
     failures: list[str]
     seconds: float
-    warm: dict[str, int]
-    end: dict[str, int]
+    warm: dict[str, Any]  # process_sample's figures and the free cache rows (None: the executor has none)
+    end: dict[str, Any]
 
     @property
     def server_errors(self) -> int:
@@ -96,9 +96,11 @@ class Soak:
         self.url, self.pid, self.concurrency, self.max_tokens = url, pid, concurrency, max_tokens
         self.headers, self.timeout_s = dict(headers or {}), timeout_s
         self.rng = random.Random(seed)
-        self._client_args = {"base_url": url, "timeout": timeout_s, "trust_env": False, "headers": headers,
-                             "limits": httpx.Limits(max_connections=concurrency + 2)}
-        self.client = httpx.Client(**self._client_args)
+        self.client = self._new_client()
+
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=self.timeout_s, trust_env=False, headers=self.headers,
+                            limits=httpx.Limits(max_connections=self.concurrency + 2))
 
     def close(self) -> None:
         self.client.close()
@@ -181,7 +183,7 @@ class Soak:
     def health(self) -> dict[str, Any]:
         return self.client.get("/health").json()
 
-    def idle_sample(self, timeout_s: float = 60) -> dict[str, int]:
+    def idle_sample(self, timeout_s: float = 60) -> dict[str, Any]:
         """Once nothing runs or waits (cancellations land within a step), the process's figures."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -194,7 +196,7 @@ class Soak:
         # no connection of ours stays open (the pool keeps a varying number alive): the server's
         # descriptors are then its own alone
         self.client.close()
-        self.client = httpx.Client(**self._client_args)
+        self.client = self._new_client()
         time.sleep(0.5)  # closed connections and finished to_thread calls settle
         return {**process_sample(self.pid), "free_rows": h.get("free_rows")}
 

@@ -249,7 +249,7 @@ def _license_text() -> str | None:
 def _docs_text() -> str | None:
     """Prose from the stdlib's bundled language reference (pydoc_data), else module docstrings."""
     try:
-        from pydoc_data.topics import topics  # type: ignore[import-not-found]
+        from pydoc_data.topics import topics
 
         parts = [topics[k] for k in ("with", "exceptions", "assert") if k in topics]
         if parts:
