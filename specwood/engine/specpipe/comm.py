@@ -85,10 +85,11 @@ class Monitor(threading.Thread):
     def _note(self, r: int) -> str | None:
         if not self.store.check([f"{KEY}fail/{r}"]):
             return None
-        return self.store.get(f"{KEY}fail/{r}").decode(errors="replace")
+        note: bytes = self.store.get(f"{KEY}fail/{r}")
+        return note.decode(errors="replace")
 
     def _exited(self, r: int) -> bool:
-        return self.store.check([f"{KEY}exit/{r}"])
+        return bool(self.store.check([f"{KEY}exit/{r}"]))
 
     def _found(self, what: str) -> None:
         self.verdict = what
@@ -134,7 +135,7 @@ class Comm:
         self.rank, self.world, self.last = rank, world, world - 1
         self.dev, self.dim, self.dtype = dev, dim, dtype
 
-    def _long(self, values: list[int] | None, n: int) -> torch.Tensor:
+    def _long(self, values: list[int] | list[list[int]] | None, n: int) -> torch.Tensor:
         if values is None:
             return torch.zeros(n, dtype=torch.long, device=self.dev)
         return torch.tensor(values, dtype=torch.long, device=self.dev)
@@ -163,6 +164,8 @@ class Comm:
         if self.rank < self.last:
             pending.append(dist.isend(self._long([step, len(send_ids), checksum(send_ids)], 3), self.rank + 1))
             if send_ids:
+                if send_x is None:
+                    raise RuntimeError(f"protocol: rank {self.rank} has node ids to send but no hidden states")
                 pending.append(dist.isend(send_x.to(self.dev, self.dtype).contiguous(), self.rank + 1))
         got = None
         if self.rank > 0:
@@ -176,7 +179,8 @@ class Comm:
                 got = torch.empty(len(expect_ids), self.dim, dtype=self.dtype, device=self.dev)
                 dist.recv(got, self.rank - 1)
         for p in pending:
-            p.wait()
+            if p is not None:
+                p.wait()
         return got
 
     def gather(self, value: Any) -> list[Any] | None:

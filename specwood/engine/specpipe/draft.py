@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 
 from specwood.engine.specpipe.state import Level, LevelVerdict, StageKV, TreeMirror, run_levels
+from specwood.models.transformer import Transformer
 
 
 class FixedWidthSource:
     """One request's token source. `kv`: its row of the draft's cache (`KVPool.acquire`), or a
     private cache of `max_len` slots."""
 
-    def __init__(self, model: torch.nn.Module, width: int, topk: int, max_len: int, kv: StageKV | None = None,
+    def __init__(self, model: Transformer, width: int, topk: int, max_len: int, kv: StageKV | None = None,
                  emit_limit: int | None = None):
         if width < 1 or topk < 1:
             raise ValueError(f"tree width and top-k must be >= 1, got w={width}, k={topk}")

@@ -57,7 +57,9 @@ def stage_ranges(config: Any, stages: int, first_stage_extra: float = 0.0) -> li
     layer, head = weight_elements(config)
     n = config.n_layers
     check_pipeline_args(stages, 1, 1, n)
-    cost = lambda a, b: (b - a) * layer + (head if b == n else 0) + (first_stage_extra if a == 0 else 0)  # noqa: E731
+    def cost(a: int, b: int) -> float:
+        return (b - a) * layer + (head if b == n else 0) + (first_stage_extra if a == 0 else 0)
+
     # best[s][b]: the smallest max-stage cost of layers [0, b) in s stages, and the last cut
     best = [[(float("inf"), 0)] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = (0, 0)

@@ -52,7 +52,7 @@ class Lane:
 
     def __init__(self, lane_id: int, job: Job, world: int):
         self.id, self.job = lane_id, job
-        self.kv: StageKV | None = None  # its cache row, taken when it joins
+        self.kv: StageKV  # its cache row, taken when it joins (PipelineRank._join)
         self.mirror = TreeMirror()
         self.held: list[Level | None] = [None] * world
         self.inbox: torch.Tensor | None = None  # hidden states of held[rank], from the previous stage
@@ -60,7 +60,7 @@ class Lane:
         self.gen: torch.Generator | None = None  # last rank, sampling
         self.tree_meta: Any = None  # last rank, specinfer sampling: the drafted tree's child distributions
         # rank 0
-        self.stream: OutputStream | None = None
+        self.stream: OutputStream  # set when it joins (PipelineRank._plan) or is cancelled while queued
         self.counts = Counts()
         self.draft: FixedWidthSource | None = None
         self.trees: list[Any] | None = None  # specinfer: [draft source, shape, generator, started]

@@ -11,6 +11,7 @@ that have not after GRACE_S are killed, so nothing is left behind. Ranks also di
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import queue
@@ -20,7 +21,8 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from multiprocessing.connection import Connection
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -155,6 +157,8 @@ class PipelineRequest:
             raise TimeoutError(f"pipeline request {self.id} gave no result within {timeout:.0f}s")
         if self.error is not None:
             raise self.error
+        if self.result is None:
+            raise PipelineFailure(f"pipeline request {self.id} ended without a result")
         return self.result
 
 
@@ -194,7 +198,7 @@ class PipelineExecutor(Executor):
                                     "or pass --width N")
             self.width_choice = _width_planner(engine, stages, topk, threads=self.threads)
             width = self.width_choice["width"]
-        self.engine, self.stages, self.width, self.topk, self.max_lanes = engine, stages, width, topk, max_lanes
+        self.engine, self.stages, self.width, self.topk, self.max_lanes = engine, stages, int(width), topk, max_lanes
         self.row_len = int(engine.max_context) + self.tree_room
         # a Scheduler's requests: their mode and lane, and the lanes' ends as the reader sees them
         # (weak: a request made but never admitted, e.g. refused by a full queue, leaves no entry)
@@ -208,7 +212,8 @@ class PipelineExecutor(Executor):
         self._store = dist.FileStore(os.path.join(self._store_dir, "store"), -1)
         on_cuda = target.device.type == "cuda"
         ctx = tmp.get_context("spawn")
-        self.procs, self.conn = [], None
+        self.procs: list[Any] = []  # the ranks' processes (spawn context's Process)
+        self.conn: Connection | None = None
         self._finalizer = weakref.finalize(self, _kill_all, self.procs, self._store_dir)
         self.failed: str | None = None
         self._pending: dict[int, PipelineRequest] = {}
@@ -289,7 +294,10 @@ class PipelineExecutor(Executor):
         self._lanes[req] = self.submit(
             req.prompt_ids, max_tokens=req.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
             seed=p.seed, stop=req.out.stop or None, on_text=req.out.on_text, mode=mode, tree=tree,
-            on_finish=lambda lane, req=req: self._ended.put((req, lane)))
+            on_finish=functools.partial(self._lane_ended, req))
+
+    def _lane_ended(self, req: Request, lane: PipelineRequest) -> None:
+        self._ended.put((req, lane))
 
     def step(self, running: list[Request]) -> None:
         """The lanes that ended since the last step (waits up to END_POLL_S for the first)."""
@@ -406,7 +414,7 @@ class PipelineExecutor(Executor):
         """The reader thread: rank 0's messages to their requests; a dead rank fails them all."""
         while not self._closing:
             try:
-                msg = self.conn.recv() if self.conn.poll(0.05) else None
+                msg = self._pipe().recv() if self._pipe().poll(0.05) else None
             except (EOFError, OSError):
                 msg = None
                 if not self._closing:
@@ -445,18 +453,25 @@ class PipelineExecutor(Executor):
             for req in pending:
                 req._end(None, e)
 
-    def _send(self, msg: tuple) -> None:
+    def _pipe(self) -> Connection:
+        """The pipe to rank 0 (set while starting)."""
+        if self.conn is None:
+            raise PipelineFailure("the pipeline has no connection to rank 0")
+        return self.conn
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
         try:
             with self._send_lock:
-                self.conn.send(msg)
+                self._pipe().send(msg)
         except (BrokenPipeError, EOFError, OSError):
             self._fail()
 
-    def _recv(self, timeout: float, what: str) -> tuple:
+    def _recv(self, timeout: float, what: str) -> tuple[Any, ...]:
         """Before the reader thread runs (starting): rank 0's next message (a message from a rank
         that has exited still counts; a dead rank is named by `_fail`)."""
         try:
-            return receive(self.conn, timeout, lambda: all(p.is_alive() for p in self.procs))
+            msg: tuple[Any, ...] = receive(self._pipe(), timeout, lambda: all(p.is_alive() for p in self.procs))
+            return msg
         except ChildLost:
             self._fail()
         except NoAnswer:
@@ -464,7 +479,7 @@ class PipelineExecutor(Executor):
             _kill_all(self.procs)
             raise PipelineFailure(f"the pipeline gave {self.failed} and was stopped") from None
 
-    def _fail(self) -> None:
+    def _fail(self) -> NoReturn:
         """A rank is gone: name it, let the others exit (kill them after GRACE_S), raise."""
         with self._fail_lock:  # the reader and a sender may both notice: one waits, both raise
             if self.failed:

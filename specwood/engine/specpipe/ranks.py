@@ -37,6 +37,7 @@ spawns the M ranks itself on 127.0.0.1 (`specwood generate --executor pipeline -
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -53,8 +54,10 @@ from specwood.engine.output import GenerationResult, OutputStream
 from specwood.engine.specpipe.comm import CMD_EXIT, CMD_NOOP, CMD_STEP, Comm, Monitor, die, init_group, is_comm_error
 from specwood.engine.specpipe.jobs import DEFAULT_TREE, DRAFTED_MODES, MODES, Job, check_pipeline_args
 from specwood.engine.specpipe.lanes import Lane
-from specwood.engine.specpipe.state import EMPTY, HIT, MISS, NONE, TREE, KVPool, Level, LevelVerdict, run_levels
+from specwood.engine.specpipe.state import (EMPTY, HIT, MISS, NONE, TREE, KVPool, Level, LevelVerdict, StageKV,
+                                            TreeMirror, run_levels)
 from specwood.errors import SpecwoodError
+from specwood.models.transformer import Transformer
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import verify
 
@@ -74,7 +77,7 @@ class PipelineRank:
     rank 0), verifies one token per lane, prunes per lane, and ships every lane's survivors in one
     transfer. Requests join (up to `max_lanes`) and leave between steps."""
 
-    def __init__(self, comm: Any, stage: torch.nn.Module, *, draft: torch.nn.Module | None = None,
+    def __init__(self, comm: Any, stage: Transformer, *, draft: Transformer | None = None,
                  tokenizer: Any = None, eos_ids: set[int] | None = None,
                  on_step: Callable[["PipelineRank", int], None] | None = None, max_lanes: int = 8):
         self.comm, self.rank, self.world = comm, comm.rank, comm.world
@@ -132,8 +135,7 @@ class PipelineRank:
         """Rank 0: run several requests at once (up to `max_lanes` in flight) until all are done."""
         results: dict[int, GenerationResult] = {}
         for i, (job, stop) in enumerate(jobs):
-            self.submit(job, stop, on_text if len(jobs) == 1 else None,
-                        lambda res, i=i: results.__setitem__(i, res))
+            self.submit(job, stop, on_text if len(jobs) == 1 else None, functools.partial(results.__setitem__, i))
         while len(results) < len(jobs):
             self.step()
         return [results[i] for i in range(len(jobs))]
@@ -165,8 +167,8 @@ class PipelineRank:
                     continue
                 _, rid, job, stop = msg
                 try:
-                    self.submit(job, stop, lambda s, rid=rid: conn.send(("text", rid, s)),
-                                lambda res, rid=rid: conn.send(("result", rid, res)), lane_id=rid)
+                    self.submit(job, stop, functools.partial(_relay, conn, "text", rid),
+                                functools.partial(_relay, conn, "result", rid), lane_id=rid)
                 except SpecwoodError as e:
                     conn.send(("error", rid, str(e)))
             if self.busy:
@@ -193,7 +195,8 @@ class PipelineRank:
             self._join(lane)
             lane.stream = OutputStream(self.tokenizer, len(job.prompt), job.max_tokens, self.eos_ids, stop, on_text)
             joins.append((lane.id, job))
-        rows, nodes = [], [[], [], []]
+        rows: list[list[int]] = []
+        nodes: list[list[int]] = [[], [], []]
         for lane in self.lanes.values():
             if lane.cancelled and lane.result is None:
                 lane.stream.finish_reason = "cancelled"
@@ -218,7 +221,7 @@ class PipelineRank:
             lane.pos += len(chunk)
         elif m.root is None and lane.v.kind in (MISS, EMPTY, TREE):  # refill from the verified token
             if lane.trees is not None:  # specinfer: a whole tree rooted at it
-                level, lane.tree = self._draft_tree(lane)
+                level, lane.tree = self._draft_tree(lane, lane.trees)
             else:
                 level = Level([lane.next_id], [-1], [lane.v.token], lane.v.position, True)
         elif lane.draft is not None:
@@ -243,6 +246,12 @@ class PipelineRank:
                          mean_accepted_tokens=round((c.accepted + c.trees) / max(1, c.trees), 3))
         return lane.stream.finish(job.mode, extra)
 
+    def _drafting(self) -> tuple[Transformer, KVPool]:
+        """Rank 0's draft model and its pool (a drafted mode: `submit` checked there is one)."""
+        if self.draft_model is None or self.draft_pool is None:
+            raise SpecwoodError("this mode needs a draft model on rank 0 (or use mode 'pp')")
+        return self.draft_model, self.draft_pool
+
     # --- every rank ---
 
     def follow(self) -> None:
@@ -262,8 +271,9 @@ class PipelineRank:
         job, r = lane.job, self.rank
         lane.kv = self.pool.acquire(job.cache_len(self.world))
         if r == 0 and job.mode == "specpipe":
-            lane.draft = FixedWidthSource(self.draft_model, job.width, job.topk, 0,
-                                          kv=self.draft_pool.acquire(job.cache_len(self.world)),
+            draft, draft_pool = self._drafting()
+            lane.draft = FixedWidthSource(draft, job.width, job.topk, 0,
+                                          kv=draft_pool.acquire(job.cache_len(self.world)),
                                           emit_limit=job.params.emit_limit)
         if r == 0 and job.mode == "specinfer":
             lane.trees = self._tree_drafter(job)
@@ -277,12 +287,13 @@ class PipelineRank:
         for lane in leaving:
             self.pool.release(lane.kv)
             if lane.draft is not None:
-                self.draft_pool.release(lane.draft.kv)
+                self._drafting()[1].release(lane.draft.kv)
             del self.lanes[lane.id]
-            if self.rank == 0:
-                lane.result.stats["per_stage"] = [stats[lane.id] for stats in per_rank]
+            result = lane.result
+            if per_rank is not None and result is not None:  # rank 0: every leaving lane has its result
+                result.stats["per_stage"] = [stats[lane.id] for stats in per_rank]
                 if lane.on_done is not None:
-                    lane.on_done(lane.result)
+                    lane.on_done(result)
 
     def _step(self, hdr: list[int], t0: float, joins: list[tuple[int, Job]] | None = None,
               rows: list[list[int]] | None = None, nodes: list[list[int]] | None = None) -> None:
@@ -320,18 +331,21 @@ class PipelineRank:
         sampled_trees = [lane for lane in active if lane.id in entered and entered[lane.id].tree
                          and not lane.job.params.greedy]
         if sampled_trees:  # the draft distributions the verifier needs for sampled children (last stage)
-            metas = comm.obj({lane.id: (lane.tree.child_rule, lane.tree.without_replacement, lane.tree.child_dists)
-                              for lane in sampled_trees} if r == 0 else None)
+            metas = comm.obj({lane.id: (t.child_rule, t.without_replacement, t.child_dists)
+                              for lane in sampled_trees if (t := lane.tree) is not None} if r == 0 else None)
             for lane in sampled_trees:
                 lane.tree_meta = metas[lane.id]
         t1 = time.perf_counter()
 
         # node-wise computation: every lane's level on this stage in one forward
-        runs, outs = [], {}
+        runs: list[tuple[StageKV, Level, torch.Tensor, TreeMirror, str]] = []
+        outs: dict[int, torch.Tensor] = {}
         for lane in active:
             mine = lane.held[r]
             if mine is not None:
                 x = torch.tensor(mine.tokens) if r == 0 else lane.inbox
+                if x is None:
+                    raise RuntimeError(f"protocol: rank {r} holds a level of request {lane.id} but no hidden states")
                 mode = ("all" if mine.tree else "last") if r == last else "none"
                 runs.append((lane.kv, mine, x, lane.mirror, mode))
         for (kv, _, _, _, _), out in zip(runs, run_levels(runs)):
@@ -374,7 +388,7 @@ class PipelineRank:
                 mirror.consumed(lane.held[last].ids)
             if path is not None:
                 lane.kv.commit_path(path)
-                if lane.trees is not None:
+                if lane.trees is not None and lane.tree is not None:
                     lane.trees[0].commit(lane.tree, [x - path[0] for x in path[1:]], v.token)
             else:
                 lane.kv.prune(v, mirror)
@@ -385,11 +399,11 @@ class PipelineRank:
             for h in lane.held[:-1]:
                 h = h.keep(alive) if h is not None else None
                 nxt.append(h if h is not None and len(h) else None)
-            mine = lane.held[r]
-            if r < last and nxt[r + 1] is not None:
+            mine, passing = lane.held[r], nxt[r + 1] if r < last else None
+            if mine is not None and passing is not None:  # (what passes on is part of what this rank held)
                 index = {x: i for i, x in enumerate(mine.ids)}
-                send_keys += [lane_key(lane.id, x) for x in nxt[r + 1].ids]
-                send_x.append(outs[lane.kv.row][[index[x] for x in nxt[r + 1].ids]])
+                send_keys += [lane_key(lane.id, x) for x in passing.ids]
+                send_x.append(outs[lane.kv.row][[index[x] for x in passing.ids]])
             if r > 0:
                 got = nxt[r].ids if nxt[r] is not None else []
                 expect_keys += [lane_key(lane.id, x) for x in got]
@@ -449,22 +463,24 @@ class PipelineRank:
         """Rank 0, specinfer: [draft source (prompt not yet in), shape, generator, started]."""
         opts = dict(job.tree or DEFAULT_TREE)
         shape = make_shape(opts.pop("name", "static"), **opts)
+        draft = self._drafting()[0]
         gen = None
         if not job.params.greedy:  # not the verifier's stream: the same seed would correlate them
-            gen = torch.Generator(device=self.draft_model.device)
+            gen = torch.Generator(device=draft.device)
             if job.params.seed is None:
                 gen.seed()
             else:
                 gen.manual_seed((job.params.seed * 1000003 + 12345) % (1 << 62))
-        return [ModelDraftSource(self.draft_model, extra_slots=job.tree_nodes + 2), shape, gen, False]
+        return [ModelDraftSource(draft, extra_slots=job.tree_nodes + 2), shape, gen, False]
 
-    def _draft_tree(self, lane: Lane) -> tuple[Level, TokenTree]:
-        """Rank 0, specinfer: a whole tree rooted at the verified token, as one level."""
+    def _draft_tree(self, lane: Lane, trees: list[Any]) -> tuple[Level, TokenTree]:
+        """Rank 0, specinfer: a whole tree rooted at the verified token, as one level (`trees`: the
+        lane's drafter, _tree_drafter's list)."""
         job, v = lane.job, lane.v
-        src, shape, gen, started = lane.trees
+        src, shape, gen, started = trees
         if not started:
             src.start(job.prompt, job.max_tokens)
-            lane.trees[3] = True
+            trees[3] = True
         tree = shape.build(job.prompt + lane.stream.token_ids[:-1], v.token, src, job.params, gen)
         room = lane.limit - v.position  # deeper nodes would only feed tokens past max_tokens
         if tree.max_depth > room:
@@ -490,7 +506,10 @@ class PipelineRank:
         drafted children. A one-level tree through the shared verifier (its children were chosen
         deterministically by the draft: the "selected" rule keeps sampling lossless)."""
         m = lane.mirror
-        root, kids = m.root, m.children(m.root)
+        root = m.root
+        if root is None:
+            raise RuntimeError(f"protocol: request {lane.id} verified without a root")
+        kids = m.children(root)
         tree = TokenTree.with_root(m.token[root], "selected")
         for k in kids:
             tree.add_node(0, m.token[k])
@@ -502,6 +521,11 @@ class PipelineRank:
             node = kids[verdict.accepted[0] - 1]
             return LevelVerdict(HIT, m.token[node], node, position)
         return LevelVerdict(MISS if kids else EMPTY, int(verdict.next_token), -1, position)
+
+
+def _relay(conn: Any, kind: str, rid: int, payload: Any) -> None:
+    """Rank 0 to the launcher: a request's text or result."""
+    conn.send((kind, rid, payload))
 
 
 def lane_key(lane_id: int, node: int) -> int:
@@ -539,7 +563,7 @@ def run_rank(rank: int, world: int, build: Callable[[int, range], dict[str, Any]
         monitor.start()
         comm = Comm(rank, world, comm_dev, stage.config.dim, stage.dtype)
         seen = comm.gather((fingerprint, stage.config.name, stage.config.n_layers, list(stage.layer_range)))
-        bad = comm.obj(_disagreement(seen, layers) if rank == 0 else None)
+        bad = comm.obj(_disagreement(seen, layers) if seen is not None else None)  # rank 0 gathered
         if bad:
             if rank == 0:
                 print(f"specwood: error: {bad}", file=sys.stderr, flush=True)
@@ -553,7 +577,8 @@ def run_rank(rank: int, world: int, build: Callable[[int, range], dict[str, Any]
                 conn.send(("ready", {"pid": os.getpid(), "layers": [list(r) for r in layers]}))
                 node.serve(conn)
             elif rank == 0:
-                result = node.generate(*parts["job"], on_text=parts.get("on_text"))
+                job, stop = parts["job"]
+                result = node.generate(job, stop, on_text=parts.get("on_text"))
                 comm.header([CMD_EXIT, 0, 0, 0, 0])
             else:
                 node.follow()

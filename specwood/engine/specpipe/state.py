@@ -25,6 +25,7 @@ import torch
 
 from specwood.models.batch import RowInput, forward_rows
 from specwood.models.cache import KVCache
+from specwood.models.transformer import Transformer
 
 # verdict kinds (the last stage's answer each step)
 NONE, HIT, MISS, EMPTY = 0, 1, 2, 3  # nothing verified / a candidate / not a candidate / no candidates
@@ -157,7 +158,7 @@ class TreeMirror:
         keep: set[int] = set()
         if v.kind == HIT:
             keep = {v.node}
-            for x in sorted(self.position, key=self.position.get):  # parents before children
+            for x in sorted(self.position, key=self.position.__getitem__):  # parents before children
                 if self.parent[x] in keep:
                     keep.add(x)
             self.verified.add(v.node)
@@ -182,7 +183,7 @@ class KVPool:
     """One model's (or stage's) KV cache shared by the requests in flight, a row each; it grows
     (in place) when a request needs more rows or a longer row than it has."""
 
-    def __init__(self, model: torch.nn.Module, max_len: int = 64, rows: int = 1):
+    def __init__(self, model: Transformer, max_len: int = 64, rows: int = 1):
         self.model = model
         self.cache: KVCache = model.new_cache(max_len, rows)
 
@@ -200,13 +201,13 @@ class StageKV:
     and the speculative nodes computed so far; `run` computes a level (`run_levels`: several
     requests' levels in one forward), `prune` follows a verdict."""
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache, row: int = 0):
+    def __init__(self, model: Transformer, cache: KVCache, row: int = 0):
         self.model, self.cache, self.row = model, cache, row
         self.committed = 0
         self.spec: list[int] = []  # node ids at slots committed, committed+1, …
 
     @classmethod
-    def alone(cls, model: torch.nn.Module, max_len: int) -> "StageKV":
+    def alone(cls, model: Transformer, max_len: int) -> "StageKV":
         """A private one-row cache (a request run on its own)."""
         return cls(model, model.new_cache(max_len, 1))
 
