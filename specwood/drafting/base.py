@@ -113,6 +113,12 @@ class DraftSource(ABC):
     row: int | None = None  # its row there; None until attached
     pending: Sequence[int] = ()  # context tokens its row has not read yet (a deferred prompt, accepted leaves)
 
+    def kv_row(self) -> tuple[KVCache, int]:
+        """Its cache and row, once attached."""
+        if self.cache is None or self.row is None:
+            raise SpecwoodError(f"{type(self).__name__} has no cache row attached")
+        return self.cache, self.row
+
     @property
     def length(self) -> int:
         """Context tokens its row holds."""

@@ -101,7 +101,7 @@ class FeatureHeadSource(ModelDraftSource):
         got = self.tree_features[path]
         root_read = self.seen is not None and 0 in self.slot_of
         if root_read:
-            cache, row = self._attached()
+            cache, row = self.kv_row()
             cache.compact([self.slot_of[0]], self.length, row)
             self.pending = [tree.tokens[i] for i in accepted]
             self.known = [got]

@@ -55,13 +55,14 @@ class LlamaCppDraftSource(DraftSource):
         self.pending = []
         self._clear()
 
-    def _attached(self) -> LlamaCppModel:
+    def _context(self) -> LlamaCppModel:
         """The context `attach` borrowed."""
-        assert self.ctx is not None, "a draft source used before attach"
+        if self.ctx is None:
+            raise SpecwoodError("a llama.cpp draft source used before attach")
         return self.ctx
 
     def prefill_part(self, prompt_tokens: list[int], start: int, end: int) -> None:
-        self._attached().prefill(prompt_tokens[start:end])
+        self._context().prefill(prompt_tokens[start:end])
 
     def start(self, prompt_tokens: list[int], max_new_tokens: int = 0) -> None:
         self.attach(len(prompt_tokens), max_new_tokens)
@@ -84,7 +85,7 @@ class LlamaCppDraftSource(DraftSource):
         return torch.stack([self.node_logits[n] for n in nodes])
 
     def _forward(self, tree: TokenTree, todo: list[int]) -> None:
-        ctx, pending = self._attached(), self.pending
+        ctx, pending = self._context(), self.pending
         if not self.node_seq:
             self.root_pos = ctx.n_past + len(pending)
         cells = ctx.n_past + len(pending) + len(self.node_seq) + len(todo)  # llama.cpp needs a cell each
@@ -118,7 +119,7 @@ class LlamaCppDraftSource(DraftSource):
     def _assign_sequences(self, tree: TokenTree, todo: list[int]) -> list[int]:
         """Give each new node a sequence (its parent's while the parent is that sequence's tip, else
         a new one holding the parent's path); the new sequences."""
-        ctx, new, fresh = self._attached(), set(todo), []
+        ctx, new, fresh = self._context(), set(todo), []
         for node in todo:  # parents come before children in a TokenTree
             parent = tree.parents[node]
             seq = self.node_seq[parent] if parent >= 0 else 0
@@ -147,6 +148,6 @@ class LlamaCppDraftSource(DraftSource):
         else:
             kept = processed_path(self.seen if self.seen is not None else tree, tokens, self.node_seq)
             if kept:
-                self._attached().keep_path(self.node_seq[kept[-1]], self.root_pos + len(kept))
+                self._context().keep_path(self.node_seq[kept[-1]], self.root_pos + len(kept))
             self.pending = tokens[len(kept):]
         self._clear()

@@ -72,7 +72,7 @@ class ModelDraftSource(DraftSource):
             self.pool.check_room(prompt_len + self.extra_slots)
             if self.row is None:
                 self.row = self.pool.allocate()
-        cache, row = self._attached()
+        cache, row = self.kv_row()
         cache.lengths[row] = 0
         self.pending, self.slot_of, self.node_logits, self.seen = [], {}, {}, None
 
@@ -82,7 +82,7 @@ class ModelDraftSource(DraftSource):
         self.pending = list(prompt_tokens)
 
     def prefill_part(self, prompt_tokens: list[int], start: int, end: int) -> None:
-        cache, row = self._attached()
+        cache, row = self.kv_row()
         prefill_chunk(self.model, cache, prompt_tokens, start, end, row)
 
     def start(self, prompt_tokens: list[int], max_new_tokens: int = 0, chunk: int = 512) -> None:
@@ -102,14 +102,9 @@ class ModelDraftSource(DraftSource):
 
     # --- drafting -------------------------------------------------------------------------------
 
-    def _attached(self) -> tuple[KVCache, int]:
-        """Its cache and row, which `attach` set."""
-        assert self.cache is not None and self.row is not None, "a draft source used before attach"
-        return self.cache, self.row
-
     @property
     def length(self) -> int:
-        cache, row = self._attached()
+        cache, row = self.kv_row()
         return cache.lengths[row]
 
     def logits(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
@@ -129,7 +124,7 @@ class ModelDraftSource(DraftSource):
         for k, node in enumerate(todo):
             slot_of[node] = first_new + k
         S, T = first_new + len(todo), n_pending + len(todo)
-        self._attached()[0].check_room(S)
+        self.kv_row()[0].check_room(S)
         self.model.check_positions(tree_base + max((tree.depths[n] for n in todo), default=0))
         mask = torch.zeros(T, S, dtype=torch.bool)
         if n_pending:
@@ -159,7 +154,7 @@ class ModelDraftSource(DraftSource):
         """This source's rows of a draft forward; logits only for the tree nodes (pending tokens
         need none: the head is the largest matmul of a small draft)."""
         n = len(rows.tokens)
-        return RowInput(self._attached()[1], rows.inputs if rows.inputs is not None else torch.tensor(rows.tokens),
+        return RowInput(self.kv_row()[1], rows.inputs if rows.inputs is not None else torch.tensor(rows.tokens),
                         torch.tensor(rows.positions), torch.tensor(rows.slots), rows.mask,
                         torch.arange(n - len(rows.todo), n))
 
@@ -170,7 +165,7 @@ class ModelDraftSource(DraftSource):
         self.slot_of.update(rows.new_slots)
         n_pending = len(self.pending)
         if n_pending:
-            cache, row = self._attached()
+            cache, row = self.kv_row()
             cache.lengths[row] = self.length + n_pending
             self.pending = []
         for k, node in enumerate(rows.todo):
@@ -193,7 +188,7 @@ class ModelDraftSource(DraftSource):
         if self.pending:  # nothing of this tree was processed: the old pending tokens still wait
             self.pending += tokens
         else:
-            cache, row = self._attached()
+            cache, row = self.kv_row()
             cache.compact(kept, self.length, row)
             self.pending = tokens[len(kept):]
         self.slot_of, self.node_logits, self.seen = {}, {}, None
@@ -229,7 +224,7 @@ def forward_draft_calls(calls: list[tuple[ModelDraftSource, TokenTree, list[int]
             return [src.answer(nodes) for src, _, nodes in calls]
         for members in groups.values():
             first = members[0][0]
-            logits, features = forward_rows_features(first.model, first._attached()[0],
+            logits, features = forward_rows_features(first.model, first.kv_row()[0],
                                                      [src.row_input(plan) for src, plan in members])
             for k, (src, plan) in enumerate(members):
                 src.absorb(plan, logits[k], features[k])

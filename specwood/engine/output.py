@@ -121,8 +121,8 @@ class OutputStream:
         taken = 0
         for i, t in enumerate(tokens):
             taken += 1
-            if offered and int(t) not in self.eos_ids:  # aligned with token_ids (an EOS is not output)
-                self.logprobs.append(offered[i])
+            if offered and self.logprobs is not None and int(t) not in self.eos_ids:  # aligned with token_ids
+                self.logprobs.append(offered[i])  # (an EOS is not output); `offer` made the list
             if self._push(int(t)):
                 break
         self.step_times.append((now, taken))
@@ -183,7 +183,7 @@ class OutputStream:
         decode_s = t_end - (self.t_first or t_end)
         # per-token latency of each decode step (a speculative step emits several tokens at once)
         per_token = []
-        prev = self.t_first
+        prev = self.t_first or t_end  # (set by the first step)
         for t, k in self.step_times[1:]:
             if k:
                 per_token.append((t - prev) / k)

@@ -45,16 +45,17 @@ class _Remote:
     def death(self) -> str:
         return describe_exit(self.proc.exitcode)
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: tuple[Any, ...]) -> None:
         try:
             self.conn.send(msg)
         except (BrokenPipeError, EOFError, OSError):
             self.proc.join(0.5)
             raise WorkerFailure(f"the draft worker (pid {self.pid}) {self.death()}") from None
 
-    def recv(self, timeout: float) -> tuple:
+    def recv(self, timeout: float) -> tuple[Any, ...]:
         try:
-            return receive(self.conn, timeout, self.proc.is_alive)
+            msg: tuple[Any, ...] = receive(self.conn, timeout, self.proc.is_alive)
+            return msg
         except ChildLost:
             self.proc.join(0.5)
             raise WorkerFailure(f"the draft worker (pid {self.pid}) {self.death()}") from None
@@ -104,11 +105,11 @@ class _Inline:
         self.pid = None
         self.info = {"pid": None, "device": spec["device"], "threads": torch.get_num_threads(), "cores": None,
                      "vocab_size": spec["config"].vocab_size}
-        self._replies: list[tuple] = []
+        self._replies: list[tuple[Any, ...]] = []
         self._last = time.perf_counter()
         self.lag = 0
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: tuple[Any, ...]) -> None:
         idle = time.perf_counter() - self._last
         try:
             self._replies.append(self.worker.handle(msg, idle))

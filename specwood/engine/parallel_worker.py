@@ -17,6 +17,7 @@ import torch
 from specwood.drafting.multi_sequence import MultiSequenceShape, sequence_end
 from specwood.drafting.together import draft_together
 from specwood.errors import SpecwoodError
+from specwood.models.cache import KVCache
 from specwood.tree.token_tree import TokenTree
 
 
@@ -37,12 +38,12 @@ class DraftWorker:
 
     def __init__(self, model: Any):
         self.model = model
-        self.pool = None
+        self.pool: KVCache | None = None
         self.reqs: dict[str, _WorkerRequest] = {}
 
     # --- messages ---
 
-    def handle(self, msg: tuple, idle_s: float = 0.0) -> tuple:
+    def handle(self, msg: tuple[Any, ...], idle_s: float = 0.0) -> tuple[Any, ...]:
         kind = msg[0]
         if kind == "calibrate":
             return ("calibrated", time_forward(self.model, msg[1], msg[2]))
@@ -75,7 +76,7 @@ class DraftWorker:
             if w is not None:
                 w.source.close()
 
-    def _admit(self, entries: list, rows: int, row_len: int) -> None:
+    def _admit(self, entries: list[tuple[Any, ...]], rows: int, row_len: int) -> None:
         from specwood.drafting.model_source import ModelDraftSource
         from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
 
@@ -84,9 +85,10 @@ class DraftWorker:
             if self.reqs:
                 raise RuntimeError("the draft pool cannot grow while requests are running")
             self.pool = self.model.new_cache(-(-row_len // 256) * 256, max(rows, need_rows))
+        pool = self.pool
         new = []
         for rid, prompt, params, seed, _gamma, _depth, max_seqs in entries:
-            src = ModelDraftSource(self.model, extra_slots=0, pool=self.pool)
+            src = ModelDraftSource(self.model, extra_slots=0, pool=pool)
             src.attach(0, 0)
             gen = None
             if seed is not None:
@@ -98,11 +100,11 @@ class DraftWorker:
         start = 0
         with torch.inference_mode():  # the prompt but its last token, which roots the first tree
             while True:
-                chunks = [(w.source.row, w.seq, start, min(start + PREFILL_CHUNK, len(w.seq)))
+                chunks = [(w.source.kv_row()[1], w.seq, start, min(start + PREFILL_CHUNK, len(w.seq)))
                           for w in new if len(w.seq) > start]
                 if not chunks:
                     break
-                prefill_rows(self.model, self.pool, chunks)
+                prefill_rows(self.model, pool, chunks)
                 start += PREFILL_CHUNK
 
     def _apply(self, rid: str, ctx_len: int, root: int, hit: int, catchup: list[int]) -> None:
@@ -159,7 +161,7 @@ class DraftWorker:
         return trees, rounds
 
 
-def tree_payload(tree: TokenTree) -> tuple:
+def tree_payload(tree: TokenTree) -> tuple[Any, ...]:
     """What crosses the pipe for a drafted tree: ids, parents, draft probs, and (sampling only)
     the q rows of drafted nodes that have a drafted child."""
     nodes = sorted(tree.child_dists)
@@ -167,7 +169,7 @@ def tree_payload(tree: TokenTree) -> tuple:
     return (tree.tokens, tree.parents, tree.probs, nodes, dists)
 
 
-def tree_from_payload(payload: tuple, greedy: bool, device: torch.device | str = "cpu") -> TokenTree:
+def tree_from_payload(payload: tuple[Any, ...], greedy: bool, device: torch.device | str = "cpu") -> TokenTree:
     tokens, parents, probs, nodes, dists = payload
     depths = [0] * len(tokens)
     for i in range(1, len(tokens)):

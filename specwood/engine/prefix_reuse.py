@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
+from specwood.drafting.base import DraftSource
 from specwood.engine.request import Request
 from specwood.engine.step import wants_features
 from specwood.models.cache import KVCache
@@ -33,6 +36,23 @@ def target_reusable(req: Request) -> bool:
 def draft_reusable(req: Request) -> bool:
     src = req.drafter.source
     return req.cache_scope is not None and src is not None and src.shares_prefixes()
+
+
+def _target_row(req: Request) -> tuple[int, str] | None:
+    """The request's target row and cache scope, where the prefix cache applies to it."""
+    if req.row is None or req.cache_scope is None or not target_reusable(req):
+        return None
+    return req.row, req.cache_scope
+
+
+def _draft_row(req: Request) -> tuple[DraftSource, KVCache, int, str] | None:
+    """The request's draft source, its pool and row, and its cache scope, where the prefix cache
+    applies to it (a source that shares prefixes is attached to a pool)."""
+    src = req.drafter.source
+    if req.cache_scope is None or src is None or not src.shares_prefixes():
+        return None
+    cache, row = src.kv_row()
+    return src, cache, row, req.cache_scope
 
 
 class PrefixReuse:
@@ -49,8 +69,8 @@ class PrefixReuse:
                 if r.row is not None and r.cache_scope == scope and target_reusable(r)]
 
     def _live_draft(self, pool: KVCache, scope: str | None) -> list[tuple[int, Sequence[int]]]:
-        return [(r.drafter.source.row, r.context) for r in self.running
-                if r.cache_scope == scope and draft_reusable(r) and r.drafter.source.cache is pool]
+        return [(d[2], r.context) for r in self.running
+                if r.cache_scope == scope and (d := _draft_row(r)) is not None and d[1] is pool]
 
     # --- admission, progress, the end ---------------------------------------------------------
 
@@ -59,14 +79,15 @@ class PrefixReuse:
         attached). The target keeps the prompt's last token to compute: its logits give the
         first token."""
         n = len(req.prompt_ids)
-        if target_reusable(req):
-            req.prefilled = self.cache.restore(target, req.row, req.prompt_ids, n - 1,
-                                               self._live_target(req.cache_scope), "target", scope=req.cache_scope)
+        if (t := _target_row(req)) is not None:
+            row, scope = t
+            req.prefilled = self.cache.restore(target, row, req.prompt_ids, n - 1, self._live_target(scope),
+                                               "target", scope=scope)
             req.cached_tokens = req.prefilled
-        if draft_reusable(req):
-            src = req.drafter.source
-            got = self.cache.restore(src.cache, src.row, req.prompt_ids, n,
-                                     self._live_draft(src.cache, req.cache_scope), "draft", scope=req.cache_scope)
+        if (d := _draft_row(req)) is not None:
+            src, pool, row, scope = d
+            got = self.cache.restore(pool, row, req.prompt_ids, n, self._live_draft(pool, scope), "draft",
+                                     scope=scope)
             if src.pending:  # a deferred draft prefill: what is left waits for its first forward
                 src.defer(req.prompt_ids[got:])
             else:
@@ -83,11 +104,11 @@ class PrefixReuse:
         string, which no next turn's prompt holds (entries that end there would never be
         extended by the next turn's, and both would be kept)."""
         tokens = req.context[:len(req.prompt_ids) + len(req.out.token_ids)]
-        if req.row is not None and target_reusable(req):
-            self.cache.store(target, req.row, tokens, scope=req.cache_scope)
-        if draft_reusable(req):
-            src = req.drafter.source
-            self.cache.store(src.cache, src.row, tokens, scope=req.cache_scope)
+        if (t := _target_row(req)) is not None:
+            self.cache.store(target, t[0], tokens, scope=t[1])
+        if (d := _draft_row(req)) is not None:
+            _, pool, row, scope = d
+            self.cache.store(pool, row, tokens, scope=scope)
 
     # --- newcomers prefilling together ----------------------------------------------------------
 
@@ -96,15 +117,15 @@ class PrefixReuse:
         goes (copies instead of a prefill)."""
         for req in requests:
             n = len(req.prompt_ids)
-            if target_reusable(req) and req.prefilled == target.lengths[req.row]:
+            if (t := _target_row(req)) is not None and req.prefilled == target.lengths[t[0]]:
                 before = req.prefilled
-                req.prefilled = self.cache.extend(target, req.row, req.prompt_ids, n - 1,
-                                                  self._live_target(req.cache_scope))
+                req.prefilled = self.cache.extend(target, t[0], req.prompt_ids, n - 1, self._live_target(t[1]))
                 req.cached_tokens += req.prefilled - before
-            src = req.drafter.source
-            if draft_reusable(req) and not src.pending and req.draft_prefilled == src.length:
-                req.draft_prefilled = self.cache.extend(src.cache, src.row, req.prompt_ids, n,
-                                                        self._live_draft(src.cache, req.cache_scope), "draft")
+            d = _draft_row(req)
+            if d is not None and not d[0].pending and req.draft_prefilled == d[0].length:
+                _, pool, row, scope = d
+                req.draft_prefilled = self.cache.extend(pool, row, req.prompt_ids, n, self._live_draft(pool, scope),
+                                                        "draft")
 
     @staticmethod
     def followers(requests: list[Request], draft: bool) -> set[Request]:
@@ -114,7 +135,7 @@ class PrefixReuse:
             return r.draft_prefilled if draft else r.prefilled
 
         usable = draft_reusable if draft else target_reusable
-        leaders: list[tuple[Request, object]] = []
+        leaders: list[tuple[Request, np.ndarray]] = []
         out: set[Request] = set()
         for req in requests:
             if not usable(req):

@@ -64,6 +64,12 @@ class Drafter:
             if part is not None:
                 part.close()
 
+    def model_source(self) -> DraftSource:
+        """Its source, where the caller knows it has one (`uses_draft_model`, `wants_target_features`)."""
+        if self.source is None:
+            raise SpecwoodError("this request drafts without a draft source")
+        return self.source
+
     @property
     def uses_draft_model(self) -> bool:
         """Its source is a draft model with KV state that the executor attaches and prefills."""
@@ -142,6 +148,9 @@ class Request:
     timeout_s: float | None = None  # the deadline the scheduler gave it at submit, in seconds from then
     deadline: float | None = None  # time.monotonic() by which it must end
     expired = False  # ran past its deadline: ended through the cancellation path, then failed
+    # the target's logits after the prompt's last token: set by the executor's prefill, read for
+    # the first token, then deleted
+    prefill_logits: torch.Tensor
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, drafter: Drafter,
                  out: OutputStream, *, method: str, device: torch.device | str = "cpu",
@@ -186,9 +195,10 @@ class Request:
     def attach_draft(self) -> None:
         """Give the draft source its cache row at admission; a deferred one takes the prompt as
         tokens still to read, so the draft's prefill is done (Drafter.defer_draft_prefill)."""
-        self.drafter.source.attach(len(self.prompt_ids), self.max_tokens)
+        source = self.drafter.model_source()
+        source.attach(len(self.prompt_ids), self.max_tokens)
         if self.drafter.defer_draft_prefill:
-            self.drafter.source.defer(self.prompt_ids)
+            source.defer(self.prompt_ids)
             self.draft_prefilled = len(self.prompt_ids)
 
     @property
@@ -240,7 +250,7 @@ class Request:
         if self.exception is not None:
             raise self.exception
         if self.result is None:
-            raise SpecwoodError(f"request {self.request_id} has not finished")
+            raise SpecwoodError(f"request {self.id} has not finished")
         return self.result
 
     def notify(self) -> None:

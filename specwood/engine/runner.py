@@ -124,7 +124,7 @@ class RunnerExecutor(SequentialExecutor):
                     req.prefill_logits = self.runner.prefill(req.prompt_ids)
                     req.prefilled = len(req.prompt_ids)
                     if req.uses_draft_model and req.draft_prefilled < len(req.prompt_ids):
-                        req.drafter.source.prefill_part(req.prompt_ids, 0, len(req.prompt_ids))
+                        req.drafter.model_source().prefill_part(req.prompt_ids, 0, len(req.prompt_ids))
                         req.draft_prefilled = len(req.prompt_ids)
             except Exception as e:  # noqa: BLE001
                 self.fail(req, e)
@@ -132,9 +132,10 @@ class RunnerExecutor(SequentialExecutor):
             self._first_token(req)
 
     def _fits(self, req: Request, tree: TokenTree) -> bool:
-        return self.runner.n_past + len(tree) <= self.runner.n_ctx
+        return bool(self.runner.n_past + len(tree) <= self.runner.n_ctx)
 
-    def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
+    def _forward(self, live: list[Request], trees: dict[Request, TokenTree],
+                 failed: dict[Request, BaseException]) -> list[torch.Tensor | None]:
         outs: list[torch.Tensor | None] = []
         for req in live:
             try:
