@@ -30,7 +30,8 @@ def engine_executor(engine: EngineLike, **options: Any) -> ParallelExecutor:
     key = (options.get("draft_device", "cpu"), options.get("draft_threads"))
     cached = engine.__dict__.get("_parallel_executor")
     if cached is not None and cached[0] == key:
-        return cached[1]
+        kept: ParallelExecutor = cached[1]
+        return kept
     if cached is not None:
         cached[1].close()
     ex = ParallelExecutor(engine, **options)

@@ -61,6 +61,7 @@ from specwood.engine.protocols import EngineLike
 from specwood.engine.request import Drafter, Request, State
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
+from specwood.models.cache import KVCache
 from specwood.tree.token_tree import TokenTree
 
 
@@ -145,7 +146,7 @@ class ParallelExecutor(Executor):
         self.tree_room = 2 * gamma_max + 4
         self.row_len = self.limit_positions + self.tree_room
         self._duo: WeakKeyDictionary[Request, _Duo] = WeakKeyDictionary()  # each request's DuoDecoding state
-        self.cache = None
+        self.cache: KVCache | None = None
         self._remote: _Remote | _Inline | None = None
         # replies the worker still owes for messages whose answer is no longer wanted (a run ended
         # before its last drafts came): discarded before the next wanted reply, so the next request
@@ -232,17 +233,36 @@ class ParallelExecutor(Executor):
                     self._failed = True
                     raise
 
+    def _worker(self) -> _Remote | _Inline:
+        """The running worker (`start` made it)."""
+        if self._remote is None:
+            raise WorkerFailure("the draft worker is not running")
+        return self._remote
+
+    def _kv(self) -> KVCache:
+        """The target's cache rows of the running batch (`_ensure_cache` made them)."""
+        if self.cache is None:
+            raise SpecwoodError("the parallel executor has no cache rows (no batch admitted)")
+        return self.cache
+
+    def _pending(self, r: Request) -> TokenTree:
+        """The tree the target verifies next for `r` (set once it has a first token)."""
+        tree = self._duo[r].pending
+        if tree is None:
+            raise SpecwoodError(f"request {r.id} has no pending tree")
+        return tree
+
     def _calibrate(self) -> None:
         """c = T_target_step / T_draft_token at start-up, both timed at the same time (as they run)."""
         ctx = max(1, min(CALIBRATION_CONTEXT, self.limit_positions - 2))
-        self._remote.send(("calibrate", ctx, CALIBRATION_REPS))
+        self._worker().send(("calibrate", ctx, CALIBRATION_REPS))
         threads = torch.get_num_threads()
         torch.set_num_threads(self.target_threads)
         try:
             t_target = time_forward(self.target, ctx, CALIBRATION_REPS)
         finally:
             torch.set_num_threads(threads)
-        t_draft = self._remote.expect("calibrated", self.reply_timeout, "timing the draft")
+        t_draft = self._worker().expect("calibrated", self.reply_timeout, "timing the draft")
         self.c_startup = self.c = t_target / max(t_draft, 1e-9)
         self._t_target, self._t_draft = t_target, t_draft
         self._gamma = self._gamma_from(self.c)
@@ -308,9 +328,7 @@ class ParallelExecutor(Executor):
     def generate(self, prompt: Any, *, method: str = "duo", **kwargs: Any) -> Any:
         request = self.new_request(prompt, method=method, **kwargs)
         self.run([request])
-        if request.error is not None:
-            raise request.exception
-        return request.result
+        return request.outcome()
 
     def _stats(self, st: _Duo) -> dict[str, Any]:
         hist: dict[int, int] = {}
@@ -398,38 +416,39 @@ class ParallelExecutor(Executor):
             finally:
                 torch.set_num_threads(threads)
 
-    def _send(self, msg: tuple) -> None:
-        self._remote.send(msg)
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        self._worker().send(msg)
 
-    def _recv_drafts(self) -> tuple[dict, dict]:
+    def _recv_drafts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         while self._stale:
-            self._remote.expect("drafts", self.reply_timeout, "drafting")
+            self._worker().expect("drafts", self.reply_timeout, "drafting")
             self._stale -= 1
-        payloads, timing = self._remote.expect("drafts", self.reply_timeout, "drafting")
+        payloads, timing = self._worker().expect("drafts", self.reply_timeout, "drafting")
         return payloads, timing
 
-    def _ensure_cache(self, rows: int, row_len: int) -> None:
+    def _ensure_cache(self, rows: int, row_len: int) -> KVCache:
         c = self.cache
         if c is None or c.rows < rows or c.max_len < row_len:
             self.cache = None
-            self.cache = self.target.new_cache(-(-row_len // 256) * 256, rows)
-        self.cache.reset()  # every row free (a run returns its rows; this is a safety net)
-        self.cache._free = list(range(self.cache.rows - 1, -1, -1))
+            self.cache = c = self.target.new_cache(-(-row_len // 256) * 256, rows)
+        c.reset()  # every row free (a run returns its rows; this is a safety net)
+        c._free = list(range(c.rows - 1, -1, -1))
+        return c
 
     def _run(self, requests: list[Request]) -> None:
         if not requests:
             return
         row_len = max(len(r.prompt_ids) + r.max_tokens + self.tree_room for r in requests)
-        self._ensure_cache(len(requests), row_len)
+        cache = self._ensure_cache(len(requests), row_len)
         entries = []
         for r in requests:
-            r.row = self.cache.allocate()
+            r.row = cache.allocate()
             r.state = State.PREFILL
             r.t_admitted = time.perf_counter()
             st: _Duo = self._duo[r]
             st.gamma = self._gamma_for(r, len(r.prompt_ids) - 1)
             st.gammas.append(st.gamma)
-            seed = None if r.params.greedy else r.draft_generator.initial_seed()
+            seed = None if r.draft_generator is None else r.draft_generator.initial_seed()  # (None: greedy)
             entries.append((r.id, r.prompt_ids, r.params, seed, st.gamma, self._depth_for(r),
                             st.shape.max_sequences))
         drops, self._to_drop = self._to_drop, []
@@ -465,7 +484,7 @@ class ParallelExecutor(Executor):
         catch_up = self.catch_up and all(r.params.greedy or r.params.seed is None for r in live)
         while catch_up and live and not self._drafts_ready():
             for r in live:
-                self._duo[r].pending = TokenTree.with_root(r.root, "selected" if r.params.greedy else "sampled")
+                self._duo[r].pending = TokenTree.with_root(r.root_token(), "selected" if r.params.greedy else "sampled")
                 self._duo[r].catchup_steps += 1
             dt = self._target_step(live)
             for r in live:
@@ -492,7 +511,7 @@ class ParallelExecutor(Executor):
             go = []
             for r in live:
                 st = self._duo[r]
-                st.gamma = self._gamma_for(r, len(r.context) + len(st.pending) - 1)
+                st.gamma = self._gamma_for(r, len(r.context) + len(self._pending(r)) - 1)
                 # the first go after catch-up steps hands the worker the tokens it missed
                 catchup = r.context[st.worker_len:] if st.catchup_steps and st.worker_len is not None else []
                 st.worker_len = None
@@ -527,8 +546,8 @@ class ParallelExecutor(Executor):
                 chunk = [r for r in requests if len(r.prompt_ids) > start]
                 if not chunk:
                     break
-                outs = prefill_rows(self.target, self.cache,
-                                    [(r.row, r.prompt_ids, start, min(start + PREFILL_CHUNK, len(r.prompt_ids)))
+                outs = prefill_rows(self.target, self._kv(),
+                                    [(r.cache_row(), r.prompt_ids, start, min(start + PREFILL_CHUNK, len(r.prompt_ids)))
                                      for r in chunk])
                 for r, logits in zip(chunk, outs):
                     if start + PREFILL_CHUNK >= len(r.prompt_ids) and r.state is State.PREFILL:
@@ -548,17 +567,18 @@ class ParallelExecutor(Executor):
         from specwood.engine.step import StepRecord, commit, target_forward, verify_tree
 
         t0 = time.perf_counter()
-        trees = {r: self._duo[r].pending for r in live}
+        trees = {r: self._pending(r) for r in live}
         rows = sum(len(t) for t in trees.values())
+        cache = self._kv()
         with torch.inference_mode():
-            outs = target_forward(self.target, self.cache, live, trees)
+            outs = target_forward(self.target, cache, live, trees)
             for r, logits in zip(live, outs):
                 st, tree = self._duo[r], trees[r]
                 try:
                     verdict = verify_tree(r, tree, logits)
                     st.all_accepted = len(verdict.accepted) == tree.max_depth
                     st.iterations += 1
-                    tokens = commit(self.cache, r, tree, verdict,
+                    tokens = commit(cache, r, tree, verdict,
                                     StepRecord(len(live), rows, 0.0, time.perf_counter() - t0))
                     if r.out.push_step(tokens):
                         self.finish(r)
@@ -568,12 +588,13 @@ class ParallelExecutor(Executor):
 
     def _drafts_ready(self) -> bool:
         """Whether the worker's answer to the last message is here (stale answers dropped)."""
-        while self._stale and self._remote.ready():
-            self._remote.expect("drafts", self.reply_timeout, "drafting")
+        worker = self._worker()
+        while self._stale and worker.ready():
+            worker.expect("drafts", self.reply_timeout, "drafting")
             self._stale -= 1
-        return not self._stale and self._remote.ready()
+        return not self._stale and worker.ready()
 
-    def _take_tree(self, r: Request, payload: tuple) -> None:
+    def _take_tree(self, r: Request, payload: tuple[Any, ...]) -> None:
         """The worker's tree for this request: keep the sequence that starts with the token the
         target just produced (if the pending chain was accepted whole), else nothing pends."""
         st: _Duo = self._duo[r]
@@ -586,14 +607,14 @@ class ParallelExecutor(Executor):
             st.hit_rank = next((k for k, c in enumerate(firsts) if tree.tokens[c] == r.root), -1)
             st.hit = firsts[st.hit_rank] if st.hit_rank >= 0 else -1
             st.hits += st.hit >= 0
-        st.pending = tree.reroot(st.hit) if st.hit >= 0 else TokenTree.with_root(r.root, tree.child_rule)
+        st.pending = tree.reroot(st.hit) if st.hit >= 0 else TokenTree.with_root(r.root_token(), tree.child_rule)
 
     def _gamma_for(self, r: Request, root_pos: int) -> int:
         """This iteration's budget for a tree rooted at position `root_pos`: the fixed or the
         hardware-aware gamma, within the context and the tokens the request may still emit."""
         st: _Duo = self._duo[r]
         gamma = st.fixed_gamma or self._gamma
-        room = min(self.limit_positions, self.cache.max_len) - 1 - root_pos
+        room = min(self.limit_positions, self._kv().max_len) - 1 - root_pos
         return max(0, min(gamma, room))
 
     def _depth_for(self, r: Request) -> int:
@@ -604,7 +625,7 @@ class ParallelExecutor(Executor):
         left = max(1, r.max_tokens - len(r.out.token_ids) - pend)
         return min(left, st.shape.max_depth) if st.shape.max_depth else left
 
-    def _measure(self, t_target: float, timing: dict, n_live: int, ctx: int) -> None:
+    def _measure(self, t_target: float, timing: dict[str, Any], n_live: int, ctx: int) -> None:
         """Re-measure c from the running iterations (EMA of the target's busy time per step and
         the draft's busy time per drafted token); gamma follows it as the context grows."""
         tokens = timing["tokens"] / max(n_live, 1)

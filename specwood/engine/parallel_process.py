@@ -117,6 +117,9 @@ class _Inline:
             self._replies.append(("error", f"{type(e).__name__}: {e}"))
         self._last = time.perf_counter()
 
+    def death(self) -> str:
+        return "runs in this process"
+
     def ready(self) -> bool:
         """Replies are computed at once; `lag` > 0 makes the next `lag` polls say "not yet" (to
         exercise the catch-up steps deterministically)."""

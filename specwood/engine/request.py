@@ -188,6 +188,18 @@ class Request:
         self._cancel = threading.Event()
         self.done = threading.Event()
 
+    def cache_row(self) -> int:
+        """Its target cache row (admitted: the executor allocated it)."""
+        if self.row is None:
+            raise SpecwoodError(f"request {self.id} has no cache row (not admitted)")
+        return self.row
+
+    def root_token(self) -> int:
+        """Its newest token, emitted and not yet in the cache (prefilled: it has a first token)."""
+        if self.root is None:
+            raise SpecwoodError(f"request {self.id} has no token yet (not prefilled)")
+        return self.root
+
     @property
     def uses_draft_model(self) -> bool:
         return self.drafter.uses_draft_model
