@@ -13,6 +13,7 @@ from specwood.engine.chat import encode_chat
 from specwood.engine.executor import executor_name
 from specwood.engine.executors import plugin_for
 from specwood.engine.output import GenerationResult, OutputStream
+from specwood.engine.protocols import Prompt
 from specwood.engine.request import Request
 from specwood.engine.runner import RunnerExecutor
 from specwood.engine.vocab import emit_limit
@@ -25,6 +26,8 @@ from specwood.models.transformer import Transformer, build_model, usable_exact, 
 from specwood.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
     from specwood.methods import DrafterFactory
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -61,6 +64,37 @@ def check_device(device: str) -> str:
     except RuntimeError:
         raise SpecwoodError(f"unknown device '{device}' (use cpu or cuda[:N])") from None
     return device
+
+
+def eos_token_ids(tokenizer: Any, config: ModelConfig) -> set[int]:
+    """The ids that end a generation: the model's, the tokenizer's and the end-of-turn tokens of
+    the chat templates we run, within the model's vocabulary."""
+    ids = set(config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in _END_OF_TURN if t in vocab)
+    return {i for i in ids if i < config.vocab_size}
+
+
+def encode_prompt(tok: Any, prompt: str | list[dict[str, Any]], raw: bool = False,
+                  tools: list[dict[str, Any]] | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids for a prompt: chat messages (or a user string) through the chat template, their
+    contents as plain text (specwood.engine.chat), or raw text, whose special tokens' text parses.
+    `tools` (OpenAI tool definitions) go to the template, which shows them to the model;
+    `template_kwargs` are the template's own variables (Qwen3's `enable_thinking`)."""
+    if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
+        return list(tok.encode(prompt, add_special_tokens=True))
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise SpecwoodError("messages must be a list of {'role': ..., 'content': ...} objects")
+    if not getattr(tok, "chat_template", None):
+        raise SpecwoodError("this model's tokenizer has no chat template; "
+                            "pass a plain prompt with raw=True (--raw)")
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    return encode_chat(tok, messages, **extra)  # contents as plain text: no forged turns
 
 
 class Engine:
@@ -103,32 +137,12 @@ class Engine:
         return self.target.dtype
 
     def _eos_ids(self) -> set[int]:
-        ids = set(self.target.config.eos_token_ids)
-        tok = self.tokenizer
-        if getattr(tok, "eos_token_id", None) is not None:
-            ids.add(int(tok.eos_token_id))
-        vocab = tok.get_vocab()
-        ids.update(vocab[t] for t in _END_OF_TURN if t in vocab)
-        return {i for i in ids if i < self.target.config.vocab_size}
+        return eos_token_ids(self.tokenizer, self.target.config)
 
     def encode(self, prompt: str | list[dict[str, Any]], raw: bool = False,
                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Token ids for a prompt: chat messages (or a user string) through the chat template, their
-        contents as plain text (specwood.engine.chat), or raw text, whose special tokens' text parses.
-        `tools` (OpenAI tool definitions) go to the template, which shows them to the model;
-        `template_kwargs` are the template's own variables (Qwen3's `enable_thinking`)."""
-        tok = self.tokenizer
-        if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
-            return list(tok.encode(prompt, add_special_tokens=True))
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                     for m in messages):
-            raise SpecwoodError("messages must be a list of {'role': ..., 'content': ...} objects")
-        if not getattr(tok, "chat_template", None):
-            raise SpecwoodError("this model's tokenizer has no chat template; "
-                                "pass a plain prompt with raw=True (--raw)")
-        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
-        return encode_chat(tok, messages, **extra)  # contents as plain text: no forged turns
+        """Token ids for a prompt (encode_prompt with this engine's tokenizer)."""
+        return encode_prompt(self.tokenizer, prompt, raw, tools, template_kwargs)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -174,7 +188,7 @@ class Engine:
 
     def new_request(
         self,
-        prompt: str | list[dict[str, str]] | list[int],
+        prompt: Prompt,
         *,
         max_tokens: int = 128,
         temperature: float = 0.0,
@@ -308,7 +322,7 @@ class Engine:
 
     def generate(
         self,
-        prompt: str | list[dict[str, str]] | list[int],
+        prompt: Prompt,
         *,
         max_tokens: int = 128,
         temperature: float = 0.0,
@@ -344,9 +358,9 @@ class Engine:
 
         grammar / json_schema / logit_bias / the penalties / min_p / logprobs: see new_request
         (the sequential executor's)."""
-        shaping = dict(grammar=grammar, json_schema=json_schema, logit_bias=logit_bias,
-                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                       repetition_penalty=repetition_penalty, min_p=min_p, logprobs=logprobs)
+        shaping: dict[str, Any] = dict(grammar=grammar, json_schema=json_schema, logit_bias=logit_bias,
+                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                       repetition_penalty=repetition_penalty, min_p=min_p, logprobs=logprobs)
         shaped = [k for k, v in shaping.items() if v != _UNSHAPED[k]]
         if executor is None and shaped:
             executor = "sequential"  # where the processors run (auto's plan may pick another)
@@ -365,9 +379,12 @@ class Engine:
         from specwood.engine.backends import check_backends
 
         check_backends(self.backend, self.draft_backend or "torch", executor=name)
-        return plugin_for(name).generate(self, executor, prompt, max_tokens=max_tokens, temperature=temperature,
-                                         top_p=top_p, top_k=top_k, seed=seed, stop=stop, method=method, raw=raw,
-                                         on_text=on_text, **method_options)
+        generate = plugin_for(name).generate
+        if generate is None:
+            raise SpecwoodError(f"executor '{name}' does not run Engine.generate")
+        return generate(self, executor, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, seed=seed, stop=stop, method=method, raw=raw, on_text=on_text,
+                        **method_options)
 
     def _executor_for(self, method: str, prompt: Any, raw: bool, options: dict[str, Any]) -> tuple[str, Any]:
         """The executor a method picks for this prompt (sequential unless it chooses: auto follows
@@ -385,9 +402,7 @@ class Engine:
         """Submit a request to the engine's own scheduler and step until it is done."""
         self.scheduler.submit(request)
         self.scheduler.run_until_done([request])
-        if request.error is not None:
-            raise request.exception
-        return request.result
+        return request.outcome()
 
 
 # generate's constraint and shaping arguments when unused
@@ -395,7 +410,7 @@ _UNSHAPED: dict[str, Any] = dict(grammar=None, json_schema=None, logit_bias=None
                                  frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0, logprobs=None)
 
 
-def _is_token_ids(prompt: Any) -> bool:
+def _is_token_ids(prompt: Any) -> TypeIs[list[int]]:
     """A prompt given as token ids (a list of ints; an empty list counts, and is refused later)."""
     return isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
 
@@ -490,8 +505,8 @@ def weights_in_floats_note(path: Path, model: Any) -> str:
 
         from specwood.models.gguf_file import canonical_name, read_gguf_header
 
-        types = {canonical_name(g): GGMLQuantizationType(i.ggml_type).name
-                 for g, i in read_gguf_header(path).tensors.items()}
+        types = {c: GGMLQuantizationType(i.ggml_type).name
+                 for g, i in read_gguf_header(path).tensors.items() if (c := canonical_name(g)) is not None}
     listed = ", ".join(f"{n} ({types.get(n, 'float')})" for n in names[:4])
     more = f" and {len(names) - 4} more" if len(names) > 4 else ""
     return (f"q4: no kernel for the type or shape of {listed}{more}; kept in "

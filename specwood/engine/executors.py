@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from specwood.engine.executor import Executor, executor_name
+from specwood.engine.output import GenerationResult
 from specwood.engine.parallel import EXECUTOR_OPTIONS, ParallelExecutor
 from specwood.engine.parallel_args import check_cli_args as parallel_cli_options
 from specwood.engine.protocols import EngineLike
@@ -59,11 +60,11 @@ class ExecutorPlugin:
     # the checks of its flags that need no model -> the options `build` takes
     cli_options: Callable[[argparse.Namespace], dict[str, Any]]
     # (engine, options) -> the executor (None: the engine's own sequential scheduler)
-    build: Callable[[Any, dict[str, Any]], Executor | None]
+    build: Callable[[EngineLike, dict[str, Any]], Executor | None]
     # `specwood generate` on it, where one request needs more than Engine.generate (the pipeline's ranks)
     generate_cli: Callable[[argparse.Namespace, Callable[..., Any]], int] | None = None
     # Engine.generate on it: (engine, executor or its name, prompt, **generate's arguments) -> result
-    generate: Callable[..., Any] | None = None
+    generate: Callable[..., GenerationResult] | None = None
     # (method, args) -> the method as it runs here, or one line saying why it cannot (a bench row)
     check_method: Callable[[str, argparse.Namespace], str] | None = None
 

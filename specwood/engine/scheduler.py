@@ -63,7 +63,7 @@ class Scheduler:
         # client that scrapes /metrics after its answer sees the step that made it
         self._held: list[Request] | None = None
         self._stepping_thread: int | None = None
-        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []  # run_on_loop's
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []  # run_on_loop's
 
     def __getattr__(self, name: str) -> Any:
         executor = self.__dict__.get("executor")
@@ -99,7 +99,7 @@ class Scheduler:
         thread = self._thread
         if thread is None or thread is threading.current_thread():
             return fn()
-        call: concurrent.futures.Future = concurrent.futures.Future()
+        call: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self._calls.append((fn, call))
             self._lock.notify()
@@ -243,10 +243,10 @@ class Scheduler:
         self._release(req)
         if cancelled and not req.out.finished:
             req.out.finish_reason = "cancelled"
-        hold = self._held is not None and self._stepping_thread == threading.get_ident()
-        req.complete(result, notify=not hold)
-        if hold:
-            self._held.append(req)
+        held = self._held if self._stepping_thread == threading.get_ident() else None
+        req.complete(result, notify=held is None)
+        if held is not None:
+            held.append(req)
 
     def _fail(self, req: Request, error: BaseException) -> None:
         try:

@@ -11,7 +11,7 @@ admission, cancellation, its end) is the Scheduler's (specwood.engine.scheduler)
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -99,7 +99,7 @@ class SequentialExecutor(Executor):
         only); the prefix cache gets the budget the rows leave."""
         for _, pool in self._pools():
             pool.resize(row_len)
-            if getattr(pool, "graphs", None) is not None:  # captured on the old tensors
+            if pool.graphs is not None:  # captured on the old tensors
                 pool.graphs = GraphedForward(pool.graphs.model, pool)
         self.row_len = row_len
         if self.reuse is not None and self.kv_budget is not None:
@@ -253,7 +253,8 @@ class SequentialExecutor(Executor):
             self.reuse.catch_up(requests, self.cache)
             waiting = {draft: self.reuse.followers(requests, draft) for draft in (False, True)}
         each, in_all = self.prefill_share(max(1, len(requests) - len(waiting[False])), decoding)
-        target_chunks, draft_chunks = [], []
+        target_chunks: list[tuple[Request, int, int]] = []
+        draft_chunks: list[tuple[Request, int, int]] = []
         left = {False: in_all, True: in_all}
         for req in requests:
             n = len(req.prompt_ids)
@@ -265,15 +266,16 @@ class SequentialExecutor(Executor):
                 if take > 0:
                     chunks.append((req, done, done + take))
                     left[draft] -= take
-        pools: dict[int, list] = {}
+        pools: dict[int, list[tuple[Request, int, int]]] = {}
         for chunk in draft_chunks:
-            if chunk[0].drafter.source.batched:  # one prefill forward per draft pool
-                pools.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
+            source = chunk[0].drafter.model_source()
+            if source.batched:  # one prefill forward per draft pool
+                pools.setdefault(id(source.cache), []).append(chunk)
             else:
                 self._prefill_own_source(*chunk)
         for chunks in pools.values():
-            src = chunks[0][0].drafter.source
-            self._prefill_forward(src.model, src.cache, chunks, draft=True)
+            src = chunks[0][0].drafter.model_source()
+            self._prefill_forward(src.model, src.kv_row()[0], chunks, draft=True)
         return [c for c in target_chunks if c[0].state is State.PREFILL]  # not failed in its draft chunk
 
     def _first_tokens(self, requests: list[Request]) -> None:
@@ -286,12 +288,13 @@ class SequentialExecutor(Executor):
     def _prefill_own_source(self, req: Request, start: int, end: int) -> None:
         """A draft source that runs its own model (llama.cpp) takes its prompt chunk itself."""
         try:
-            req.drafter.source.prefill_part(req.prompt_ids, start, end)
+            req.drafter.model_source().prefill_part(req.prompt_ids, start, end)
             req.draft_prefilled = end
         except Exception as e:  # noqa: BLE001
             self.fail(req, e)
 
-    def _prefill_forward(self, model: Transformer, cache: KVCache, chunks: list, draft: bool) -> None:
+    def _prefill_forward(self, model: Transformer, cache: KVCache, chunks: list[tuple[Request, int, int]],
+                         draft: bool) -> None:
         if not chunks:
             return
         try:
@@ -310,12 +313,13 @@ class SequentialExecutor(Executor):
     @staticmethod
     def _target_prefill_inputs(chunks: list[tuple[Request, int, int]]) -> list[RowInput]:
         """The chunks as rows of a target forward; features too for a request whose draft head reads them."""
-        return [prefill_input(r.row, r.prompt_ids, a, b, wants_features(r)) for r, a, b in chunks]
+        return [prefill_input(r.cache_row(), r.prompt_ids, a, b, wants_features(r)) for r, a, b in chunks]
 
     @staticmethod
     def _row_chunks(chunks: list[tuple[Request, int, int]], draft: bool) -> list[tuple[int, list[int], int, int]]:
         """(cache row, prompt, start, end) of each chunk, on the target's rows or the draft's."""
-        return [(r.drafter.source.row if draft else r.row, r.prompt_ids, a, b) for r, a, b in chunks]
+        return [(r.drafter.model_source().kv_row()[1] if draft else r.cache_row(), r.prompt_ids, a, b)
+                for r, a, b in chunks]
 
     @staticmethod
     def _prefilled(chunks: list[tuple[Request, int, int]], logits: list[torch.Tensor], draft: bool) -> None:
@@ -338,11 +342,11 @@ class SequentialExecutor(Executor):
         except Exception as e:  # noqa: BLE001
             self.fail(req, e)
 
-    def _decode(self, batch: list[Request], newcomers: list[Request] = ()) -> StepRecord:
+    def _decode(self, batch: list[Request], newcomers: Sequence[Request] = ()) -> StepRecord:
         """One decode step of `batch`; the newcomers' prefill chunks ride in its target forward."""
         failed: dict[Request, BaseException] = {}
         with torch.inference_mode():
-            chunks = self._draft_prefill(newcomers, decoding=True) if newcomers else []
+            chunks = self._draft_prefill(list(newcomers), decoding=True) if newcomers else []
             riding = sum(b - a for _, a, b in chunks)
             t0 = time.perf_counter()
             trees, forced = draft_trees(batch, len(batch), failed, riding)
@@ -354,7 +358,7 @@ class SequentialExecutor(Executor):
             t1 = time.perf_counter()
             outs = self._forward_with_prefill(live, trees, failed, chunks)
             t2 = time.perf_counter()
-            self._first_tokens(newcomers)
+            self._first_tokens(list(newcomers))
             record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1,
                                 drafting=sum(len(trees[r]) > 1 for r in live),
                                 prefill_tokens=riding)
@@ -370,22 +374,23 @@ class SequentialExecutor(Executor):
                         self.finish(req)
                 except Exception as e:  # noqa: BLE001
                     failed[req] = e
-        for req, e in failed.items():
-            self.fail(req, e)
+        for req, err in failed.items():
+            self.fail(req, err)
         return record
 
     def _fits(self, req: Request, tree: TokenTree) -> bool:
-        L = self.cache.lengths[req.row]
+        L = self.cache.lengths[req.cache_row()]
         return L + tree.max_depth < self.target.max_positions and L + len(tree) <= self.cache.max_len
 
     def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
         return commit(self.cache, req, tree, verdict, cost, forced)
 
-    def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
+    def _forward(self, live: list[Request], trees: dict[Request, TokenTree],
+                 failed: dict[Request, BaseException]) -> list[torch.Tensor | None]:
         if not live:
             return []
         try:
-            return target_forward(self.target, self.cache, live, trees)
+            return list(target_forward(self.target, self.cache, live, trees))
         except Exception as e:  # noqa: BLE001 - find the request at fault; the others go on
             if len(live) == 1:
                 failed[live[0]] = e
@@ -394,12 +399,13 @@ class SequentialExecutor(Executor):
         for req in live:
             try:
                 outs.append(target_forward(self.target, self.cache, [req], trees)[0])
-            except Exception as e:  # noqa: BLE001
-                failed[req] = e
+            except Exception as err:  # noqa: BLE001
+                failed[req] = err
                 outs.append(None)
         return outs
 
-    def _forward_with_prefill(self, live: list[Request], trees, failed,
+    def _forward_with_prefill(self, live: list[Request], trees: dict[Request, TokenTree],
+                              failed: dict[Request, BaseException],
                               chunks: list[tuple[Request, int, int]]) -> list[torch.Tensor | None]:
         """The step's target forward with the newcomers' prefill chunks packed in: the weights
         are read once for both. If it raises, each part runs again on its own to find the
@@ -416,7 +422,7 @@ class SequentialExecutor(Executor):
         hand_tree_features(live, features[:len(live)])
         hand_prompt_features(chunks, features[len(live):])
         self._prefilled(chunks, prefill_outputs(self.cache, prompt_chunks, outs[len(live):]), draft=False)
-        return outs[:len(live)]
+        return list(outs[:len(live)])
 
 
 def budget_row_cap(target: Transformer, drafts: tuple[Any, ...], rows: int, kv_budget: int, tree_room: int,

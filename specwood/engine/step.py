@@ -40,7 +40,7 @@ class StepRecord:
 
 
 def plain_tree(request: Request) -> TokenTree:
-    return TokenTree.with_root(request.root, "selected" if request.params.greedy else "sampled")
+    return TokenTree.with_root(request.root_token(), "selected" if request.params.greedy else "sampled")
 
 
 def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, BaseException],
@@ -58,14 +58,15 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
             # the grammar's forced run: free candidates, verified, no draft forward; the drafter
             # goes on from its end in the same tree (a feature-level head cannot: it reads the
             # target's features of every path token, so it drafts at the next step)
-            run = forced_run(req.processors) if req.processors is not None and req.drafter.shape is not None else []
-            chain = forced_tree(req.root, run, req.processors) if run else None
+            processors, newest = req.processors, req.root_token()
+            run = forced_run(processors) if processors is not None and req.drafter.shape is not None else []
+            chain = forced_tree(newest, run, processors) if run and processors is not None else None
             if chain is not None:
                 forced[req] = len(run)
             if chain is not None and wants_features(req):
                 trees[req] = chain
                 continue
-            context, root = (req.context, req.root) if chain is None else ([*req.context, req.root, *run[:-1]], run[-1])
+            context, root = (req.context, newest) if chain is None else ([*req.context, newest, *run[:-1]], run[-1])
             shape = req.drafter.shape_for_step(batch_size, len(context) + 1, riding, free=len(run))
             if shape is None:
                 trees[req] = chain if chain is not None else plain_tree(req)
@@ -109,19 +110,19 @@ def wants_features(request: Request) -> bool:
 def hand_tree_features(requests: list[Request], features: list[torch.Tensor | None]) -> None:
     for req, f in zip(requests, features):
         if f is not None:
-            req.drafter.source.take_tree_features(f)
+            req.drafter.model_source().take_tree_features(f)
 
 
 def hand_prompt_features(chunks: list[tuple[Request, int, int]], features: list[torch.Tensor | None]) -> None:
     """The target's features of prefill chunks (request, start, end) to the requests' draft heads."""
     for (req, start, end), f in zip(chunks, features):
         if f is not None:
-            req.drafter.source.take_prompt_features(start, end, f)
+            req.drafter.model_source().take_prompt_features(start, end, f)
 
 
 def tree_rows(cache: KVCache, requests: list[Request], trees: dict[Request, TokenTree]) -> list[RowInput]:
     """Each request's tree as a row of a target forward, after its row's cached tokens."""
-    return [tree_row(r.row, trees[r], cache.lengths[r.row], wants_features(r)) for r in requests]
+    return [tree_row(r.cache_row(), trees[r], cache.lengths[r.cache_row()], wants_features(r)) for r in requests]
 
 
 def tree_row(row: int, tree: TokenTree, L: int, features: bool = False) -> RowInput:
@@ -191,8 +192,9 @@ def commit(cache: KVCache, request: Request, tree: TokenTree, verdict: Verdict, 
            forced: int = 0) -> list[int]:
     """Keep the accepted path in the request's cache row and draft source; the emitted tokens.
     `forced`: the tree starts with a grammar's forced run of that many nodes (draft_trees)."""
-    L = cache.lengths[request.row]
-    cache.compact([L + i for i in [0] + verdict.accepted], L, request.row)
+    row = request.cache_row()
+    L = cache.lengths[row]
+    cache.compact([L + i for i in [0] + verdict.accepted], L, row)
     return advance(request, tree, verdict, cost, forced)
 
 

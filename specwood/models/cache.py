@@ -1,9 +1,14 @@
 """Static, preallocated KV cache written at explicit slots: a pool of rows, one per request."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specwood.errors import ContextLengthError
+
+if TYPE_CHECKING:
+    from specwood.models.cuda_graphs import GraphedForward
 
 # Which cache rows a forward touches: None = all rows (the batch is the whole cache), a slice of
 # consecutive rows (a view, no copy), or a tensor of row indices (gathered per layer).
@@ -24,6 +29,8 @@ class KVCache:
     next to it). Rejected slots are simply overwritten later. Each row has one extra scratch slot
     (index `max_len`) where padding tokens of a batched forward write their K/V.
     """
+
+    graphs: GraphedForward | None = None  # on CUDA, the pool's forwards replayed from CUDA graphs
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
                  batch: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):

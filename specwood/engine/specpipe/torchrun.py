@@ -11,12 +11,11 @@ import argparse
 import json
 import os
 import sys
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from specwood.engine.api import Engine, check_device, resolve_dtype
+from specwood.engine.api import check_device, encode_prompt, eos_token_ids, resolve_dtype
 from specwood.engine.args import add_model_args, add_sampling_args
 from specwood.engine.specpipe.ranks import run_rank
 from specwood.engine.specpipe.jobs import DRAFTED_MODES, MODES, Job, check_pipeline_args, stage_ranges, tree_nodes
@@ -113,9 +112,8 @@ def _rank0_parts(args: Any, target: str, cfg: Any, path: Any, device: str, dtype
         ddtype = torch.bfloat16 if int4 else dtype
         dcfg, dsd, _ = load_checkpoint(str(draft), dtype=ddtype)
         parts["draft"] = build_model(dcfg, dsd, ddtype, device, max_positions=positions, int4=int4)
-    shim = SimpleNamespace(tokenizer=tokenizer, target=SimpleNamespace(config=cfg))  # Engine's helpers, no Engine
-    parts["eos_ids"] = Engine._eos_ids(shim)
-    prompt = Engine.encode(shim, args.prompt, args.raw)
+    parts["eos_ids"] = eos_token_ids(tokenizer, cfg)  # the Engine's helpers, without an Engine
+    prompt = encode_prompt(tokenizer, args.prompt, args.raw)
     max_tokens = min(args.max_tokens, positions - len(prompt))
     if max_tokens < 1:
         raise SpecwoodError(f"prompt has {len(prompt)} tokens but the context holds {positions}; shorten the prompt")
