@@ -13,7 +13,7 @@ from specwood.engine.chat import encode_chat
 from specwood.engine.executor import executor_name
 from specwood.engine.executors import plugin_for
 from specwood.engine.output import GenerationResult, OutputStream
-from specwood.engine.protocols import Prompt
+from specwood.engine.protocols import Prompt, is_token_ids
 from specwood.engine.request import Request
 from specwood.engine.runner import RunnerExecutor
 from specwood.engine.vocab import emit_limit
@@ -26,8 +26,6 @@ from specwood.models.transformer import Transformer, build_model, usable_exact, 
 from specwood.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from typing_extensions import TypeIs
-
     from specwood.methods import DrafterFactory
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -233,7 +231,7 @@ class Engine:
                                 min_p=min_p, grammar=self._grammar(grammar, json_schema), logprobs=logprobs)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
-        if _is_token_ids(prompt):
+        if is_token_ids(prompt):
             prompt_ids = prompt
             V = self.target.config.vocab_size
             if not all(isinstance(t, int) and 0 <= t < V for t in prompt_ids):
@@ -395,7 +393,7 @@ class Engine:
         choose = get_method(method).choose_executor if self.draft_model is not None else None
         if choose is None:
             return "sequential", prompt
-        ids = prompt if _is_token_ids(prompt) else self.encode(prompt, raw)
+        ids = prompt if is_token_ids(prompt) else self.encode(prompt, raw)
         return choose(self, options, len(ids)), ids
 
     def run(self, request: Request) -> GenerationResult:
@@ -409,10 +407,6 @@ class Engine:
 _UNSHAPED: dict[str, Any] = dict(grammar=None, json_schema=None, logit_bias=None, presence_penalty=0.0,
                                  frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0, logprobs=None)
 
-
-def _is_token_ids(prompt: Any) -> TypeIs[list[int]]:
-    """A prompt given as token ids (a list of ints; an empty list counts, and is refused later)."""
-    return isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
 
 
 def release_freed_memory() -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import TypeIs
 
     from specwood.engine.output import GenerationResult
     from specwood.engine.request import Request
@@ -19,6 +20,11 @@ if TYPE_CHECKING:
 
 # a prompt as `generate` and `new_request` take it: text, chat messages or token ids
 Prompt = str | list[dict[str, Any]] | list[int]
+
+
+def is_token_ids(prompt: Any) -> TypeIs[list[int]]:
+    """A prompt given as token ids (a list of ints; an empty list counts, and is refused later)."""
+    return isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
 
 
 class EngineLike(Protocol):

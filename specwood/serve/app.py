@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specwood.constrain import grammars
-from specwood.engine.protocols import EngineLike
+from specwood.engine.protocols import EngineLike, is_token_ids
 from specwood.engine.specpipe.launch import PipelineExecutor
 from specwood.engine.request import Request
 from specwood.engine.scheduler import TREE_ROOM, QueueFullError, Scheduler
@@ -113,12 +113,19 @@ class _Job:
     """One request's bridge from the scheduler thread into the event loop: its items go to a
     queue that the `n` choices of one HTTP request share, tagged with the choice's index."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int = 0):
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[Any, ...]], index: int = 0):
         self.loop = loop
         self.queue = queue
         self.index = index
         self.req: Request | None = None
         self.logprobs_sent = 0  # entries of req.out.logprobs already put in a chunk
+
+    @property
+    def request(self) -> Request:
+        """Its request (made before it is queued)."""
+        if self.req is None:
+            raise RuntimeError(f"choice {self.index} has no request yet")
+        return self.req
 
     def _put(self, item: tuple[str, Any]) -> None:
         try:
@@ -297,7 +304,9 @@ def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto"
             raise ProtocolError(f"the model '{g.model}' does not exist; this server serves '{name}'", param="model",
                                 code="model_not_found")
         found = methods.cached(g.method)
-        method_name, prepared = found if found is not None else await asyncio.to_thread(methods.prepare, g.method)
+        if found is None:  # (a named method: None gets the default, always ready)
+            found = await asyncio.to_thread(methods.prepare, g.method or methods.default)
+        method_name, prepared = found
         # a prompt too long to fit is refused before it is tokenized; large ones on their own thread
         prompt_ids = await prompt_limit.run(g, _encode)
         max_tokens = g.max_tokens
@@ -311,7 +320,8 @@ def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto"
                                 f"{len(prompt_ids) + max_tokens} ({len(prompt_ids)} in the prompt, {max_tokens} to "
                                 f"generate): lower {field} or shorten the prompt", param=field,
                                 code="context_length_exceeded")
-        loop, queue, rid = asyncio.get_running_loop(), asyncio.Queue(), P.new_id(kind)
+        loop, rid = asyncio.get_running_loop(), P.new_id(kind)
+        queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         scope = sharing.scope_of(http.scope.get(TENANT_KEY, ""), g.cache_salt)
         # the n choices: requests of their own, sharing the prompt's prefill. Built off the event
         # loop (a grammar compiles, a draft pool may be allocated), queued on it.
@@ -323,14 +333,14 @@ def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto"
                 _submit(job, arrival)
             except BaseException:
                 for queued in jobs[:i]:  # the choices already queued end with the one refused
-                    queued.req.cancel()
+                    queued.request.cancel()
                 for unqueued in jobs[i + 1:]:
-                    unqueued.req.drafter.close()
+                    unqueued.request.drafter.close()
                 raise
         if g.stream:
             return StreamingResponse(_stream(http, g, kind, rid, jobs, queue), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(http, g, kind, rid, [job.req for job in jobs], queue)
+        return await _complete(http, g, kind, rid, [job.request for job in jobs], queue)
 
     def _make_requests(g: GenerationRequest, prompt_ids: list[int], max_tokens: int, method_name: str,
                        prepared: Any, jobs: list[_Job], arrival: float, rid: str, scope: str | None) -> None:
@@ -396,15 +406,15 @@ def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto"
         return body, g
 
     def _encode(g: GenerationRequest) -> list[int]:
-        if isinstance(g.prompt, list) and (not g.prompt or isinstance(g.prompt[0], int)):
+        if is_token_ids(g.prompt):
             ids = list(g.prompt)  # token ids
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ProtocolError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         else:
             try:
-                ids = engine.encode(g.prompt, raw=g.raw, **({"tools": g.tool_specs} if g.tool_specs else {}),
-                                    **({"template_kwargs": g.template_kwargs} if g.template_kwargs else {}))
+                ids = engine.encode(g.prompt, raw=g.raw, tools=g.tool_specs or None,
+                                    template_kwargs=g.template_kwargs or None)
             except SpecwoodError as e:
                 raise ProtocolError(str(e), param="messages" if g.kind == "chat" else "prompt") from None
             except Exception as e:  # noqa: BLE001 - e.g. a chat template that rejects the conversation
@@ -445,10 +455,10 @@ def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto"
         return text, finish, calls
 
     async def _complete(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, reqs: list[Request],
-                        queue: asyncio.Queue) -> Response:
+                        queue: asyncio.Queue[tuple[Any, ...]]) -> Response:
         left = len(reqs)  # non-streamed: the only items are each choice's "done"
         gone = asyncio.ensure_future(_until_disconnect(http))
-        item: asyncio.Future | None = None
+        item: asyncio.Future[tuple[Any, ...]] | None = None
         try:
             while left:
                 item = asyncio.ensure_future(queue.get())
@@ -466,10 +476,10 @@ def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto"
         if not all(req.done.is_set() for req in reqs):
             return Response(status_code=499)  # nobody is listening
         failed = next((req for req in reqs if req.error is not None), None)
-        if failed is not None:
+        if failed is not None and failed.error is not None:
             status, code = _failure_status(failed)
             return JSONResponse(P.error_body(failed.error, status, code=code), status_code=status)
-        results = [req.result for req in reqs]
+        results = [req.outcome() for req in reqs]
         usage = _usage(reqs, sum(len(res.token_ids) for res in results))
         body: dict[str, Any] = {}
         for i, res in enumerate(results):
@@ -484,9 +494,9 @@ def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto"
         return JSONResponse(body)
 
     async def _stream(http: HTTPRequest, g: GenerationRequest, kind: str, rid: str, jobs: list[_Job],
-                      queue: asyncio.Queue) -> AsyncIterator[str]:
+                      queue: asyncio.Queue[tuple[Any, ...]]) -> AsyncIterator[str]:
         t = P.now()
-        reqs = [job.req for job in jobs]
+        reqs = [job.request for job in jobs]
         with_usage = g.include_usage or g.continuous_usage
 
         def chunk(index: int, **kw: Any) -> str:
@@ -499,7 +509,7 @@ def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto"
         # starlette also cancels this generator when the client goes (ASGI < 2.4 servers such as
         # uvicorn); watching here too covers a request still queued on any server
         gone = asyncio.ensure_future(_until_disconnect(http))
-        item: asyncio.Future | None = None
+        item: asyncio.Future[tuple[Any, ...]] | None = None
         calls_texts = [_tool_calls_reader(g) if g.calls_tools else None for _ in jobs]
         offsets = [0] * len(jobs)  # per choice: characters of its text covered by the logprobs sent (completions)
 
@@ -555,8 +565,8 @@ def create_app(engine: EngineLike, scheduler: Scheduler, *, method: str = "auto"
                 yield chunk(i, text=None if kind == "chat" else "", finish_reason=finish, tokens=len(res.token_ids),
                             logprobs=logprobs(i, jobs[i].new_logprobs()))
             if g.include_usage:
-                total = sum(len(req.result.token_ids) for req in reqs)
-                yield P.sse(P.usage_chunk(kind, rid, t, name, _usage(reqs, total), shown_stats(reqs[0].result)))
+                total = sum(len(req.outcome().token_ids) for req in reqs)
+                yield P.sse(P.usage_chunk(kind, rid, t, name, _usage(reqs, total), shown_stats(reqs[0].outcome())))
             yield P.sse("[DONE]")
         finally:
             gone.cancel()
@@ -732,7 +742,9 @@ def serve(engine: EngineLike, *, host: str = "127.0.0.1", port: int = 8000, meth
     if background is not None:
         pause_while_busy(background, scheduler)
     # uvicorn waits for open responses a little longer than the drain, so streams get their end
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=drain_timeout + 10,
+    config = uvicorn.Config(app, log_level=log_level, access_log=False,
+                            # uvicorn waits float seconds (asyncio.wait_for); its annotation says int
+                            timeout_graceful_shutdown=drain_timeout + 10,  # type: ignore[arg-type]
                             lifespan="on", **uvicorn_limits(read_timeout, max_connections))
     server = uvicorn.Server(config)
     bound_host, bound_port = sock.getsockname()[:2]

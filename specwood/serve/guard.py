@@ -19,9 +19,14 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeVar
 
 from specwood.serve.protocol import error_body
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    AppT = TypeVar("AppT", bound=Starlette)
 
 Message = dict[str, Any]  # an ASGI scope or message
 ASGIApp = Callable[[Message, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
@@ -155,7 +160,7 @@ class Access:
         return self
 
 
-def guard_app(app: Any, access: Access) -> Any:
+def guard_app(app: AppT, access: Access) -> AppT:
     """`app` behind the guard, with CORS headers and preflights for the allowed origins."""
     origins = list(access.allowed_origins)
     if origins:
