@@ -105,7 +105,7 @@ class PlannedShape(ShapePolicy):
         self._predicted_draft_s = 0.0  # the plan's price of this step's drafting (DraftCostTracker)
         self.timed_alone = True  # alone, T_d scaled by the server's learnt price (repeatable() turns it off)
         self._context_len = 0
-        self._step: LookupOrModelShape | None = None
+        self._step: LookupOrModelShape | SuffixOrModelShape | None = None
         self._step_x = 1  # the model's x behind self._step
         self.x_used: dict[int, int] = {}  # x -> steps, for the stats
         self.lookup_steps = 0
@@ -144,12 +144,11 @@ class PlannedShape(ShapePolicy):
         return self.late is not None and not self.model and not self.late.hopeless
 
     def on_root_logits(self, logits: Any) -> None:
-        if self._awaiting_draft:
+        if self.late is not None and self._awaiting_draft:
             self.late.observe(logits)
 
-    def _bring_in_draft(self, context_len: int) -> None:
+    def _bring_in_draft(self, late: LateDraft, context_len: int) -> None:
         """LateDraft's question, asked before a step of this request alone."""
-        late = self.late
         left, catch_up = late.tokens_left(context_len), context_len * (self.plan.draft_prefill_s or 0.0)
         if left * float(self.plan.t_v(context_len, 1)) <= catch_up:  # even free tokens would not earn it
             late.hopeless = True
@@ -170,14 +169,14 @@ class PlannedShape(ShapePolicy):
         newcomers in its target forward (or None: a plain step). The tree grows after `free`
         tokens of the grammar's forced run, verified in the same forward: every option pays for
         their rows and gains them (`decide`)."""
-        if self._awaiting_draft and batch_size == 1 and not riding:
-            self._bring_in_draft(context_len)
+        if self.late is not None and self._awaiting_draft and batch_size == 1 and not riding:
+            self._bring_in_draft(self.late, context_len)
         self._context_len = context_len
         self._step = None
         self._predicted_draft_s = 0.0
         self._load = batch_size if not riding else batch_size + 1  # requests sharing this step
         if self.suffix is not None:
-            return self._suffix_step(batch_size, context_len, riding, free)
+            return self._suffix_step(self.suffix, batch_size, context_len, riding, free)
         if not self.lookup or batch_size > 1 or riding:  # under load the batch fills the forward already (§4f)
             x = self.choose_x(context_len, batch_size, riding, free)
             self.x_used[x] = self.x_used.get(x, 0) + 1
@@ -204,7 +203,8 @@ class PlannedShape(ShapePolicy):
         self._step_x = x
         return self._step
 
-    def _suffix_step(self, batch_size: int, context_len: int, riding: int, free: int = 0) -> SuffixOrModelShape:
+    def _suffix_step(self, suffix: SuffixSource, batch_size: int, context_len: int, riding: int,
+                     free: int = 0) -> SuffixOrModelShape:
         """This step's options priced at this context and load: the model's tree of the size the
         plan picks (none if it decodes plainly or has no draft), the suffix's, both, or none."""
         x = self.choose_x(context_len, batch_size, riding, free) if self.model else 1
@@ -215,14 +215,15 @@ class PlannedShape(ShapePolicy):
             self._predicted_draft_s = float(t_d(x)) / scale
         price = self.copy_cost.ratio / self.plain_cost.ratio if batch_size == 1 and not riding else 1.0
         self._step_x = x
-        self._step = SuffixOrModelShape(self.suffix, self._model_shape(x), x, aat, t_v, t_d,
-                                        lambda match, source: self.suffix_trust.ratio(self._load, match, source),
-                                        price, free)
-        return self._step
+        step = self._step = SuffixOrModelShape(suffix, self._model_shape(x), x, aat, t_v, t_d,
+                                               lambda match, source: self.suffix_trust.ratio(self._load, match,
+                                                                                             source),
+                                               price, free)
+        return step
 
     def _on_suffix_step(self, step: SuffixOrModelShape, tree: TokenTree, verdict: Verdict,
                         cost: StepRecord | None) -> None:
-        self.suffix.observe(verdict.next_token, [tree.tokens[i] for i in verdict.accepted])
+        step.source.observe(verdict.next_token, [tree.tokens[i] for i in verdict.accepted])
         self.sources_used[step.choice] += 1
         alone = self._load == 1 and cost is not None
         if step.choice in ("model", "both"):
@@ -231,14 +232,14 @@ class PlannedShape(ShapePolicy):
                 self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._load)
         else:
             self.draft_costs.relax(self._load)
-        if step.choice == "suffix":
+        if step.choice == "suffix" and step.part is not None:  # (a suffix step has its part)
             self.suffix_trust.record(self._load, tested_weight(step.part, verdict.accepted), len(verdict.accepted),
                                      step.part.match, step.part.source)
-            if alone:
+            if alone and cost is not None:
                 self.copy_cost.record(float(self.plan.t_v(self._context_len, len(tree))), cost.verify_s)
         else:
             self.suffix_trust.relax(self._load)
-            if step.choice == "none" and alone:
+            if step.choice == "none" and alone and cost is not None:
                 self.plain_cost.record(float(self.plan.t_v(self._context_len, 1)), cost.verify_s)
         if step.choice == "model":
             self.tracker.record(float(self.plan.aat_for(self._context_len)(len(tree))), len(verdict.accepted) + 1)
@@ -305,7 +306,7 @@ def _prepare_auto(engine: EngineLike, options: dict[str, Any]) -> Callable[..., 
         print("[plan] method auto: no draft model loaded: drafting from suffix matches (the request's text and "
               "the server's earlier answers) where they pay, else decoding plainly", file=sys.stderr)
     plan = get_plan(engine, base, build_if_missing=False, progress=progress)
-    current = {"plan": plan, "checked": time.monotonic()}
+    current: dict[str, Any] = {"plan": plan, "checked": time.monotonic()}  # latest_plan's
     if plan is None:
         fresh = not starter_plan_ready(engine, base)  # timed once per process and models
         if progress and fresh:
@@ -328,10 +329,12 @@ def _prepare_auto(engine: EngineLike, options: dict[str, Any]) -> Callable[..., 
             plan.draft_prefill_s = measure_draft_prefill(engine)
         plan.draft_row_times = measure_draft_rows(engine)
         save_plan(plan.refresh())
+    make_shape: Callable[[int], Any]
     if base == "prior":
-        if plan.prior is None:
+        prior = plan.prior
+        if prior is None:
             raise SpecwoodError("method 'prior' needs prior scores (run `specwood plan --method prior`)")
-        make_shape = lambda budget: prior_shape(plan.prior.best_layout(budget))  # noqa: E731
+        make_shape = lambda budget: prior_shape(prior.best_layout(budget))  # noqa: E731
         draft_model = engine.draft_model
     else:
         # shapes are stateless policies: one per budget, shared by every request
@@ -339,7 +342,7 @@ def _prepare_auto(engine: EngineLike, options: dict[str, Any]) -> Callable[..., 
             lambda budget: prepare_method(engine, base, {"budget": budget})(_no_source, 0, 0).shape)
         draft_model = _draft_model_of(engine, base)
 
-    told = []
+    told: list[bool] = []
     # one per server: every request's shared steps teach it, and it is kept for the next one
     draft_costs = DraftCostTracker(path=drafting_costs_path(plan_key_for(engine, base)))
 
@@ -353,7 +356,8 @@ def _prepare_auto(engine: EngineLike, options: dict[str, Any]) -> Callable[..., 
                 current["plan"] = measured
                 if progress:
                     print(f"[plan] method auto: now following the measured plan for '{base}'", file=sys.stderr)
-        return current["plan"]
+        latest: Plan = current["plan"]
+        return latest
 
     def announce_late(late: LateDraft) -> None:
         if progress and not told_late:  # once, as above
