@@ -45,7 +45,6 @@ ALLOWED_PROBES: dict[tuple[str, str], str] = {
     ("specpipe/args.py", "args"): "an argparse namespace: commands add different flags",
     ("specpipe/comm.py", "dist"): "torch.distributed: DistError is missing from older torch",
     ("specpipe/launch.py", "self.engine"): "an Engine or a test's stand-in engine",
-    ("sequential.py", "pool"): "a KVCache (models/): `graphs` only where CUDA graphs were captured",
     ("sequential.py", "model"): "a draft model (models/, not a plug-in base here) may name the source class its "
                                 "rows need (DraftHead.source_class); Transformer could declare the default",
     ("scheduler.py", "executor"): "Scheduler.__getattr__ hands callers that hold the scheduler the sequential "

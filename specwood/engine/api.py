@@ -64,13 +64,13 @@ def check_device(device: str) -> str:
     return device
 
 
-def eos_token_ids(tokenizer: Any, config: ModelConfig) -> set[int]:
+def eos_token_ids(tok: Any, config: ModelConfig) -> set[int]:
     """The ids that end a generation: the model's, the tokenizer's and the end-of-turn tokens of
     the chat templates we run, within the model's vocabulary."""
     ids = set(config.eos_token_ids)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    vocab = tokenizer.get_vocab()
+    if getattr(tok, "eos_token_id", None) is not None:
+        ids.add(int(tok.eos_token_id))
+    vocab = tok.get_vocab()
     ids.update(vocab[t] for t in _END_OF_TURN if t in vocab)
     return {i for i in ids if i < config.vocab_size}
 
