@@ -176,7 +176,8 @@ def _hf_rope(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
     local = None
     if arch == "gemma3":
-        local_params = params.get("sliding_attention") if isinstance(params.get("sliding_attention"), dict) else {}
+        sliding = params.get("sliding_attention")
+        local_params: dict[str, Any] = sliding if isinstance(sliding, dict) else {}
         if local_params.get("rope_type", "default") != "default":
             raise ModelFileError(f"unsupported rope scaling type '{local_params['rope_type']}' for sliding layers "
                                  "(supported there: default)")

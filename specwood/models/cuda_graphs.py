@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import os
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from specwood.models.cache import KVCache
+
+if TYPE_CHECKING:
+    from specwood.models.transformer import Transformer
 
 MAX_GRAPH_TOKENS = 64  # larger forwards (prompt chunks) run eagerly: launch overhead is small there
 
@@ -35,7 +40,7 @@ def cuda_graphs_wanted() -> bool:
 class _Static:
     """The fixed input buffers of one bucket and, once captured, its graph and output."""
 
-    def __init__(self, B: int, T: int, S: int, scratch: int, tokens_shape: tuple[int, ...], tokens_dtype,
+    def __init__(self, B: int, T: int, S: int, scratch: int, tokens_shape: tuple[int, ...], tokens_dtype: torch.dtype,
                  device: torch.device):
         self.tokens = torch.zeros((B, T, *tokens_shape), dtype=tokens_dtype, device=device)
         self.positions = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -50,15 +55,15 @@ class _Static:
 class GraphedForward:
     """Padded, fixed-shape forwards of `model` over `cache`, replayed from CUDA graphs."""
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache, capture: bool | None = None):
+    def __init__(self, model: Transformer, cache: KVCache, capture: bool | None = None):
         self.model, self.cache = model, cache
         self.capture = cache.device.type == "cuda" if capture is None else capture
         self._static: dict[tuple[int, int], _Static] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' memory pool (torch's handle), shared by every bucket
         self._layout = self._cache_layout()
         self.replays = 0
 
-    def _cache_layout(self) -> tuple:
+    def _cache_layout(self) -> tuple[int, int, int]:
         return self.cache.k.data_ptr(), self.cache.max_len, self.cache.rows
 
     def fits(self, B: int, T: int) -> bool:
@@ -92,16 +97,17 @@ class GraphedForward:
         st.rows[:B].copy_(torch.tensor(rows), non_blocking=True)
         if not self.capture:
             return self._run(st)
-        if st.graph is None:
-            self._capture(st)
-        st.graph.replay()
+        graph, out = st.graph, st.out
+        if graph is None or out is None:
+            graph, out = self._capture(st)
+        graph.replay()
         self.replays += 1
-        return st.out
+        return out
 
     def _run(self, st: _Static) -> torch.Tensor:
         return self.model.hidden(st.tokens, st.positions, st.mask, self.cache, st.slots, rows=st.rows)
 
-    def _capture(self, st: _Static) -> None:
+    def _capture(self, st: _Static) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # warm-up on a side stream (lazy inits, autotuning) with slots at the scratch slot: harmless
         saved = st.slots.clone()
         st.slots.fill_(self.cache.scratch_slot)
@@ -113,7 +119,8 @@ class GraphedForward:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            st.out = self._run(st)
+            out = st.out = self._run(st)
         self._pool = graph.pool()
         st.graph = graph
         st.slots.copy_(saved)
+        return graph, out

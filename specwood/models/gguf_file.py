@@ -284,6 +284,13 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
                                  f"[{low}, {high}]; {_TRUNCATED_FIX}")
         return int(v)
 
+    def need(key: str, default: int | None = None, low: int = 1, high: int = 1 << 20) -> int:
+        """`count` of a field the model needs: required where it has no default."""
+        v = count(key, default, default is None, low, high)
+        if v is None:  # (count raised already for a missing required field)
+            raise ModelFileError(f"{path}: GGUF metadata lacks {_show(f'{arch}.{key}')}; {_TRUNCATED_FIX}")
+        return v
+
     def real(key: str, default: float) -> float:
         v = get(key, default)
         if isinstance(v, (bool, str, bytes)) or not np.isfinite(float(v)) or float(v) <= 0:
@@ -295,8 +302,8 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     if "token_embd.weight" not in tensors:
         raise ModelFileError(f"{path}: no token_embd.weight tensor; the file is incomplete or not a decoder model")
     vocab, dim = tensors["token_embd.weight"].shape
-    n_heads = count("attention.head_count", required=True, high=4096)
-    n_kv = count("attention.head_count_kv", n_heads, high=n_heads)
+    n_heads = need("attention.head_count", high=4096)
+    n_kv = need("attention.head_count_kv", n_heads, high=n_heads)
     head_dim = count("attention.key_length", 0, low=0, high=65536) or 0
     if not head_dim and "blk.0.attn_q.weight" in tensors:
         head_dim = tensors["blk.0.attn_q.weight"].shape[0] // n_heads
@@ -307,14 +314,14 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
         inter = tensors["blk.0.ffn_gate.weight"].shape[0]
     moe: dict[str, Any] = {}
     if arch == "qwen3moe":  # llama.cpp always renormalises Qwen3-MoE's top-k probabilities
-        moe = dict(n_experts=count("expert_count", required=True, high=1 << 16),
-                   n_experts_used=count("expert_used_count", required=True, high=1 << 16),
-                   moe_intermediate_size=count("expert_feed_forward_length", required=True), norm_topk_prob=True)
+        moe = dict(n_experts=need("expert_count", high=1 << 16),
+                   n_experts_used=need("expert_used_count", high=1 << 16),
+                   moe_intermediate_size=need("expert_feed_forward_length"), norm_topk_prob=True)
         inter = inter or moe["moe_intermediate_size"]
     # the layers the tensors hold: block_count must name exactly those (a huge one would make
     # every per-layer table that size)
     blocks = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
-    n_layers = count("block_count", required=True, high=max(blocks, default=0) + 1)
+    n_layers = need("block_count", high=max(blocks, default=0) + 1)
     if blocks != set(range(n_layers)):
         raise ModelFileError(f"{path}: '{arch}.block_count' is {n_layers} but the file has tensors for layers "
                              f"{min(blocks, default=0)}..{max(blocks, default=-1)}; {_TRUNCATED_FIX}")
@@ -360,7 +367,7 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
         return ModelConfig(
             arch=arch,
             vocab_size=int(vocab),
-            dim=count("embedding_length", dim, high=1 << 16),
+            dim=need("embedding_length", dim, high=1 << 16),
             n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv,
@@ -369,7 +376,7 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
             norm_eps=real("attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=real("rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=count("context_length", 4096, high=1 << 24),
+            max_position_embeddings=need("context_length", 4096, high=1 << 24),
             tie_embeddings="output.weight" not in tensors,
             qkv_bias="blk.0.attn_q.bias" in tensors,
             sliding_window=int(window) if window else None,

@@ -111,9 +111,10 @@ class LlamaCppModel:
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_seq_max: int = 16, n_batch: int = 512, vocab_size: int | None = None,
                  weights: _LoadedGGUF | None = None, exact: bool = False) -> None:
-        self._ctx = self._batch = None
+        self._ctx: Any = None  # llama.cpp's context and batch (ctypes handles)
+        self._batch: Any = None
         lc = self._lc = import_llama_cpp()
-        self.weights = weights or _LoadedGGUF(Path(path), exact)
+        self.weights: _LoadedGGUF | None = weights or _LoadedGGUF(Path(path), exact)
         self.exact = self.weights.exact
         self.path = self.weights.path
         self._model = self.weights.handle

@@ -123,7 +123,8 @@ class PrefixCache:
         prompt shared with a running request is computed once. Only entries stored under
         `scope` match (the caller offers only its scope's live rows)."""
         want = token_array(tokens[:limit])
-        best, source = 0, None
+        best = 0
+        source: Entry | int | None = None  # an entry, or a running row
         root = self._roots.get((id(cache), scope))
         if root is not None:
             best, node = _walk(root, want, want.tolist())
@@ -140,7 +141,7 @@ class PrefixCache:
             if isinstance(source, Entry):
                 self._lru.move_to_end(source)
                 cache.put_slots(row, 0, source.k[:, :, :best], source.v[:, :, :best])
-            else:
+            elif source is not None:
                 cache.copy_slots(row, source, 0, best)
         cache.lengths[row] = best
         return best
@@ -182,11 +183,12 @@ class PrefixCache:
         root = self._roots.get(key)
         if root is not None:
             depth, node = _walk(root, new, ids)
-            if depth == n:  # already held (as itself or inside a longer entry)
-                self._lru.move_to_end(node.entry)
+            held = node.entry if node is not None else None
+            if depth == n and held is not None:  # already held (as itself or inside a longer entry)
+                self._lru.move_to_end(held)
                 return
-            if node is not None and depth == len(node.entry.tokens) and not node.children:
-                self._drop(node.entry)  # the new one holds it
+            if node is not None and held is not None and depth == len(held.tokens) and not node.children:
+                self._drop(held)  # the new one holds it
         while self._lru and self.nbytes + size > self.budget_bytes:
             self._drop(next(iter(self._lru)))
             self.stats.evictions += 1
@@ -241,14 +243,17 @@ class PrefixCache:
         self.nbytes -= entry.nbytes
         self.cached_tokens -= len(entry.tokens)
         leaf, entry.leaf = entry.leaf, None
+        if leaf is None or leaf.parent is None:
+            raise RuntimeError("prefix cache: an entry without its leaf in the tree")
         parent = leaf.parent
         del parent.children[int(leaf.edge[0])]
-        if parent.parent is not None and len(parent.children) == 1:  # an inner node with one child: merge
+        grand = parent.parent
+        if grand is not None and len(parent.children) == 1:  # an inner node with one child: merge
             (only,) = parent.children.values()
             only.edge = np.concatenate([parent.edge, only.edge])
-            only.parent = parent.parent
-            parent.parent.children[int(only.edge[0])] = only
-            parent = only.parent
+            only.parent = grand
+            grand.children[int(only.edge[0])] = only
+            parent = grand
         while parent.parent is not None:  # nodes that named the dropped entry name another below them
             if parent.entry is entry:
                 parent.entry = next(iter(parent.children.values())).entry

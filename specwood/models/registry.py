@@ -16,9 +16,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from specwood.errors import ModelFileError
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 _CHUNK = 8 << 20  # 8 MiB reads: large enough to be I/O-bound, small enough to keep memory flat
 
@@ -114,9 +117,9 @@ def find_part_file(package: str) -> Path | None:
         dist = None
     if dist is not None:
         # RECORD lists the installed files; locate_file works for any install scheme (user, venv, -t).
-        bins = [f for f in (dist.files or []) if f.parent.name == "data" and _is_part_name(f.name)]
-        if len(bins) == 1:
-            path = Path(str(dist.locate_file(bins[0])))
+        recorded = [f for f in (dist.files or []) if f.parent.name == "data" and _is_part_name(f.name)]
+        if len(recorded) == 1:
+            path = Path(str(dist.locate_file(recorded[0])))
             if path.is_file():
                 return path
     # Fallback: the package folder on sys.path (e.g. PYTHONPATH without dist-info) -- find_spec does
@@ -204,7 +207,7 @@ def is_verified(dest: Path, size: int, sha256: str) -> bool:
 def sha256_file(path: Path, progress: bool | None = False) -> str:
     h = hashlib.sha256()
     size = path.stat().st_size
-    with open(path, "rb") as f, _progress(size, f"hashing {path.name}", progress) as bar:
+    with open(path, "rb") as f, _progress(size, f"hashing {path.name}", bool(progress)) as bar:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             bar.update(len(chunk))
@@ -222,7 +225,7 @@ class _NoBar:
         return None
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def _progress(total: int, desc: str, enabled: bool) -> _NoBar | tqdm[Any]:
     if not enabled:
         return _NoBar()
     from tqdm import tqdm
