@@ -9,6 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def weight_of(linear: nn.Module) -> torch.Tensor:
+    """A linear's weight [N, K]: its parameter's data, or the dequantised copy a quantised one gives."""
+    w = linear.weight
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{type(linear).__name__} has no weight tensor")
+    return w.data
+
+
 def cpu_packing_available() -> bool:
     """oneDNN's packed bf16 linear: it refuses CPUs without AVX512-BW/VL/DQ or AVX-NE-CONVERT."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -173,10 +181,15 @@ class Int8Linear(nn.Module):
 
     # torch._int_mm on CUDA wants more than 16 rows and K, N in multiples of 8; the CPU kernel takes any shape
     CUDA_MIN_ROWS = 17
+    # buffers (register_buffer): the [N, K] codes for int_mm (None when prepacked for qlinear), the
+    # per-channel scales, the bias
+    qweight: torch.Tensor | None
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Module, kernel: str | None = None):
         super().__init__()
-        w = linear.weight.data if isinstance(linear.weight, torch.Tensor) else linear.weight
+        w = weight_of(linear)
         n, k = w.shape
         q, scales = quantize_weight_int8(w)
         self.in_features, self.out_features = k, n
@@ -207,7 +220,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features) if x.dim() != 2 else x
-        if self.kernel == "qlinear":
+        if self.kernel == "qlinear" or self.qweight is None:  # (int_mm holds qweight)
             u, xs = quantize_rows_int8(flat, offset=True)
             # acc * 1.0 * weight scale, in fp32 (the activation scale 1 keeps it exact per row)
             out = torch.ops.onednn.qlinear_pointwise(u, 1.0, 128, self.packed, self.scales, self.zero_points, None,

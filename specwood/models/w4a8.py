@@ -12,13 +12,14 @@ without AVX2 or a C++ compiler get a one-line error naming the alternative (--dt
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
 from specwood.errors import SpecwoodError
 from specwood.models.amx import tile_path
+from specwood.models.linears import weight_of
 from specwood.models.kquant_kernels import KERNEL_CFLAGS, kquant_kernel  # noqa: F401
 
 GROUP = 32
@@ -207,14 +208,11 @@ class KQuantLinear(nn.Module):
     gives (lossless speculation against our own ar)."""
 
     op: str
-
-    @staticmethod
-    def pack(weights: Any) -> torch.Tensor:
-        raise NotImplementedError
-
-    @staticmethod
-    def unpack(packed: torch.Tensor, in_features: int) -> Any:
-        raise NotImplementedError
+    # its weight type's layout (staticmethods): the file's values -> the kernel's packed bytes, and back
+    pack: Callable[[Any], torch.Tensor]
+    unpack: Callable[[torch.Tensor, int], Any]
+    packed: torch.Tensor  # buffers (register_buffer)
+    bias: torch.Tensor
 
     def __init__(self, weights: Any, bias: torch.Tensor | None = None):
         super().__init__()
@@ -259,8 +257,7 @@ class Q4Linear(KQuantLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Module) -> Q4Linear:
-        w = linear.weight.data if isinstance(linear.weight, torch.Tensor) else linear.weight
-        return cls(quantize_q4(w), getattr(linear, "bias", None))
+        return cls(quantize_q4(weight_of(linear)), getattr(linear, "bias", None))
 
 
 class Q5Weights(Q4Weights):
@@ -309,22 +306,23 @@ class StackedLinear(nn.Module):
     """Linears stacked along the output channels, run one after the other: a fused qkv whose v
     the file stores in another type than q and k (Q4_K_M: Q6_K in half the layers)."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: Sequence[KQuantLinear]):
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self._linears = list(parts)  # the same modules, typed
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
 
     @property
     def weight(self) -> torch.Tensor:
         """The parts' dequantised weights, stacked (fp32, a fresh copy), e.g. for a reference model."""
-        return torch.cat([p.weight for p in self.parts])
+        return torch.cat([p.weight for p in self._linears])
 
     @property
     def bias(self) -> torch.Tensor | None:
         """The parts' biases, stacked (None without; a KQuantLinear keeps an empty one)."""
-        biases = [getattr(p, "bias", None) for p in self.parts]
-        if any(b is None or b.numel() == 0 for b in biases):
+        biases = [p.bias for p in self._linears]
+        if any(b.numel() == 0 for b in biases):
             return None
         return torch.cat(biases)
 
@@ -337,6 +335,8 @@ class QuantEmbedding(nn.Module):
     Q4_K, Q5_K, Q6_K or Q8_0 `token_embd`, exactly; a Q4_K table's codes two to a byte): a step
     looks up a few rows and dequantises only those. The default target's Q4_K table (151,936 x
     1,536) takes 135 MB against bf16's 467."""
+
+    packed: torch.Tensor  # buffer (register_buffer), beside one per field of the weight type
 
     def __init__(self, weights: Any, dtype: torch.dtype):
         super().__init__()
