@@ -189,7 +189,7 @@ class LlamaCppDraft:
         self.config, path = gguf_config(name_or_path)
         self.n_ctx = _context_size(self.config, max_context)
         first = LlamaCppModel(path, n_ctx=self.n_ctx, n_seq_max=DRAFT_SEQUENCES, vocab_size=self.config.vocab_size)
-        self.weights = first.weights
+        self.weights = first.loaded
         self.max_positions = first.n_ctx
         self.device = torch.device("cpu")
         self.dtype = torch.float32

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specwood.models.cache import KVCache
+from specwood.models.cuda_graphs import GraphedForward
 from specwood.models.transformer import Transformer
 
 
@@ -118,7 +119,7 @@ def _forward_packed(model: Transformer, cache: KVCache, inputs: list[RowInput], 
     return list(out.split([len(x.outputs) for x in inputs])), _features(model, hidden, inputs, first)
 
 
-def _forward_graphed(model: Transformer, graphs, inputs: list[RowInput]
+def _forward_graphed(model: Transformer, graphs: GraphedForward, inputs: list[RowInput]
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The same forward through fixed-shape CUDA graphs (`GraphedForward` pads it to a bucket)."""
     tokens, positions, slots, mask = pad_rows(inputs, graphs.cache.scratch_slot)

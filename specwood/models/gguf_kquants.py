@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ def kquant_weights(path: str | os.PathLike[str], layers: range | None = None,
     alone (all that q4-lite runs as stored; the others are not read)."""
     from gguf.constants import GGMLQuantizationType as Q
 
-    readers = {Q.Q4_K: _q4k_parts} if q4k_only else {
+    readers: dict[int, Callable[[torch.Tensor, int], Any]] = {Q.Q4_K: _q4k_parts} if q4k_only else {
         Q.Q4_K: _q4k_parts, Q.Q5_K: _q5k_parts, Q.Q6_K: _q6k_parts, Q.Q8_0: _q8_0_parts,
         Q.Q4_0: _q4_0_parts, Q.Q5_0: _q5_0_parts}
     path = Path(path)

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from specwood.errors import ModelFileError
 from specwood.models.config import ModelConfig
 from specwood.models.canonical import check_layers, layer_index, split_fused, validate_state_dict
 from specwood.models.gguf_dequant import dequantize_tensor, unpermute_qk
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 from specwood.models.gguf_file import (_PERMUTED_QK_ARCHS, _TRUNCATED_FIX, GGUFTensorInfo, canonical_name,
                                        config_from_gguf, read_gguf_header)
 
@@ -149,7 +153,8 @@ def load_gguf(
         _single_torch_thread_exit()
         if bar is not None:
             bar.close()
-        mm = None  # drops the mapping; not `del`, which pyflakes misreads in convert()'s closure
+        # drops the mapping; not `del`, which pyflakes misreads in convert()'s closure
+        mm = None  # type: ignore[assignment]
     split_fused(config, sd)
     validate_state_dict(config, sd, path, layers)
     return config, sd
@@ -213,7 +218,7 @@ def _tokenizer_cache_dir(path: Path) -> Path:
     return cache_dir() / "tokenizers" / f"{path.stem}-{key}"
 
 
-def load_gguf_tokenizer(path: str | os.PathLike[str]):  # -> transformers.PreTrainedTokenizerBase
+def load_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """The tokenizer embedded in a GGUF file, converted by transformers once and cached as an HF folder."""
     from transformers import AutoTokenizer
 

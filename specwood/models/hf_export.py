@@ -5,7 +5,7 @@ difference in logits comes from the runtimes, never from the weights.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,10 +14,13 @@ from specwood.models.hf_loader import HF_GLOBAL_NAMES, NORM_SHIFT, hf_layer_name
 from specwood.models.canonical import validate_state_dict
 from specwood.models.layer_kinds import layer_kinds
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
 __all__ = ["hf_config", "hf_state_dict", "to_hf_model"]
 
 
-def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrides: Any):
+def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrides: Any) -> PretrainedConfig:
     """A transformers config (LlamaConfig, Qwen2Config, MistralConfig, Qwen3Config,
     Gemma3TextConfig, Phi3Config) equivalent to ``config``."""
     from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
@@ -47,11 +50,13 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrid
     )
     if c.arch == "qwen3":
         types = ["sliding_attention" if k.window else "full_attention" for k in layer_kinds(c)]
-        cfg = Qwen3Config(**common, head_dim=c.head_dim, attention_bias=c.qkv_bias,
-                          use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
-                          layer_types=types, **overrides)
+        cfg: PretrainedConfig = Qwen3Config(**common, head_dim=c.head_dim, attention_bias=c.qkv_bias,
+                                            use_sliding_window=c.sliding_window is not None,
+                                            sliding_window=c.sliding_window, layer_types=types, **overrides)
     elif c.arch == "qwen3moe":
-        cfg = Qwen3MoeConfig(**common, head_dim=c.head_dim, attention_bias=c.qkv_bias, num_experts=c.n_experts,
+        # (its signature leaves out head_dim, which the config takes as any other field)
+        cfg = Qwen3MoeConfig(**common, head_dim=c.head_dim,  # type: ignore[call-arg]
+                             attention_bias=c.qkv_bias, num_experts=c.n_experts,
                              num_experts_per_tok=c.n_experts_used, moe_intermediate_size=c.moe_intermediate_size,
                              norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
                              **overrides)
@@ -99,14 +104,14 @@ def hf_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
             out[f"model.layers.{i}.mlp.experts.{rest.split('.')[2]}"] = t
             continue
         out[f"model.layers.{i}.{layer_names[rest]}"] = t
-    for i in range(config.n_layers if config.n_experts else 0):
-        p = f"model.layers.{i}.mlp.experts."
+    for layer in range(config.n_layers if config.n_experts else 0):
+        p = f"model.layers.{layer}.mlp.experts."
         if p + "w1" in out:
             out[p + "gate_up_proj"] = torch.cat([out.pop(p + "w1"), out.pop(p + "w3")], dim=1)
             out[p + "down_proj"] = out.pop(p + "w2")
     if config.arch == "phi3":  # q, k, v and gate, up fused, as Phi-3 stores them
-        for i in range(config.n_layers):
-            p = f"model.layers.{i}."
+        for layer in range(config.n_layers):
+            p = f"model.layers.{layer}."
             if p + "self_attn.q_proj.weight" in out:
                 out[p + "self_attn.qkv_proj.weight"] = torch.cat([out.pop(p + f"self_attn.{n}_proj.weight")
                                                                   for n in "qkv"])
@@ -116,10 +121,10 @@ def hf_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     if config.arch == "llama" and config.qkv_bias:
         # transformers' attention_bias also gives o_proj a bias; ours has none, i.e. zero.
-        for i in range(config.n_layers):
-            key = f"model.layers.{i}.self_attn.o_proj.weight"
+        for layer in range(config.n_layers):
+            key = f"model.layers.{layer}.self_attn.o_proj.weight"
             if key in out:
-                out[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(config.dim, dtype=out[key].dtype)
+                out[f"model.layers.{layer}.self_attn.o_proj.bias"] = torch.zeros(config.dim, dtype=out[key].dtype)
     return out
 
 
@@ -128,7 +133,7 @@ def to_hf_model(
     state_dict: dict[str, torch.Tensor],
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = "sdpa",
-):  # -> transformers.PreTrainedModel
+) -> PreTrainedModel:
     """A transformers LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM holding our weights."""
     import transformers
     from transformers.initialization import no_init_weights

@@ -5,13 +5,16 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specwood.errors import ModelFileError
 from specwood.models.config import ModelConfig
 from specwood.models.canonical import check_layers, layer_index, split_fused, stack_experts, validate_state_dict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attention_norm.weight",
@@ -68,7 +71,7 @@ def canonical_name(hf_name: str, arch: str = "llama") -> str | None:
     if m and m.group(2) in names:
         return f"layers.{m.group(1)}.{names[m.group(2)]}"
     expert = _EXPERT_RE.match(m.group(2)) if m and arch == "qwen3moe" else None
-    if expert:
+    if m and expert:
         return f"layers.{m.group(1)}.feed_forward.experts.{expert.group(1)}.{_EXPERT_PARTS[expert.group(2)]}.weight"
     return None
 
@@ -162,7 +165,7 @@ def load_hf_folder(
     return config, sd
 
 
-def load_hf_tokenizer(path: str | os.PathLike[str]):  # -> transformers.PreTrainedTokenizerBase
+def load_hf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:

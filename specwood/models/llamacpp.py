@@ -316,6 +316,13 @@ class LlamaCppModel:
             self._ctx = None
         self._model = self.weights = None  # the weights are freed with their last context
 
+    @property
+    def loaded(self) -> _LoadedGGUF:
+        """Its loaded file, which other contexts over the same weights share (while it is open)."""
+        if self.weights is None:
+            raise SpecwoodError(f"{self.path}: this llama.cpp context is closed")
+        return self.weights
+
     def __enter__(self) -> "LlamaCppModel":
         return self
 

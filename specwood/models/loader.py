@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from specwood.models.config import ModelConfig
 from specwood.models.gguf_loader import load_gguf, load_gguf_tokenizer
 from specwood.models.hf_loader import load_hf_folder, load_hf_tokenizer
 from specwood.models.registry import REGISTRY, resolve_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_checkpoint(
@@ -36,7 +40,7 @@ def load_checkpoint(
     return config, sd, path
 
 
-def load_tokenizer(name_or_path: str | os.PathLike[str]):  # -> transformers.PreTrainedTokenizerBase
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """The tokenizer of a registry model, .gguf file (converted once, then cached) or HF folder."""
     path = resolve_model(name_or_path)
     if path.is_dir():

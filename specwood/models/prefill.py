@@ -25,6 +25,8 @@ def prefill(model: Transformer, cache: KVCache, prompt: list[int], chunk: int = 
     logits = None
     for start in range(0, len(prompt), chunk):
         logits = prefill_chunk(model, cache, prompt, start, min(start + chunk, len(prompt)), row)
+    if logits is None:
+        raise ValueError("prefill of an empty prompt")
     return logits
 
 

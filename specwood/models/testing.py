@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -15,12 +15,13 @@ from specwood.models.hf_export import to_hf_model
 from specwood.models.rope import longrope_attention_factor
 
 if TYPE_CHECKING:
+    from gguf import GGUFWriter
     from transformers import PreTrainedTokenizerFast
 
 
-def random_tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
+def random_tiny_config(arch: str = "llama", **overrides: Any) -> ModelConfig:
     """A tiny model (dim 64, 2 layers, 4 heads, 2 kv heads, vocab 128) of the given architecture."""
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         arch=arch,
         vocab_size=128,
         dim=64,
@@ -200,7 +201,7 @@ def write_gguf(
     return Path(path)
 
 
-def _add_arch_metadata(w, config: ModelConfig, arch: str) -> None:
+def _add_arch_metadata(w: GGUFWriter, config: ModelConfig, arch: str) -> None:
     """The keys llama.cpp's converter writes for Gemma 3's local layers and Phi-3's LongRoPE."""
     if config.sliding_window:
         w.add_sliding_window(config.sliding_window)
@@ -282,7 +283,8 @@ def write_q4_k_m_gguf(path: str | os.PathLike[str], config: ModelConfig, seed: i
     for i, (name, t) in enumerate(sd.items()):
         if name.startswith("layers.") and t.dim() == 2 and "router" not in name:  # llama.cpp keeps routers in F32
             kind = "Q6_K" if name.endswith(six) else "Q4_K"
-            raw[name] = (kind, kquant_blocks(kind, *t.shape, seed=seed * 1000 + i))
+            rows, cols = t.shape
+            raw[name] = (kind, kquant_blocks(kind, rows, cols, seed=seed * 1000 + i))
     return write_gguf(path, config, sd, "F32", tokens=tokens, raw_blocks=raw)
 
 
@@ -296,7 +298,7 @@ def byte_level_tokens(vocab_size: int, specials: tuple[str, ...] = ("<|endoftext
     return toks + [f"[PAD{i}]" for i in range(len(toks), vocab_size)]
 
 
-def _add_vocab(w, tokens: list[str]) -> None:
+def _add_vocab(w: GGUFWriter, tokens: list[str]) -> None:
     import gguf
 
     t = gguf.TokenType
@@ -311,7 +313,7 @@ def save_hf_folder(path: str | os.PathLike[str], config: ModelConfig, state_dict
                    dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> Path:
     """Save canonical weights as a Hugging Face folder via transformers' save_pretrained."""
     model = to_hf_model(config, state_dict, dtype)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    kwargs: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
     return Path(path)
 

@@ -281,7 +281,7 @@ class Transformer(nn.Module):
         blocks = self.row_blocks(tokens.shape[:2], positions, mask, cache, slots, rows)
         return self.layers_over(self.embed(tokens), {kind: [blk] for kind, blk in blocks.items()}, cache)
 
-    def hidden_packed(self, parts: list[tuple[torch.Tensor, ...]], cache: KVCache) -> torch.Tensor:
+    def hidden_packed(self, parts: Sequence[tuple[torch.Tensor, ...]], cache: KVCache) -> torch.Tensor:
         """Several padded blocks (tokens [B, T(, dim)], positions, mask, slots, rows) in one pass
         over the layers: each weight is read once for all of them (a decode step riding along
         with a prefill chunk costs a few rows of compute, not a second pass over the weights).

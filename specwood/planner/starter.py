@@ -142,8 +142,8 @@ def runner_verify_times(engine: EngineLike, xs: Sequence[int], contexts: Sequenc
     g = torch.Generator().manual_seed(0)
     out: dict[int, dict[int, float]] = {}
     for ctx in contexts:
-        runner = LlamaCppModel(serving.weights.path, n_ctx=ctx + max(xs) + 8, n_seq_max=max(xs),
-                               vocab_size=vocab, weights=serving.weights)
+        runner = LlamaCppModel(serving.loaded.path, n_ctx=ctx + max(xs) + 8, n_seq_max=max(xs),
+                               vocab_size=vocab, weights=serving.loaded)
         runner.prefill(torch.randint(0, vocab, (ctx,), generator=g).tolist())
         out[ctx] = {}
         for x in xs:
