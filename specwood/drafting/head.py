@@ -30,6 +30,7 @@ from torch import nn
 from specwood.drafting.head_source import FeatureHeadSource
 from specwood.errors import ModelFileError, SpecwoodError
 from specwood.models.config import ModelConfig
+from specwood.models.linears import weight_of
 from specwood.models.rope import rope_tables
 from specwood.models.transformer import Transformer
 
@@ -69,6 +70,8 @@ class DraftHead(Transformer):
     """One decoder layer over (token, feature) pairs; logits over the draft vocabulary, -inf elsewhere."""
 
     source_class = FeatureHeadSource  # what the scheduler drafts with on a row of the head's pool
+    draft_vocab: torch.Tensor  # buffer (register_buffer): the target's ids of its vocabulary rows
+    fc: nn.Module  # the fusion of a token's embedding and a feature: nn.Linear, or quantised
 
     def __init__(self, config: ModelConfig, spec: HeadSpec, max_positions: int | None = None):
         super().__init__(head_config(config, spec), max_positions=max_positions)
@@ -86,6 +89,8 @@ class DraftHead(Transformer):
 
     def pair_inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The head's input rows [n, 2 dim]: each token's embedding beside the feature before it."""
+        if self.tok_embeddings is None:
+            raise SpecwoodError("a draft head reads the target's token table, which it was not given")
         emb = self.tok_embeddings(tokens.to(self.device))
         return torch.cat([emb.to(self.dtype), features.to(device=self.device, dtype=self.dtype)], -1)
 
@@ -104,6 +109,8 @@ class DraftHead(Transformer):
 
     def cut_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary only (training's soft cross-entropy)."""
+        if self.output is None:
+            raise SpecwoodError("a draft head without its vocabulary rows")
         return self.output(hidden).float()
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -124,7 +131,9 @@ def target_vocab_rows(target: Transformer, ids: torch.Tensor) -> torch.Tensor:
     for a tied head (looked up, never dequantised whole), else the head's dequantised weight."""
     if target.config.tie_embeddings and target.tok_embeddings is not None:
         return target.tok_embeddings(ids.to(target.device)).float()
-    return target.output.weight[ids.to(target.device)].float()
+    if target.output is None:
+        raise SpecwoodError("a draft head needs the whole target (its vocabulary head)")
+    return weight_of(target.output)[ids.to(target.device)].float()
 
 
 def check_head_fits(spec: HeadSpec, target: Transformer, where: str) -> None:
@@ -157,7 +166,10 @@ def new_head(target: Transformer, spec: HeadSpec, draft_vocab: torch.Tensor, sta
     head.rope_cos, head.rope_sin = rope_tables(head.config, head.max_positions, target.device)
     head.draft_vocab = draft_vocab.to(target.device)
     head.tok_embeddings = target.tok_embeddings  # shared
-    head.output.weight.data = target_vocab_rows(target, draft_vocab).to(dtype)
+    rows = head.output
+    if not isinstance(rows, nn.Linear):  # (a new head: before any quantisation)
+        raise TypeError(f"a new draft head's vocabulary rows are an nn.Linear, not {type(rows).__name__}")
+    rows.weight.data = target_vocab_rows(target, draft_vocab).to(dtype)
     own = dict(head.named_parameters())
     trainable = {k: p for k, p in own.items() if not k.startswith(("tok_embeddings.", "output."))}
     if state is None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from safetensors.torch import save_file
 
 from specwood.drafting.eagle_files import load_eagle_head
@@ -103,8 +104,9 @@ def match_target_weights(head: DraftHead, target: Transformer) -> DraftHead:
     mode = target.weight_mode
     if mode in ("q4", "q4-lite"):
         head.quantize_q4(lite=True)
-        if Q4Linear.fits(head.fc.out_features, head.fc.in_features):
-            head.fc = Q4Linear.from_linear(head.fc)
+        fc = head.fc
+        if isinstance(fc, nn.Linear) and Q4Linear.fits(fc.out_features, fc.in_features):
+            head.fc = Q4Linear.from_linear(fc)
         head.quantize_int8(head=True)  # shapes the 4-bit kernel does not take
     elif mode == "int8":
         head.quantize_int8(head=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import groupby
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from specwood.models.canonical import optional_layer_weights
 from specwood.models.config import ModelConfig
 from specwood.models.layer_kinds import LayerKind, layer_kinds, window_mask
 from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, kernel_layer_ops
-from specwood.models.linears import (Int4Linear, Int8Linear, PackedLinear, cpu_packing_available,
+from specwood.models.linears import (Int4Linear, Int8Linear, PackedLinear, cpu_packing_available, weight_of,
                                      int4_available, int8_available)
 from specwood.models.rope import rope_tables
 
@@ -98,6 +98,8 @@ class Attention(nn.Module):
             qkv = self.normed_qk(qkv)
         q, k, v = self.ops.rope_qk(qkv, blk.cos, blk.sin, self.n_heads, self.n_kv)
         if cache is not None:
+            if blk.slots is None:
+                raise ValueError("a forward over a cache needs the slots to write")
             cache.write(layer, blk.slots, k, v, blk.rows)
             k, v = cache.read(layer, blk.mask.shape[-1], blk.rows)
         return self.ops.attention(q, k, v, blk.mask, self.scale)
@@ -107,6 +109,8 @@ class Attention(nn.Module):
         may rotate it in place)."""
         B, T, _ = qkv.shape
         heads = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.hd)
+        if self.q_norm is None or self.k_norm is None:
+            raise ValueError("normed_qk on a model without q/k norms")
         q = self.q_norm(heads[:, :, :self.n_heads])
         k = self.k_norm(heads[:, :, self.n_heads:self.n_heads + self.n_kv])
         return torch.cat([q, k, heads[:, :, self.n_heads + self.n_kv:]], dim=2).view(B, T, -1)
@@ -171,6 +175,8 @@ class MoEFeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    attention_norm: nn.Module  # an RMSNorm (nn.Identity in a draft head without an input norm)
+
     def __init__(self, c: ModelConfig, kind: LayerKind = LayerKind()):
         super().__init__()
         self.kind = kind  # which of the forward's row blocks (mask, rotary tables) this layer reads
@@ -183,7 +189,7 @@ class Block(nn.Module):
         self.ffn_post_norm = RMSNorm(c.dim, c.norm_eps) if c.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None, layer: int) -> torch.Tensor:
-        if self.attention_post_norm is None:
+        if self.attention_post_norm is None or self.ffn_post_norm is None:  # (both or neither)
             x = x + self.attention(self.attention_norm(x), blocks, cache, layer)
             return x + self.feed_forward(self.ffn_norm(x))
         x = x + self.attention_post_norm(self.attention(self.attention_norm(x), blocks, cache, layer))
@@ -195,15 +201,24 @@ class Blocks(nn.ModuleList):
 
     if TYPE_CHECKING:
         @overload
-        def __getitem__(self, idx: int) -> Block: ...
-        @overload
         def __getitem__(self, idx: slice) -> Blocks: ...
+        @overload
+        def __getitem__(self, idx: int) -> Block: ...
         def __getitem__(self, idx: int | slice) -> Block | Blocks: ...
         def __iter__(self) -> Iterator[Block]: ...
 
 
 class Transformer(nn.Module):
     """The whole model, or the pipeline stage holding layers `layers` (a range)."""
+
+    # the parts a pipeline stage may lack (None): the token table on the first stage, the final
+    # norm and the vocabulary head on the last. The table and the head are modules with a
+    # `weight`: nn.Embedding / nn.Linear, or what quantisation put there (QuantEmbedding, Q4Linear, ...)
+    tok_embeddings: nn.Module | None
+    norm: nn.Module | None
+    output: nn.Module | None
+    rope_cos: torch.Tensor  # buffers (register_buffer)
+    rope_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig, layers: range | None = None, max_positions: int | None = None):
         super().__init__()
@@ -236,7 +251,7 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].attention_norm.weight.dtype
+        return self.layers[0].ffn_norm.weight.dtype  # (the input norm may be absent: a draft head's)
 
     @property
     def kv_bytes_per_slot(self) -> int:
@@ -293,7 +308,7 @@ class Transformer(nn.Module):
         return self.layers_over(x[None], blocks, cache)[0]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        if not self.is_first:
+        if not self.is_first or self.tok_embeddings is None:  # (the first stage has the table)
             return tokens
         x = self.tok_embeddings(tokens)
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype first
@@ -306,7 +321,7 @@ class Transformer(nn.Module):
             x = block(x, blocks[block.kind], cache, i)
         return x
 
-    def row_blocks(self, size: tuple[int, int], positions: torch.Tensor, mask: torch.Tensor | None,
+    def row_blocks(self, size: tuple[int, ...], positions: torch.Tensor, mask: torch.Tensor | None,
                    cache: KVCache | None, slots: torch.Tensor | None, rows: Rows) -> dict[LayerKind, RowBlock]:
         """What the layers need of a [B, T] block, built once per forward for each kind of layer
         this model (or stage) has: rotary tables of its positions ([T] or [B, T]) and its
@@ -314,7 +329,7 @@ class Transformer(nn.Module):
         kind's window."""
         return {kind: self.row_block(size, positions, mask, cache, slots, rows, kind) for kind in self.kinds}
 
-    def row_block(self, size: tuple[int, int], positions: torch.Tensor, mask: torch.Tensor | None,
+    def row_block(self, size: tuple[int, ...], positions: torch.Tensor, mask: torch.Tensor | None,
                   cache: KVCache | None, slots: torch.Tensor | None, rows: Rows,
                   kind: LayerKind = LayerKind()) -> RowBlock:
         """row_blocks' block for the layers of one kind."""
@@ -349,6 +364,8 @@ class Transformer(nn.Module):
         return self.vocab_logits(x)
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.output is None or self.norm is None:
+            raise ValueError("only the last pipeline stage has the vocabulary head")
         logits = self.output(self.norm(hidden)).float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -356,6 +373,8 @@ class Transformer(nn.Module):
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What a feature-level draft head reads of this model (last stage): the final-normed
         hidden states, the vectors the vocabulary head projects (EAGLE's features)."""
+        if self.norm is None:
+            raise ValueError("only the last pipeline stage has the final norm")
         return self.norm(hidden)
 
     def check_positions(self, last_position: int) -> None:
@@ -383,7 +402,7 @@ class Transformer(nn.Module):
         """Point every module's small operations (norms, RoPE, gated product, attention) at `ops`."""
         for m in self.modules():
             if hasattr(m, "ops"):
-                m.ops = ops
+                setattr(m, "ops", ops)  # noqa: B010 (a module's own attribute, not a registered part)
 
     def pack_for_cpu(self) -> bool:
         """Swap every bf16 Linear for a PackedLinear; True if anything was packed."""
@@ -452,17 +471,19 @@ class Transformer(nn.Module):
         if table is not None and exact.get("tok_embeddings.weight") is not None:
             self.tok_embeddings = QuantEmbedding(exact["tok_embeddings.weight"], self.dtype)  # kept exactly
         elif table is not None and embeddings and self.config.dim % GROUP == 0:
-            self.tok_embeddings = QuantEmbedding(quantize_q4(self.tok_embeddings.weight.data), self.dtype)
+            self.tok_embeddings = QuantEmbedding(quantize_q4(weight_of(table)), self.dtype)
         in_floats = []
         for owner, attr, names in targets:
             child = getattr(owner, attr)
             if type(child) is not nn.Linear:
                 continue
             found = [exact.get(name) for name in names]
+            stored = [f for f in found if f is not None]
             if not Q4Linear.fits(child.out_features, child.in_features):
                 in_floats += [] if lite else names  # q4-lite: int8 (build_model)
-            elif all(f is not None for f in found):
-                runs = [list(run) for _, run in groupby(found, key=type)]  # one kernel call per run of a type
+            elif len(stored) == len(found):
+                # one kernel call per run of a type (a run holds one weight type: its own cat)
+                runs: list[list[Any]] = [list(run) for _, run in groupby(stored, key=type)]
                 biases = (child.bias.split([sum(f.codes.shape[0] for f in run) for run in runs])
                           if child.bias is not None else [None] * len(runs))
                 linears = [kinds[type(run[0])](type(run[0]).cat(run), b) for run, b in zip(runs, biases)]
@@ -499,7 +520,8 @@ class Transformer(nn.Module):
         from specwood.models.w4a8 import Q4Linear
 
         exact = usable_exact(exact, lite)
-        taken, needed = set(), set()
+        taken: set[str] = set()
+        needed: set[str] = set()
         for owner, attr, names in self._q4_targets(exact):
             child = getattr(owner, attr)
             fits = type(child) is nn.Linear and Q4Linear.fits(child.out_features, child.in_features)
@@ -526,7 +548,7 @@ class Transformer(nn.Module):
     # --- weights in canonical (loader) names ---------------------------------------------------
 
     def load_canonical(self, sd: dict[str, torch.Tensor], consume: bool = False,
-                       after_layer: Callable[[int], None] | None = None) -> None:
+                       after_layer: Callable[[int], object] | None = None) -> None:
         """Take weights named as the loaders name them (separate q/k/v and gate/up) and fuse them.
 
         A meta tensor in `sd` stands for a weight the loader left in the file (weights_taken_as_stored):
@@ -537,7 +559,7 @@ class Transformer(nn.Module):
         c = self.config
         take = sd.pop if consume else sd.__getitem__
         params = dict(self.named_parameters())
-        self.weights_left_in_file = set()
+        self.weights_left_in_file: set[str] = set()
 
         def put(own: dict[str, torch.Tensor]) -> None:
             for name, t in own.items():
@@ -584,7 +606,8 @@ class Transformer(nn.Module):
                     after_layer(local)
         except KeyError as e:
             raise ModelFileError(f"checkpoint is missing tensor {e.args[0]} (incomplete or wrong model file)") from None
-        if self.is_first and self.is_last and c.tie_embeddings:
+        if self.is_first and self.is_last and c.tie_embeddings and self.output is not None \
+                and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight  # one copy in memory
 
     def canonical_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -597,12 +620,12 @@ class Transformer(nn.Module):
         def put(name: str, t: torch.Tensor) -> None:
             sd[name] = t if dtype is None else t.to(dtype)
 
-        if self.is_first:
-            put("tok_embeddings.weight", self.tok_embeddings.weight.data)
-        if self.is_last:
-            put("norm.weight", self.norm.weight.data)
+        if self.tok_embeddings is not None:  # the first stage
+            put("tok_embeddings.weight", weight_of(self.tok_embeddings))
+        if self.norm is not None and self.output is not None:  # the last stage
+            put("norm.weight", weight_of(self.norm))
             if not (c.tie_embeddings and self.is_first):
-                put("output.weight", self.output.weight.data)
+                put("output.weight", weight_of(self.output))
         sizes = [c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim]
         for local, i in enumerate(self.layer_range):
             blk, p = self.layers[local], f"layers.{i}."
@@ -612,22 +635,22 @@ class Transformer(nn.Module):
                 for n, b in zip("qkv", blk.attention.wqkv.bias.data.split(sizes)):
                     put(p + f"attention.w{n}.bias", b)
             put(p + "attention.wo.weight", blk.attention.wo.weight.data)
-            if c.n_experts:
-                ff = blk.feed_forward
+            ff = blk.feed_forward
+            if isinstance(ff, MoEFeedForward):  # (c.n_experts)
                 put(p + "feed_forward.router.weight", ff.router.weight.data)
                 w1, w3 = ff.w13.data.split(c.moe_intermediate_size, dim=1)
                 put(p + "feed_forward.experts.w1.weight", w1)
                 put(p + "feed_forward.experts.w3.weight", w3)
                 put(p + "feed_forward.experts.w2.weight", ff.w2.data)
             else:
-                w1, w3 = blk.feed_forward.w13.weight.data.split(c.intermediate_size)
+                w1, w3 = ff.w13.weight.data.split(c.intermediate_size)
                 put(p + "feed_forward.w1.weight", w1)
                 put(p + "feed_forward.w3.weight", w3)
-                put(p + "feed_forward.w2.weight", blk.feed_forward.w2.weight.data)
-            put(p + "attention_norm.weight", blk.attention_norm.weight.data)
+                put(p + "feed_forward.w2.weight", ff.w2.weight.data)
+            put(p + "attention_norm.weight", weight_of(blk.attention_norm))
             put(p + "ffn_norm.weight", blk.ffn_norm.weight.data)
             for extra in optional_layer_weights(c):
-                put(p + extra, blk.get_submodule(extra.removesuffix(".weight")).weight.data)
+                put(p + extra, weight_of(blk.get_submodule(extra.removesuffix(".weight"))))
         return sd
 
 
