@@ -27,7 +27,7 @@ try:  # the streamer base class is needed at import time for the subclass below
 
     HAVE_TRANSFORMERS = True
 except Exception:  # pragma: no cover - depends on the environment
-    _BaseStreamer = object  # type: ignore[assignment,misc]
+    _BaseStreamer = object
     HAVE_TRANSFORMERS = False
 
 

@@ -54,9 +54,7 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrid
                                             use_sliding_window=c.sliding_window is not None,
                                             sliding_window=c.sliding_window, layer_types=types, **overrides)
     elif c.arch == "qwen3moe":
-        # (its signature leaves out head_dim, which the config takes as any other field)
-        cfg = Qwen3MoeConfig(**common, head_dim=c.head_dim,  # type: ignore[call-arg]
-                             attention_bias=c.qkv_bias, num_experts=c.n_experts,
+        cfg = Qwen3MoeConfig(**common, head_dim=c.head_dim, attention_bias=c.qkv_bias, num_experts=c.n_experts,
                              num_experts_per_tok=c.n_experts_used, moe_intermediate_size=c.moe_intermediate_size,
                              norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
                              **overrides)
