@@ -26,6 +26,7 @@ from specwood.models.transformer import Transformer, build_model, usable_exact, 
 from specwood.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from specwood.constrain.processors import Processors
     from specwood.methods import DrafterFactory
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -303,7 +304,8 @@ class Engine:
         except GrammarError:
             pass
 
-    def processors_for(self, params: SamplingParams, prompt_ids: list[int], cache_scope: str | None = "") -> Any:
+    def processors_for(self, params: SamplingParams, prompt_ids: list[int],
+                       cache_scope: str | None = "") -> Processors | None:
         """The request's per-path logits processors, None when it has none (it then pays nothing).
         A grammar is compiled for this tokenizer here (once per cache scope: `grammar_matcher`): a
         bad one fails the request before it runs."""

@@ -20,10 +20,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable
 
-from specwood.engine.protocols import EngineLike
+from specwood.engine.protocols import EngineLike, Prompt
 from specwood.errors import SpecwoodError
 
 if TYPE_CHECKING:
+    from specwood.drafting.base import DraftSource
     from specwood.engine.output import GenerationResult
     from specwood.engine.request import Request
     from specwood.engine.step import StepRecord
@@ -97,7 +98,7 @@ class Executor(ABC):
         """Raise ContextLengthError if a request of `needed` slots cannot fit (`idle`: nothing is
         queued or running, so the executor may grow its pools)."""
 
-    def draft_source(self, model: Any) -> Any:
+    def draft_source(self, model: Any) -> DraftSource | None:
         """A draft source for one request on `model` (None where the executor drafts itself)."""
         return None
 
@@ -109,7 +110,7 @@ class Executor(ABC):
     def add_draft_pool(self, model: Any) -> None:
         """Allocate `model`'s KV pool, within the executor's memory budget (stepping thread only)."""
 
-    def make_request(self, engine: EngineLike, prompt: Any, *, scheduler: Any, **kwargs: Any) -> "Request":
+    def make_request(self, engine: EngineLike, prompt: Prompt, *, scheduler: Any, **kwargs: Any) -> "Request":
         """A request for this executor (Engine.new_request's arguments); an executor that keeps
         state per request makes it here."""
         return engine.new_request(prompt, scheduler=scheduler, **kwargs)

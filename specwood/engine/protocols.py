@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import TypeIs
 
+    from specwood.constrain.processors import Processors
     from specwood.engine.output import GenerationResult
     from specwood.engine.request import Request
     from specwood.engine.scheduler import Scheduler
@@ -84,4 +85,4 @@ class EngineLike(Protocol):
 
     def prepare_grammars(self) -> None: ...
     def processors_for(self, params: SamplingParams, prompt_ids: list[int],
-                       cache_scope: str | None = "") -> Any: ...
+                       cache_scope: str | None = "") -> Processors | None: ...

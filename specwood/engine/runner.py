@@ -15,6 +15,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from specwood.drafting.base import DraftSource
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.request import Request
 from specwood.engine.sequential import SequentialExecutor
@@ -94,7 +95,7 @@ class RunnerExecutor(SequentialExecutor):
         self.row_len = runner.n_ctx
         self.growable = False
 
-    def draft_source(self, model: Any) -> Any:
+    def draft_source(self, model: Any) -> DraftSource:
         # one request at a time: a torch draft gets a one-row cache of its own
         return ModelDraftSource(model) if isinstance(model, Transformer) else model.new_source()
 

@@ -16,9 +16,10 @@ import threading
 import time
 from typing import Any, Callable
 
+from specwood.drafting.base import DraftSource
 from specwood.engine.executor import Executor, QueueFullError
 from specwood.engine.output import GenerationResult
-from specwood.engine.protocols import EngineLike
+from specwood.engine.protocols import EngineLike, Prompt
 from specwood.engine.request import Request, State
 from specwood.engine.sequential import TREE_ROOM, SequentialExecutor
 from specwood.engine.step import StepRecord
@@ -87,7 +88,7 @@ class Scheduler:
     def ensure_room(self, needed: int) -> None:
         self.executor.ensure_room(needed, idle=self.idle)
 
-    def draft_source(self, model: Any) -> Any:
+    def draft_source(self, model: Any) -> DraftSource | None:
         if self.executor.lacks_draft_pool(model):  # a large allocation: on the stepping thread (OpenMP, races)
             self.run_on_loop(lambda: self.executor.add_draft_pool(model))
         return self.executor.draft_source(model)
@@ -125,7 +126,7 @@ class Scheduler:
         """Why the executor is down for good, or None while it serves (the server's /health)."""
         return self.executor.failure
 
-    def make_request(self, engine: EngineLike, prompt: Any, **kwargs: Any) -> Request:
+    def make_request(self, engine: EngineLike, prompt: Prompt, **kwargs: Any) -> Request:
         """A request for this scheduler's executor (Engine.new_request's arguments)."""
         return self.executor.make_request(engine, prompt, scheduler=self, **kwargs)
 

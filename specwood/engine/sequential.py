@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from specwood.drafting.base import DraftSource
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.executor import Executor
 from specwood.engine.output import GenerationResult
@@ -127,7 +128,7 @@ class SequentialExecutor(Executor):
             cache.graphs = GraphedForward(model, cache)
         return cache
 
-    def draft_source(self, model: Transformer) -> ModelDraftSource:
+    def draft_source(self, model: Transformer) -> DraftSource:
         """A draft source for one request, on a row of this scheduler's pool for `model` (a draft on
         another backend brings its own: llama.cpp contexts; a draft head reads pairs of tokens and
         target features: its `source_class`)."""

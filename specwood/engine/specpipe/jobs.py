@@ -9,6 +9,7 @@ from typing import Any
 
 from specwood.drafting.shapes import make_shape
 from specwood.errors import SpecwoodError
+from specwood.models.config import ModelConfig
 from specwood.sampling import SamplingParams
 
 PROMPT_CHUNK = 256  # prompt tokens per level: prefill is pipelined chunk by chunk
@@ -41,7 +42,7 @@ def check_pipeline_args(stages: Any, width: Any, topk: Any, n_layers: int | None
         raise SpecwoodError(f"--stages {stages} is more than the target's {n_layers} layers (use 2..{n_layers})")
 
 
-def weight_elements(config: Any) -> tuple[int, int]:
+def weight_elements(config: ModelConfig) -> tuple[int, int]:
     """(one layer's matmul weights, the head's), in elements: what a decode step reads."""
     c = config
     layer = (c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim
@@ -49,7 +50,7 @@ def weight_elements(config: Any) -> tuple[int, int]:
     return layer, c.vocab_size * c.dim
 
 
-def stage_ranges(config: Any, stages: int, first_stage_extra: float = 0.0) -> list[range]:
+def stage_ranges(config: ModelConfig, stages: int, first_stage_extra: float = 0.0) -> list[range]:
     """Contiguous layer ranges minimising the largest stage's weight bytes (a CPU decode step reads
     every weight once), the head counted on the last stage; every stage gets a layer or more.
     first_stage_extra: more work on rank 0 in the same unit (target weight elements), e.g. the
