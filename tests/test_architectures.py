@@ -154,23 +154,116 @@ def test_config_read_from_the_folder(tiny_files):
 
 # ----------------------------------------------------------------------------- speculative methods
 
-METHODS = ["chain", "dyspec", "sequoia", "pld", "suffix", "early-exit"]
 
-
-def test_every_method_matches_autoregressive(tiny_files):
+@pytest.fixture(scope="module")
+def arch_engine(tiny_files):
+    """(arch, an fp32 engine on the tiny model): a perturbed copy of it as the draft model (the
+    same architecture and vocabulary; perturbed by 0.15, it gets 1.4-10 tokens a step accepted
+    on these models, so both accepted paths and rejections are exercised) and an untrained
+    draft head (its drafts are rarely right, but every one is verified)."""
+    from specwood.drafting.head import untrained_head
     from specwood.engine.api import Engine
 
     arch, _, folder, _ = tiny_files
     config, sd = load_hf_folder(folder, torch.float32)
     target = build_model(config, sd, torch.float32, max_positions=positions_for(arch))
-    engine = Engine(target, make_tiny_tokenizer(), draft=perturbed_copy(target, 0.3, seed=1))
-    prompts = ["def add(a, b):", "1, 2, 3, 1, 2, 3, 1, 2,"]
-    for prompt in prompts:
+    engine = Engine(target, make_tiny_tokenizer(), draft=perturbed_copy(target, 0.15, seed=1),
+                    head=untrained_head(target, seed=3), target_name=f"tiny-{arch}", draft_name=f"tiny-{arch}-draft")
+    return arch, engine
+
+
+@pytest.fixture()
+def one_thread_private_cache(monkeypatch, tmp_path):
+    """Tiny models on one thread; auto's and prior's plans in a private cache."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
+    yield
+    torch.set_num_threads(threads)
+
+
+def every_method() -> list[str]:
+    from specwood.methods import method_names
+
+    return method_names()  # those the sequential executor runs: ar, every tree shape, head, suffix, duo, auto, ...
+
+
+def test_every_method_matches_autoregressive(arch_engine, one_thread_private_cache):
+    """Each method alone (Engine.generate) emits `ar`'s tokens: the tree shapes first checked here
+    at their default (full-size) trees, the rest at test_batching's small ones; on Gemma 3 the
+    prompts and answers run past its window of 8."""
+    from test_batching import TINY_OPTIONS, quiet_prepare, store_auto_plan
+
+    arch, engine = arch_engine
+    store_auto_plan(engine)
+    full_size = ("chain", "dyspec", "sequoia", "pld", "suffix", "early-exit")
+    prepared = {m: quiet_prepare(engine, m, {} if m in full_size else TINY_OPTIONS[m]) for m in every_method()}
+    for prompt in ["def add(a, b):", "1, 2, 3, 1, 2, 3, 1, 2,"]:
         ref = engine.generate(prompt, max_tokens=40, raw=True)
         assert len(ref.token_ids) == 40 or ref.finish_reason == "stop"
-        for method in METHODS:
-            out = engine.generate(prompt, max_tokens=40, raw=True, method=method)
+        for method, factory in prepared.items():
+            out = engine.run(engine.new_request(prompt, max_tokens=40, raw=True, method=method, prepared=factory))
             assert out.token_ids == ref.token_ids, (arch, method, prompt)
+
+
+def test_every_method_in_one_batch_matches_autoregressive(arch_engine, one_thread_private_cache):
+    """Every method twice in one scheduler batch (prompts of 9 to 45 tokens, half of the requests
+    joining mid-stream, newcomers prefilled in chunks beside the others' decode steps): each
+    request emits what `ar` alone emits, and every method that drafts speculated."""
+    import random
+
+    from specwood.engine.scheduler import Scheduler
+    from test_batching import Job, assert_like_ar, assert_pools_free, random_prompt, run_jobs, store_auto_plan
+
+    arch, engine = arch_engine
+    store_auto_plan(engine)
+    names = every_method()
+    rnd = random.Random(57)
+    jobs = [Job(method, random_prompt(rnd, rnd.randint(9, 45)), max_tokens=rnd.randint(12, 24),
+                start_step=0 if i < 6 else 2 * (i - 5))
+            for i, method in enumerate(names + names[::-1])]
+    sched = Scheduler(engine.target, max_batch=6, prefill_chunk_tokens=16)
+    run_jobs(engine, sched, jobs)
+    assert_like_ar(engine, jobs)
+    spec = [j for j in jobs if j.method not in ("ar", "pld")]  # pld drafts only where the context repeats
+    assert all(j.request.result.stats.get("spec_steps", 0) > 0 for j in spec), arch
+    assert_pools_free(sched)
+
+
+def test_every_method_with_prefix_reuse_matches_autoregressive(arch_engine, one_thread_private_cache):
+    """A conversation's first turn, then every method's second turn (its prompt: the first turn,
+    its answer and a new message) on a scheduler with a prefix cache: each starts from the cached
+    first turn (target and draft model) and emits what `ar` alone emits on the whole prompt."""
+    import random
+
+    from specwood.engine.scheduler import Scheduler
+    from specwood.models.prefix_cache import PrefixCache
+    from test_batching import TINY_OPTIONS, quiet_prepare, store_auto_plan
+
+    arch, engine = arch_engine
+    store_auto_plan(engine)
+    rnd = random.Random(5)
+    sched = Scheduler(engine.target, max_batch=4, drafts=(engine.draft_model, engine.draft_head),
+                      prefix_cache=PrefixCache(10 ** 8))
+
+    def run(prompt: list[int], method: str):
+        request = engine.new_request(prompt, max_tokens=16, method=method, scheduler=sched,
+                                     prepared=quiet_prepare(engine, method, TINY_OPTIONS[method]))
+        sched.submit(request)
+        sched.run_until_done([request])
+        assert request.error is None, (arch, method, request.error)
+        return request
+
+    first = [rnd.randrange(32, 127) for _ in range(30)]
+    answer = run(first, "ar").result.token_ids
+    for method in every_method():
+        prompt = first + answer + [rnd.randrange(32, 127) for _ in range(6)]
+        request = run(prompt, method)
+        assert request.result.token_ids == engine.generate(prompt, max_tokens=16).token_ids, (arch, method)
+        if method != "head":  # its draft head reads the target's features of every prompt token: no reuse
+            assert request.cached_tokens >= len(first), (arch, method, request.cached_tokens)
+    assert sched.reuse.cache.stats.hit_tokens["draft"] > 0
+    assert not sched.running and sched.cache.free_rows == sched.max_batch
 
 
 def test_bf16_runs_close_to_fp32_and_stays_lossless(tiny_files):
