@@ -5,8 +5,10 @@ there is one) and greedy tokens; every speculative method token-identical to our
 bad files and unknown types give one-line errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -341,16 +343,36 @@ def test_tree_forward_equals_path_forwards_on_sliding_layers(tmp_path_factory):
 # ----------------------------------------------------------------------------- errors
 
 
+def one_line_error(load, *args) -> str:
+    """The ModelFileError `load(*args)` raises: its message, asserted to be one line."""
+    with pytest.raises(ModelFileError) as e:
+        load(*args)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def without_tensor(folder, name: str) -> None:
+    """Drop tensor `name` from a saved Hugging Face folder's (single) safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors[name]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
 def test_missing_qk_norm_names_the_tensor(tmp_path):
-    from specwood.models.testing import random_state_dict, random_tiny_config
+    """A Qwen3 file without one layer's q norm: one line naming the tensor as the file does."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
 
     cfg = random_tiny_config("qwen3")
     sd = random_state_dict(cfg)
+    folder = save_hf_folder(tmp_path / "hf", cfg, sd)
+    without_tensor(folder, "model.layers.1.self_attn.q_norm.weight")
+    assert "missing tensor(s) model.layers.1.self_attn.q_norm.weight" in one_line_error(load_hf_folder, folder, torch.float32)
     del sd["layers.1.attention.q_norm.weight"]
     path = write_gguf(tmp_path / "q.gguf", cfg, sd, "F32")
-    with pytest.raises(ModelFileError) as e:
-        load_gguf(path, torch.float32)
-    assert "layers.1.attention.q_norm.weight" in str(e.value) and "\n" not in str(e.value)
+    assert "missing tensor(s) blk.1.attn_q_norm.weight" in one_line_error(load_gguf, path, torch.float32)
 
 
 def test_tensor_not_matching_metadata_names_it(tmp_path):
@@ -360,9 +382,84 @@ def test_tensor_not_matching_metadata_names_it(tmp_path):
     sd = random_state_dict(cfg)
     sd["layers.2.attention.k_norm.weight"] = torch.ones(16)  # head_dim is 32
     path = write_gguf(tmp_path / "g.gguf", cfg, sd, "F32")
-    with pytest.raises(ModelFileError, match="layers.2.attention.k_norm.weight") as e:
-        load_gguf(path, torch.float32)
-    assert "\n" not in str(e.value)
+    assert "tensor blk.2.attn_k_norm.weight has shape (16,)" in one_line_error(load_gguf, path, torch.float32)
+
+
+def test_wrong_expert_count_names_the_tensor(tmp_path):
+    """A Qwen3-MoE file whose metadata counts other experts than its tensors hold: one line naming
+    the first tensor that disagrees (the GGUF's router, stored [experts, dim]; the folder's first
+    expert past the ones it has, or the first one too many)."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("qwen3moe")  # 4 experts
+    sd = random_state_dict(cfg)
+    path = write_gguf(tmp_path / "m.gguf", cfg, sd, "F32", extra_metadata={"qwen3moe.expert_count": 8})
+    msg = one_line_error(load_gguf, path, torch.float32)
+    assert "tensor blk.0.ffn_gate_inp.weight has shape (4, 64), the model config implies (8, 64)" in msg
+    folder = save_hf_folder(tmp_path / "hf", cfg, sd)
+    raw = json.loads((folder / "config.json").read_text())
+    key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    for experts, says in ((6, r"experts\.4\.\w+_proj\.weight is missing"), (3, r"experts\.3\.\w+_proj\.weight is an expert too many")):
+        (folder / "config.json").write_text(json.dumps({**raw, key: experts}))
+        msg = one_line_error(load_hf_folder, folder, torch.float32)
+        assert re.search(rf"tensor model\.layers\.0\.mlp\.{says}: the config says {experts} experts, the checkpoint "
+                         r"has 4 \(numbered 0\.\.3\)", msg), msg
+
+
+@pytest.mark.parametrize("arch,metadata,says", [
+    ("qwen3", {"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0}, "unsupported rope scaling type 'yarn'"),
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": "local"}, "sliding_window_pattern is 'local', neither a period"),
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": [True, False]}, "not one sliding flag for each of the file's 4"),
+    ("gemma3", {"gemma3.attention.sliding_window": 8.5}, "'gemma3.attention.sliding_window' is 8.5, not an integer"),
+], ids=["rope-yarn", "pattern-string", "pattern-length", "window-fraction"])
+def test_unknown_rope_scaling_or_sliding_window_in_a_gguf(tmp_path, arch, metadata, says):
+    """Read with the header, before a weight is decoded: one line naming the file."""
+    from specwood.models.testing import random_state_dict, random_tiny_config
+
+    cfg = random_tiny_config(arch)
+    path = write_gguf(tmp_path / "x.gguf", cfg, random_state_dict(cfg), "F32", extra_metadata=metadata)
+    msg = one_line_error(load_gguf, path, torch.float32)
+    assert msg.startswith(str(path)) and says in msg, msg
+
+
+def test_a_gguf_per_layer_sliding_pattern_applies_to_any_architecture(tmp_path):
+    """llama.cpp's sliding_window_pattern (a flag per layer) is read for every architecture, not
+    only Gemma 3's (it was ignored, and the window applied to every layer)."""
+    from specwood.models.testing import random_state_dict, random_tiny_config
+
+    cfg = random_tiny_config("qwen3")
+    path = write_gguf(tmp_path / "x.gguf", cfg, random_state_dict(cfg), "F32",
+                      extra_metadata={"qwen3.attention.sliding_window": 8,
+                                      "qwen3.attention.sliding_window_pattern": [False, True]})
+    config, _ = load_gguf(path, torch.float32)
+    assert layer_kinds(config) == [LayerKind(), LayerKind(8, 0)]
+
+
+def test_qwen3_sliding_layers_from_max_window_layers_match_transformers(tmp_path):
+    """A Qwen3 config.json of transformers < 5 (use_sliding_window, no layer_types): the layers from
+    max_window_layers on slide, as transformers runs them (they all slid, silently, before)."""
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, head_dim=32, use_sliding_window=True,
+                                   sliding_window=8, max_window_layers=1, max_position_embeddings=512)
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape) if p.dim() == 1 else torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    hf.save_pretrained(tmp_path / "hf")
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    raw.pop("layer_types")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    config, sd = load_hf_folder(tmp_path / "hf", torch.float32)
+    assert layer_kinds(config) == [LayerKind(), LayerKind(8, 0)]
+    ours = build_model(config, sd, torch.float32, max_positions=64)
+    all_sliding = build_model(dataclasses.replace(config, layer_types=None), sd, torch.float32, max_positions=64)
+    tokens = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        expected = hf(tokens).logits
+        assert (ours(tokens, torch.arange(64)) - expected).abs().max().item() <= 1e-4
+        assert (all_sliding(tokens, torch.arange(64)) - expected).abs().max().item() > 1e-2  # the old reading
 
 
 def test_unknown_architecture_lists_the_ones_we_run(tmp_path):
