@@ -478,13 +478,15 @@ def test_unknown_architecture_lists_the_ones_we_run(tmp_path):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling type 'yarn'"),
     ({"hidden_act": "relu"}, "unsupported MLP activation 'relu'"),
     ({"partial_rotary_factor": 0.5}, "partial rotary"),
+    ({"model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": "every 6th"},
+     "sliding_window_pattern is 'every 6th', not a whole number"),
 ])
 def test_unknown_types_are_one_line_errors(change, match):
     cfg = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
            "num_attention_heads": 2, "intermediate_size": 64, **change}
     with pytest.raises(ModelFileError, match=match) as e:
         config = ModelConfig.from_hf(cfg)
-        build_model(config, {}, torch.float32)  # RoPE types are checked when the tables are built
+        build_model(config, {}, torch.float32)  # (RoPE types are checked when the config is read)
     assert "\n" not in str(e.value)
 
 
