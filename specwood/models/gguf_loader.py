@@ -26,7 +26,7 @@ from specwood.models.gguf_dequant import dequantize_tensor, unpermute_qk
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 from specwood.models.gguf_file import (_PERMUTED_QK_ARCHS, _TRUNCATED_FIX, GGUFTensorInfo, canonical_name,
-                                       config_from_gguf, read_gguf_header)
+                                       config_from_gguf, gguf_name, read_gguf_header)
 
 
 _threads_lock = threading.Lock()
@@ -89,6 +89,7 @@ def load_gguf(
         sd[cname] = placeholder(info)
     wanted = [w for w in wanted if w[0] not in left]
     permute = config.arch in _PERMUTED_QK_ARCHS
+    file_names = lambda name: gguf_name(name, config.arch)  # noqa: E731 - errors name tensors as the file does
     if progress is None:
         progress = header.file_size > (256 << 20) and sys.stderr.isatty()
 
@@ -118,7 +119,8 @@ def load_gguf(
     if lazy:
         for cname, info in wanted:
             sd[cname] = placeholder(info)
-        validate_state_dict(config, _split(config, dict(sd)), path, layers)  # on a copy: checking decodes nothing
+        # on a copy: checking decodes nothing
+        validate_state_dict(config, _split(config, dict(sd)), path, layers, file_names)
         infos = dict(wanted)
 
         def decode(cname: str) -> torch.Tensor:
@@ -156,7 +158,7 @@ def load_gguf(
         # drops the mapping; not `del`, which pyflakes misreads in convert()'s closure
         mm = None  # type: ignore[assignment]
     split_fused(config, sd)
-    validate_state_dict(config, sd, path, layers)
+    validate_state_dict(config, sd, path, layers, file_names)
     return config, sd
 
 
