@@ -369,7 +369,8 @@ def test_missing_qk_norm_names_the_tensor(tmp_path):
     sd = random_state_dict(cfg)
     folder = save_hf_folder(tmp_path / "hf", cfg, sd)
     without_tensor(folder, "model.layers.1.self_attn.q_norm.weight")
-    assert "missing tensor(s) model.layers.1.self_attn.q_norm.weight" in one_line_error(load_hf_folder, folder, torch.float32)
+    assert ("missing tensor(s) model.layers.1.self_attn.q_norm.weight"
+            in one_line_error(load_hf_folder, folder, torch.float32))
     del sd["layers.1.attention.q_norm.weight"]
     path = write_gguf(tmp_path / "q.gguf", cfg, sd, "F32")
     assert "missing tensor(s) blk.1.attn_q_norm.weight" in one_line_error(load_gguf, path, torch.float32)
@@ -399,7 +400,8 @@ def test_wrong_expert_count_names_the_tensor(tmp_path):
     folder = save_hf_folder(tmp_path / "hf", cfg, sd)
     raw = json.loads((folder / "config.json").read_text())
     key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
-    for experts, says in ((6, r"experts\.4\.\w+_proj\.weight is missing"), (3, r"experts\.3\.\w+_proj\.weight is an expert too many")):
+    for experts, says in ((6, r"experts\.4\.\w+_proj\.weight is missing"),
+                          (3, r"experts\.3\.\w+_proj\.weight is an expert too many")):
         (folder / "config.json").write_text(json.dumps({**raw, key: experts}))
         msg = one_line_error(load_hf_folder, folder, torch.float32)
         assert re.search(rf"tensor model\.layers\.0\.mlp\.{says}: the config says {experts} experts, the checkpoint "
@@ -407,10 +409,14 @@ def test_wrong_expert_count_names_the_tensor(tmp_path):
 
 
 @pytest.mark.parametrize("arch,metadata,says", [
-    ("qwen3", {"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0}, "unsupported rope scaling type 'yarn'"),
-    ("gemma3", {"gemma3.attention.sliding_window_pattern": "local"}, "sliding_window_pattern is 'local', neither a period"),
-    ("gemma3", {"gemma3.attention.sliding_window_pattern": [True, False]}, "not one sliding flag for each of the file's 4"),
-    ("gemma3", {"gemma3.attention.sliding_window": 8.5}, "'gemma3.attention.sliding_window' is 8.5, not an integer"),
+    ("qwen3", {"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0},
+     "unsupported rope scaling type 'yarn'"),
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": "local"},
+     "sliding_window_pattern is 'local', neither a period"),
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": [True, False]},
+     "not one sliding flag for each of the file's 4"),
+    ("gemma3", {"gemma3.attention.sliding_window": 8.5},
+     "'gemma3.attention.sliding_window' is 8.5, not an integer"),
 ], ids=["rope-yarn", "pattern-string", "pattern-length", "window-fraction"])
 def test_unknown_rope_scaling_or_sliding_window_in_a_gguf(tmp_path, arch, metadata, says):
     """Read with the header, before a weight is decoded: one line naming the file."""

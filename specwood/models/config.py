@@ -181,7 +181,7 @@ def _whole(value: Any, key: str) -> int:
     """A config.json integer field, or one line saying it is not one."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer() or value < 0:
         raise ModelFileError(f"config.json's {key} is {value!r}, not a whole number (a damaged or unsupported config)")
-    return int(value)
+    return value if isinstance(value, int) else int(float(value))  # (JSON gives an int or a float)
 
 
 def _hf_rope(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
