@@ -116,7 +116,7 @@ class DraftSource(ABC):
     def kv_row(self) -> tuple[KVCache, int]:
         """Its cache and row, once attached."""
         if self.cache is None or self.row is None:
-            raise SpecwoodError(f"{type(self).__name__} has no cache row attached")
+            raise RuntimeError(f"{type(self).__name__} has no cache row attached")
         return self.cache, self.row
 
     @property

@@ -58,7 +58,7 @@ class LlamaCppDraftSource(DraftSource):
     def _context(self) -> LlamaCppModel:
         """The context `attach` borrowed."""
         if self.ctx is None:
-            raise SpecwoodError("a llama.cpp draft source used before attach")
+            raise RuntimeError("a llama.cpp draft source used before attach")
         return self.ctx
 
     def prefill_part(self, prompt_tokens: list[int], start: int, end: int) -> None:

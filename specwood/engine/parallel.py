@@ -242,14 +242,14 @@ class ParallelExecutor(Executor):
     def _kv(self) -> KVCache:
         """The target's cache rows of the running batch (`_ensure_cache` made them)."""
         if self.cache is None:
-            raise SpecwoodError("the parallel executor has no cache rows (no batch admitted)")
+            raise RuntimeError("the parallel executor has no cache rows (no batch admitted)")
         return self.cache
 
     def _pending(self, r: Request) -> TokenTree:
         """The tree the target verifies next for `r` (set once it has a first token)."""
         tree = self._duo[r].pending
         if tree is None:
-            raise SpecwoodError(f"request {r.id} has no pending tree")
+            raise RuntimeError(f"request {r.id} has no pending tree")
         return tree
 
     def _calibrate(self) -> None:

@@ -67,7 +67,7 @@ class Drafter:
     def model_source(self) -> DraftSource:
         """Its source, where the caller knows it has one (`uses_draft_model`, `wants_target_features`)."""
         if self.source is None:
-            raise SpecwoodError("this request drafts without a draft source")
+            raise RuntimeError("this request drafts without a draft source")
         return self.source
 
     @property
@@ -191,13 +191,13 @@ class Request:
     def cache_row(self) -> int:
         """Its target cache row (admitted: the executor allocated it)."""
         if self.row is None:
-            raise SpecwoodError(f"request {self.id} has no cache row (not admitted)")
+            raise RuntimeError(f"request {self.id} has no cache row (not admitted)")
         return self.row
 
     def root_token(self) -> int:
         """Its newest token, emitted and not yet in the cache (prefilled: it has a first token)."""
         if self.root is None:
-            raise SpecwoodError(f"request {self.id} has no token yet (not prefilled)")
+            raise RuntimeError(f"request {self.id} has no token yet (not prefilled)")
         return self.root
 
     @property
@@ -262,7 +262,7 @@ class Request:
         if self.exception is not None:
             raise self.exception
         if self.result is None:
-            raise SpecwoodError(f"request {self.id} has not finished")
+            raise RuntimeError(f"request {self.id} has not finished")
         return self.result
 
     def notify(self) -> None:

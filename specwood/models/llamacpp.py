@@ -320,7 +320,7 @@ class LlamaCppModel:
     def loaded(self) -> _LoadedGGUF:
         """Its loaded file, which other contexts over the same weights share (while it is open)."""
         if self.weights is None:
-            raise SpecwoodError(f"{self.path}: this llama.cpp context is closed")
+            raise RuntimeError(f"{self.path}: this llama.cpp context is closed")
         return self.weights
 
     def __enter__(self) -> "LlamaCppModel":
