@@ -78,13 +78,17 @@ def kquant_weights(path: str | os.PathLike[str], layers: range | None = None,
     as llama.cpp holds them: canonical name -> Q4Weights, Q5Weights, Q6Weights or Q8Weights (the
     codes, their scale codes and fp16 factors; Q4_0 and Q5_0 as the same values in Q8_0's form).
     For the q4 weight mode, which runs these values on our kernels instead of requantising floats
-    (specwood.models.w4a8, specwood.models.q6k, specwood.models.q8_0). `q4k_only`: the Q4_K tensors
-    alone (all that q4-lite runs as stored; the others are not read)."""
+    (specwood.models.w4a8, specwood.models.q6k, specwood.models.q8_0). A MoE layer's expert tensor
+    [E, N, K] comes as one [E * N, K] weight, expert e's rows from e * N (KQuantExperts); one in a
+    quantised type the kernels do not run is a ModelFileError naming the type and the tensor (its
+    floats, 2 bytes a weight where the file has ~0.6, are what --dtype bf16 is for). `q4k_only`:
+    the Q4_K tensors alone (all that q4-lite runs as stored; the others are not read)."""
     from gguf.constants import GGMLQuantizationType as Q
 
     readers = {Q.Q4_K: _q4k_parts} if q4k_only else {
         Q.Q4_K: _q4k_parts, Q.Q5_K: _q5k_parts, Q.Q6_K: _q6k_parts, Q.Q8_0: _q8_0_parts,
         Q.Q4_0: _q4_0_parts, Q.Q5_0: _q5_0_parts}
+    floats = {Q.F32, Q.F16, Q.BF16}
     path = Path(path)
     header = read_gguf_header(path)
     config = config_from_gguf(header)
@@ -96,13 +100,20 @@ def kquant_weights(path: str | os.PathLike[str], layers: range | None = None,
             cname = canonical_name(gname, config.arch)
             li = layer_index(cname) if cname else None
             read = readers.get(info.ggml_type)
-            if cname is None or not cname.endswith(".weight") or read is None or len(info.shape) != 2:
+            experts = cname is not None and ".feed_forward.experts." in cname and len(info.shape) == 3
+            if li is not None and layers is not None and li not in layers:
+                continue
+            if experts and read is None and not q4k_only and info.ggml_type not in floats:
+                raise ModelFileError(
+                    f"{path}: tensor {gname} is {Q(info.ggml_type).name}, a type the q4 weight mode does not run "
+                    f"for MoE experts (it runs {', '.join(t.name for t in readers)}); use --dtype bf16 "
+                    "(the experts dequantised to floats) or a file whose experts are in one of those types")
+            if cname is None or not cname.endswith(".weight") or read is None or (len(info.shape) != 2 and not experts):
                 continue
             if li is None and cname not in ("tok_embeddings.weight", "output.weight"):
                 continue
-            if li is not None and layers is not None and li not in layers:
-                continue
-            parts = read(torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8), info.shape[0])
+            rows = info.shape[0] * info.shape[1] if experts else info.shape[0]
+            parts = read(torch.frombuffer(mm[info.offset: info.offset + info.n_bytes], dtype=torch.uint8), rows)
             if permute and cname.endswith("attention.wq.weight"):
                 parts = type(parts)(*(unpermute_qk(t, config.n_heads).contiguous() for t in parts))
             elif permute and cname.endswith("attention.wk.weight"):
