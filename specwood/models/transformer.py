@@ -6,7 +6,7 @@ mask, and a pipeline stage is the same class built over a layer range.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from typing import TYPE_CHECKING
@@ -437,8 +437,9 @@ class Transformer(nn.Module):
         kinds = {Q4Weights: Q4Linear, Q5Weights: Q5Linear, Q6Weights: Q6Linear, Q8Weights: Q8Linear}
         targets = self._q4_targets(exact, layers)
         table = self.tok_embeddings if layers is None else None
-        if table is not None and exact.get("tok_embeddings.weight") is not None:
-            self.tok_embeddings = QuantEmbedding(exact["tok_embeddings.weight"], self.dtype)  # kept exactly
+        stored_table = exact.get("tok_embeddings.weight") if table is not None else None
+        if stored_table is not None:
+            self.tok_embeddings = QuantEmbedding(stored_table, self.dtype)  # kept exactly
         elif table is not None and embeddings and self.config.dim % GROUP == 0:
             self.tok_embeddings = QuantEmbedding(quantize_q4(self.tok_embeddings.weight.data), self.dtype)
         in_floats = []
@@ -629,12 +630,16 @@ def kernels_fit(module: nn.Module, parts: int) -> bool:
     return type(module) is nn.Linear and Q4Linear.fits(module.out_features, module.in_features)
 
 
-def usable_exact(exact: dict[str, KQuantWeights] | None, lite: bool) -> dict[str, KQuantWeights]:
+def usable_exact(exact: Mapping[str, KQuantWeights] | None, lite: bool) -> Mapping[str, KQuantWeights]:
     """The file's quantised weights a q4 build runs as stored: all of them, or with `lite` (q4-lite)
     the Q4_K ones only (the rest are requantised to 4 bits from floats)."""
     from specwood.models.w4a8 import Q4Weights
 
-    return {name: w for name, w in (exact or {}).items() if not lite or type(w) is Q4Weights}
+    if exact is None or not lite:
+        return exact if exact is not None else {}
+    if hasattr(exact, "only"):  # a file's tensors decoded when looked up (gguf_kquants.KQuantTensors)
+        return exact.only(Q4Weights)
+    return {name: w for name, w in exact.items() if type(w) is Q4Weights}
 
 
 def weights_taken_as_stored(config: ModelConfig, exact: dict[str, KQuantWeights] | None, lite: bool = False) -> set[str]:
