@@ -154,19 +154,23 @@ class MoEFeedForward(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype).flatten()
+        experts, by_expert = experts.sort(dim=-1)  # a row's choices in expert order: the order they are summed in
+        weights = weights.gather(-1, by_expert).to(x.dtype).flatten()
         choices = experts.flatten()  # [N k]: row n's j-th choice at n * k + j
         order = choices.argsort(stable=True)  # grouped by expert
-        out = torch.zeros_like(flat)
-        start = 0
+        routed = flat[order // self.top_k]  # each expert's rows, one expert after another
+        outs, start = [], 0
         for expert, count in enumerate(torch.bincount(choices, minlength=self.w13.n_experts).tolist()):
-            if count == 0:
-                continue
-            picks = order[start:start + count]
-            start += count
-            rows = picks // self.top_k
-            hidden = self.ops.silu_mul(self.w13(expert, flat[rows]))
-            out.index_add_(0, rows, self.w2(expert, hidden) * weights[picks, None])
+            if count:
+                rows = routed[start:start + count]
+                outs.append(self.w2(expert, self.ops.silu_mul(self.w13(expert, rows))))
+                start += count
+        per_choice = torch.empty_like(routed)
+        per_choice[order] = torch.cat(outs) if len(outs) > 1 else outs[0]
+        per_choice = (per_choice * weights[:, None]).view(len(flat), self.top_k, -1)
+        out = per_choice[:, 0]
+        for j in range(1, self.top_k):  # added one choice at a time, whatever the batch
+            out = out + per_choice[:, j]
         return out.view(x.shape)
 
 
