@@ -93,7 +93,8 @@ def test_the_default_mode_runs_the_experts_as_stored(q4_available, tiny_tokens, 
 @pytest.mark.parametrize("kind", ["q4_k_m", "mixed"])
 def test_a_rows_output_does_not_depend_on_its_batch(q4_available, tiny_tokens, moe_files, kind):
     """The k-quant MoE layer gives each row, alone or among 63 others routed anywhere, the same
-    bits: its experts' kernels are row-exact and its k outputs are summed in expert order."""
+    bits: its experts' kernels are row-exact and its k outputs are summed in expert order. The one
+    kernel call for all experts (`grouped`) gives the bits of one call per expert."""
     from specwood.engine.api import load
 
     model = load(moe_files[kind], None, dtype="q4", progress=False).target
@@ -106,6 +107,13 @@ def test_a_rows_output_does_not_depend_on_its_batch(q4_available, tiny_tokens, m
         alone = torch.cat([ff(x[:, i:i + 1])[0] for i in range(64)])
     assert torch.equal(batch, alone)
     assert len(torch.unique(ff.router(x[0]).topk(2).indices)) == EXPERTS  # every expert ran in the batch
+    counts = [5, 0, 17, 1, 9, 0, 20, 12]  # whole and partial tiles of 8 rows, experts without rows
+    rows = torch.randn(sum(counts), 256, generator=torch.Generator().manual_seed(2)).to(model.dtype)
+    starts = [sum(counts[:e]) for e in range(EXPERTS)]
+    with torch.inference_mode():
+        for experts in (ff.w13, ff.w2):  # inputs of 256 both (hidden size, expert width)
+            one_by_one = torch.cat([experts(e, rows[starts[e]:starts[e] + c]) for e, c in enumerate(counts) if c])
+            assert torch.equal(experts.grouped(rows, counts), one_by_one)
 
 
 def test_speculative_methods_match_ar_with_kquant_experts(q4_available, tiny_tokens, moe_files):

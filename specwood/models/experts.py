@@ -1,13 +1,17 @@
 """A Mixture-of-Experts layer's expert weights: one projection (gate and up fused, or down) of every
-expert in one module, called one expert at a time over the rows routed to it.
+expert in one module, run over each expert's routed rows (`grouped`: every expert's rows one
+expert after another, each expert's weights read once for all its rows).
 
 `FloatExperts` holds them as a float tensor [E, N, K]. `KQuantExperts` holds a GGUF file's k-quant
 expert tensors (`ffn_{gate,up,down}_exps`, [E, N, K]) as the file stores them, on the same kernels
 and in the same packed layout as a dense KQuantLinear: a 3-D tensor's blocks are its experts' 2-D
 weights one after another (N rows each, N a multiple of 32, so no block of 32 output channels
 straddles two experts), packed once as [E * N, K] and viewed as [E, N / 32, bytes of a block].
-Expert e's call reads only its own slice. Gate and up of one expert run in one call where the file
-stores them in one type (as a dense fused gate/up linear), else one call per type, side by side.
+Expert e reads only its own slice. `grouped` runs all the experts of a pass in one kernel call (the
+rows quantised once, the work spread over (expert, block) pairs): the per-expert Python and
+dispatch costs of a loop of calls would be most of a pass's time at a MoE's small expert widths.
+Gate and up of one expert run in one call where the file stores them in one type (as a dense fused
+gate/up linear), else one call per type, side by side.
 """
 from __future__ import annotations
 
@@ -40,6 +44,15 @@ class FloatExperts(nn.Module):
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (the rows routed to `expert`) -> [M, N]."""
         return F.linear(x, self.weight[expert])
+
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [R, K]: counts[e] rows of expert e, expert after expert -> [R, N]: one matmul an expert."""
+        outs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                outs.append(self(expert, x[start:start + count]))
+                start += count
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 class KQuantExperts(nn.Module):
@@ -100,5 +113,13 @@ class KQuantExperts(nn.Module):
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (the rows routed to `expert`) -> [M, N] in x's dtype."""
         outs = [kquant_matmul(self.kernel, self.tiles, op, x, packed[expert], self.no_bias)
+                for op, packed in zip(self.op_names, self.packed())]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [R, K]: counts[e] rows of expert e, expert after expert -> [R, N] in x's dtype, one
+        kernel call for all the experts (per type): the bits of one `forward` call per expert."""
+        x = x.contiguous()
+        outs = [getattr(self.kernel, op.replace("_linear", "_experts"))(x, packed, counts)
                 for op, packed in zip(self.op_names, self.packed())]
         return outs[0] if len(outs) == 1 else torch.cat(outs, -1)

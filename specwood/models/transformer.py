@@ -159,14 +159,9 @@ class MoEFeedForward(nn.Module):
         choices = experts.flatten()  # [N k]: row n's j-th choice at n * k + j
         order = choices.argsort(stable=True)  # grouped by expert
         routed = flat[order // self.top_k]  # each expert's rows, one expert after another
-        outs, start = [], 0
-        for expert, count in enumerate(torch.bincount(choices, minlength=self.w13.n_experts).tolist()):
-            if count:
-                rows = routed[start:start + count]
-                outs.append(self.w2(expert, self.ops.silu_mul(self.w13(expert, rows))))
-                start += count
+        counts = torch.bincount(choices, minlength=self.w13.n_experts).tolist()
         per_choice = torch.empty_like(routed)
-        per_choice[order] = torch.cat(outs) if len(outs) > 1 else outs[0]
+        per_choice[order] = self.w2.grouped(self.ops.silu_mul(self.w13.grouped(routed, counts)), counts)
         per_choice = (per_choice * weights[:, None]).view(len(flat), self.top_k, -1)
         out = per_choice[:, 0]
         for j in range(1, self.top_k):  # added one choice at a time, whatever the batch
