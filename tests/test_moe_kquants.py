@@ -146,3 +146,24 @@ def test_an_expert_type_the_kernels_do_not_run_is_one_line(q4_available, tiny_to
     assert "\n" not in message and "blk.0.ffn_down_exps.weight" in message and "Q3_K" in message
     assert "--dtype bf16" in message
     assert load(path, None, dtype="bf16", progress=False).target.weight_mode == "bf16"
+
+
+def test_bf16_experts_are_packed_with_the_same_bits():
+    """bf16 on a CPU packs each float expert once for oneDNN (PackedExperts, as PackedLinear for the
+    linears: F.linear would re-pack it every call), with the unpacked experts' bits."""
+    from specwood.models.experts import PackedExperts
+    from specwood.models.linears import cpu_packing_available
+    from specwood.models.testing import random_state_dict
+    from specwood.models.transformer import build_model
+
+    if not cpu_packing_available():
+        pytest.skip("oneDNN's packed bf16 linear does not run on this CPU")
+    cfg = moe_config(n_layers=1)
+    sd = random_state_dict(cfg, seed=4)
+    packed, plain = (build_model(cfg, sd, torch.bfloat16, pack=pack) for pack in (True, False))
+    assert isinstance(packed.layers[0].feed_forward.w13, PackedExperts)
+    tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        assert torch.equal(packed(tokens, torch.arange(24)), plain(tokens, torch.arange(24)))
+    assert torch.equal(packed.canonical_state_dict()["layers.0.feed_forward.experts.w2.weight"],
+                       plain.canonical_state_dict()["layers.0.feed_forward.experts.w2.weight"])

@@ -47,12 +47,39 @@ class FloatExperts(nn.Module):
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [R, K]: counts[e] rows of expert e, expert after expert -> [R, N]: one matmul an expert."""
-        outs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count:
-                outs.append(self(expert, x[start:start + count]))
-                start += count
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return one_call_an_expert(self, x, counts)
+
+
+def one_call_an_expert(experts: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """`grouped` as a loop: experts(e, its rows) for each expert with rows."""
+    outs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            outs.append(experts(expert, x[start:start + count]))
+            start += count
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+class PackedExperts(nn.Module):
+    """bf16 float experts on a CPU, each expert's weight reordered once into oneDNN's blocked layout
+    (as PackedLinear does for a linear: F.linear re-packs a bf16 weight on every call, which at an
+    expert's few rows costs most of the call), with F.linear's bits."""
+
+    def __init__(self, experts: FloatExperts):
+        super().__init__()
+        self.n_experts, self.out_features, self.in_features = experts.n_experts, experts.out_features, experts.in_features
+        self.packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in experts.weight.data]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain weights [E, N, K] (a dense copy), for exporting; the forward never needs them."""
+        return torch.stack([p.to_dense() for p in self.packed])
+
+    def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed[expert], None, "none", [], "")
+
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return one_call_an_expert(self, x, counts)
 
 
 class KQuantExperts(nn.Module):

@@ -18,7 +18,7 @@ from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
 from specwood.models.cache import KVCache, Rows, kv_bytes_per_slot
 from specwood.models.canonical import optional_layer_weights
 from specwood.models.config import ModelConfig
-from specwood.models.experts import FloatExperts, KQuantExperts
+from specwood.models.experts import FloatExperts, KQuantExperts, PackedExperts
 from specwood.models.layer_kinds import LayerKind, layer_kinds, window_mask
 from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, kernel_layer_ops
 from specwood.models.linears import (Int4Linear, Int8Linear, PackedLinear, cpu_packing_available,
@@ -373,13 +373,16 @@ class Transformer(nn.Module):
                 m.ops = ops
 
     def pack_for_cpu(self) -> bool:
-        """Swap every bf16 Linear for a PackedLinear; True if anything was packed."""
+        """Swap every bf16 Linear for a PackedLinear (and float MoE experts for PackedExperts); True
+        if anything was packed."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not cpu_packing_available():
             return False
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
                     setattr(module, name, PackedLinear(child))
+                elif type(child) is FloatExperts:
+                    setattr(module, name, PackedExperts(child))
         return True
 
     def quantize_int4(self) -> bool:
