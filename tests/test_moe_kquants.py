@@ -114,6 +114,14 @@ def test_a_rows_output_does_not_depend_on_its_batch(q4_available, tiny_tokens, m
         for experts in (ff.w13, ff.w2):  # inputs of 256 both (hidden size, expert width)
             one_by_one = torch.cat([experts(e, rows[starts[e]:starts[e] + c]) for e, c in enumerate(counts) if c])
             assert torch.equal(experts.grouped(rows, counts), one_by_one)
+    from specwood.models.kquant_kernels import AVX2_KERNEL, VNNI_KERNEL
+
+    if not VNNI_KERNEL.missing_flags():  # the AVX2 build's grouped ops give the AVX512 build's bits
+        vnni, avx2 = VNNI_KERNEL.load(), AVX2_KERNEL.load()
+        for experts in (ff.w13, ff.w2):
+            for op, packed in zip(experts.op_names, experts.packed()):
+                name = op.replace("_linear", "_experts")
+                assert torch.equal(getattr(vnni, name)(rows, packed, counts), getattr(avx2, name)(rows, packed, counts))
 
 
 def test_speculative_methods_match_ar_with_kquant_experts(q4_available, tiny_tokens, moe_files):
