@@ -12,6 +12,7 @@ from specwood.engine.args import (add_executor_args, add_method_args, add_model_
 from specwood.engine.executor import executor_name
 from specwood.engine.executors import needs_draft_on, plugin_for
 from specwood.errors import SpecwoodError
+from specwood.sampling import params_from_flags
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -21,7 +22,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if plugin.generate_cli is not None:  # the pipeline's ranks start for the one request
         return plugin.generate_cli(args, load_engine)
     options = plugin.cli_options(args)  # checks that need no model first
-    constraints = constraint_options(args)
+    params = params_from_flags(args, **constraint_options(args))
     engine = load_engine(args, need_draft=needs_draft_on(args.executor, args.method))
     # a name the engine runs itself ("sequential"; None: the method decides, auto follows the plan)
     built = plugin.build(engine, options)
@@ -31,11 +32,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     try:
-        result = engine.generate(
-            prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed, stop=args.stop, method=args.method, raw=args.raw, on_text=stream, executor=executor,
-            **constraints, **method_options(args),
-        )
+        result = engine.generate(prompt, params, max_tokens=args.max_tokens, stop=args.stop, method=args.method,
+                                 raw=args.raw, on_text=stream, executor=executor, **method_options(args))
     finally:
         if built is not None:
             built.close()
@@ -59,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def constraint_options(args: argparse.Namespace) -> dict[str, Any]:
-    """--grammar FILE (llguidance's Lark dialect), --json-schema FILE, --logprobs N as generate's arguments."""
+    """--grammar FILE (llguidance's Lark dialect), --json-schema FILE, --logprobs N as SamplingParams fields."""
     options: dict[str, Any] = {}
     if args.grammar is not None:
         import llguidance

@@ -94,6 +94,10 @@ class RunnerExecutor(SequentialExecutor):
         self.row_len = runner.n_ctx
         self.growable = False
 
+    @property
+    def free_rows(self) -> None:
+        return None  # the runner holds its one sequence itself
+
     def draft_source(self, model: Any) -> Any:
         # one request at a time: a torch draft gets a one-row cache of its own
         return ModelDraftSource(model) if isinstance(model, Transformer) else model.new_source()

@@ -23,6 +23,7 @@ from specwood.engine.sequential import TREE_ROOM, SequentialExecutor
 from specwood.engine.step import StepRecord
 from specwood.errors import DeadlineExceeded, SpecwoodError
 from specwood.models.transformer import Transformer
+from specwood.sampling import SamplingParams
 
 RECOVERY_POLL_S = 1.0  # how often an idle loop looks at its executor's workers
 
@@ -120,13 +121,19 @@ class Scheduler:
                 call.set_exception(e)
 
     @property
+    def loop_died(self) -> bool:
+        """Whether the thread that stepped it ended without `stop()` (/health answers 503)."""
+        thread = self._thread
+        return thread is not None and not thread.is_alive()
+
+    @property
     def failure(self) -> str | None:
         """Why the executor is down for good, or None while it serves (the server's /health)."""
         return self.executor.failure
 
-    def make_request(self, engine: Any, prompt: Any, **kwargs: Any) -> Request:
+    def make_request(self, engine: Any, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> Request:
         """A request for this scheduler's executor (Engine.new_request's arguments)."""
-        return self.executor.make_request(engine, prompt, scheduler=self, **kwargs)
+        return self.executor.make_request(engine, prompt, params, scheduler=self, **kwargs)
 
     # --- queue counts ---------------------------------------------------------------------------
 

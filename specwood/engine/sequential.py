@@ -80,6 +80,14 @@ class SequentialExecutor(Executor):
         if kv_budget is not None and self.reuse is not None:
             self.reuse.cache.set_budget(kv_budget - self.rows_bytes())
 
+    @property
+    def free_rows(self) -> int:
+        return self.cache.free_rows
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.reuse.cache if self.reuse is not None else None
+
     # --- rows under a KV budget -----------------------------------------------------------------
 
     @property
