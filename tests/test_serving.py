@@ -1,6 +1,7 @@
-"""The server's handlers without its app (specwood.serve.serving.OpenAIServing), and the one path
-from a request to its SamplingParams (the HTTP body, the command line and the Python API each build
-one; its defaults are the one table of neutral values)."""
+"""The server's handlers without its app (specwood.serve.serving.OpenAIServing), the one path from
+a request to its SamplingParams (the HTTP body, the command line and the Python API each build
+one; its defaults are the one table of neutral values), and the one scheduler configuration
+(specwood.engine.config.SchedulerConfig)."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,10 @@ from dataclasses import fields, replace
 import pytest
 from starlette.requests import Request as HTTPRequest
 
-from specwood.errors import SamplingParamsError
+from specwood.engine.config import AUTO, SchedulerConfig
+from specwood.errors import SamplingParamsError, SpecwoodError
 from specwood.sampling import SamplingParams, params_from_flags, split_sampling
-from specwood.serve.app import make_scheduler
+from specwood.serve.app import server_config
 from specwood.serve.protocol import ProtocolError, parse_chat_request, parse_completion_request
 from specwood.serve.serving import OpenAIServing
 
@@ -41,7 +43,7 @@ def http_request(body: dict) -> HTTPRequest:
 def test_the_handlers_answer_without_the_app(tiny_engine):
     """OpenAIServing over a real scheduler: /health's answer, a completion equal to the engine's own
     greedy answer, and a bad parameter's 400, with no FastAPI app or HTTP server built."""
-    sched = make_scheduler(tiny_engine, max_batch=2, max_queue=8, kv_memory=16 << 20)
+    sched = tiny_engine.make_scheduler(server_config(max_batch=2, max_queue=8, kv_memory=16 << 20))
     serving = OpenAIServing(tiny_engine, sched, method="ar")
     sched.start()
     try:
@@ -106,3 +108,33 @@ def test_one_sampling_params_from_the_api_and_the_command_line(tiny_engine):
         req.drafter.close()
     neutral = SamplingParams()
     assert all(getattr(neutral, f.name) == f.default for f in fields(SamplingParams))
+
+
+def test_one_scheduler_config_checked_once():
+    for bad, needle in ((dict(max_batch=0), "--max-batch must be >= 1, got 0"),
+                        (dict(max_queue=0), "--max-queue must be >= 1, got 0"),
+                        (dict(request_timeout_s=0), "--request-timeout must be > 0 seconds, got 0"),
+                        (dict(kv_memory=-1), "--kv-memory must be >= 0 bytes, got -1"),
+                        (dict(reuse=True), "needs prefix_bytes"),
+                        (dict(kv_memory=1 << 20, reuse=True, prefix_bytes=10), "drop prefix_bytes"),
+                        (dict(kv_memory=AUTO, growable=True), "growable")):
+        with pytest.raises(SpecwoodError, match=needle):
+            SchedulerConfig(**bad)
+    # the server's flags, read once: --kv-memory 0 keeps the default budget and reuses nothing
+    assert server_config() == SchedulerConfig(kv_memory=AUTO, reuse=True)
+    assert server_config(kv_memory=0) == SchedulerConfig(kv_memory=AUTO, reuse=False)
+    assert server_config(kv_memory=1 << 20, shared_cache=False) == SchedulerConfig(kv_memory=1 << 20, reuse=False)
+    with pytest.raises(SpecwoodError, match="--max-batch must be >= 1"):
+        server_config(max_batch=0)
+
+
+def test_make_scheduler_builds_what_the_config_says(tiny_engine):
+    config = SchedulerConfig(max_batch=3, max_queue=5, row_len=300, reuse=True, prefix_bytes=1 << 20)
+    sched = tiny_engine.make_scheduler(config)
+    ex = sched.executor
+    assert (sched.max_batch, sched.max_queue, sched.config) == (3, 5, config)
+    assert (ex.cache.rows, ex.row_len, ex.kv_budget, ex.prefix_cache.budget_bytes) == (3, 300, None, 1 << 20)
+    budget = 3 * 2 * (ex.cache.bytes_per_slot + sum(p.bytes_per_slot for _, p in ex._draft_pools.values())) * 1200
+    grown = tiny_engine.make_scheduler(SchedulerConfig(max_batch=3, kv_memory=budget, reuse=True)).executor
+    assert grown.kv_budget == budget and grown.max_row_len == tiny_engine.max_context + grown.tree_room
+    assert grown.prefix_cache.budget_bytes == budget - grown.rows_bytes()

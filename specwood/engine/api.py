@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from specwood.engine.chat import encode_chat
+from specwood.engine.config import SchedulerConfig
 from specwood.engine.executor import executor_name
 from specwood.engine.executors import plugin_for
 from specwood.engine.output import GenerationResult, OutputStream
@@ -18,10 +19,10 @@ from specwood.engine.request import Request
 from specwood.engine.runner import RunnerExecutor
 from specwood.engine.vocab import emit_limit
 from specwood.engine.scheduler import Scheduler
+from specwood.engine.sequential import SequentialExecutor
 from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
 from specwood.models.config import ModelConfig
 from specwood.models.linears import int4_available
-from specwood.models.prefix_cache import PrefixCache
 from specwood.models.transformer import Transformer, build_model, usable_exact, weights_taken_as_stored
 from specwood.sampling import SamplingParams, split_sampling
 
@@ -144,26 +145,25 @@ class Engine:
     def scheduler(self) -> Scheduler:
         """The engine's own scheduler for `generate`: one cache row, grown while idle as needed."""
         if self._scheduler is None:
-            self._scheduler = self.make_scheduler(max_batch=1, row_len=256, growable=True)
+            self._scheduler = self.make_scheduler(SchedulerConfig(max_batch=1, row_len=256, growable=True))
         return self._scheduler
 
-    def make_scheduler(self, *, max_batch: int = 8, row_len: int | None = None, max_queue: int = 64,
-                       growable: bool = False, kv_memory: int | None = None,
-                       kv_budget: int | None = None) -> Scheduler:
-        """A scheduler for this engine's target: continuous batching on torch; on a runner-backed
-        target (llama.cpp: one KV sequence) requests take turns, whatever `max_batch` says (and
-        nothing is reused across requests). `kv_memory`: bytes of finished requests' K/V kept for
-        newcomers that share their prefix (specwood.models.prefix_cache); None keeps none.
-        `kv_budget`: bytes for the rows and those entries together: rows start short and grow
-        with the longest request up to `row_len` (or the model's context) as the budget allows,
-        and the prefix cache keeps what they leave (specwood.engine.sequential)."""
+    def make_scheduler(self, config: SchedulerConfig = SchedulerConfig(),
+                       drafts: tuple[Any, ...] | None = None) -> Scheduler:
+        """A scheduler for this engine's target, as `config` says (specwood.engine.config):
+        continuous batching on torch; on a runner-backed target (llama.cpp: one KV sequence)
+        requests take turns, whatever `config.max_batch` says (and nothing is reused across
+        requests). Under `config.kv_memory` rows grow up to the engine's context (and tree room)
+        unless `config.row_len` says less. `drafts`: the draft models whose cache pools are made
+        now (default: the engine's draft model and draft head; others get theirs on first use)."""
         runner = getattr(self.target, "runner", None)
         if runner is not None:
-            return Scheduler(RunnerExecutor(runner), max_batch=1, max_queue=max_queue)
-        drafts = tuple(m for m in (self.draft_model, self.draft_head) if m is not None)
-        prefix = PrefixCache(kv_memory) if kv_memory is not None else None
-        return Scheduler(self.target, max_batch=max_batch, row_len=row_len, max_queue=max_queue, growable=growable,
-                         drafts=drafts, prefix_cache=prefix, kv_budget=kv_budget)
+            return Scheduler(RunnerExecutor(runner), replace(config, max_batch=1))
+        if drafts is None:
+            drafts = tuple(m for m in (self.draft_model, self.draft_head) if m is not None)
+        if config.budgeted and config.row_len is None:
+            config = replace(config, row_len=int(self.max_context) + config.tree_room)
+        return Scheduler(SequentialExecutor(self.target, config, drafts), config)
 
     def prepare(self, method: str, options: dict[str, Any] | None = None) -> "DrafterFactory":
         """Validate a method and its options once (`auto` loads its plan here)."""

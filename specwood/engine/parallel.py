@@ -53,6 +53,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from specwood.drafting.multi_sequence import MultiSequenceShape, make_multi_sequence
+from specwood.engine.config import SchedulerConfig
 from specwood.engine.executor import Executor
 from specwood.engine.parallel_args import available_cores, check_draft_device, check_draft_threads, parallel_method
 from specwood.engine.parallel_process import WorkerFailure, _Inline, _Remote
@@ -350,7 +351,8 @@ class ParallelExecutor(Executor):
         for r in requests:
             if r not in self._duo:
                 raise SpecwoodError("requests for the parallel executor come from ParallelExecutor.new_request")
-        scheduler = Scheduler(self, max_batch=max(1, len(requests)), max_queue=max(1, len(requests)))
+        n = max(1, len(requests))
+        scheduler = Scheduler(self, SchedulerConfig(max_batch=n, max_queue=n))
         for r in requests:
             scheduler.submit(r)
         scheduler.run_until_done(requests)

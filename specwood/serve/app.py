@@ -20,14 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specwood.engine.scheduler import TREE_ROOM, Scheduler
+from specwood.engine.config import AUTO, SchedulerConfig
+from specwood.engine.scheduler import Scheduler
 from specwood.errors import SpecwoodError
 from specwood.serve import protocol as P
 from specwood.serve.background import pause_while_busy
 from specwood.serve.connections import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, uvicorn_limits
 from specwood.serve.guard import Access, guard_app
 from specwood.serve.protocol import ProtocolError
-from specwood.serve.kv_memory import budget_warning, default_kv_memory
+from specwood.serve.kv_memory import budget_warning
 from specwood.serve.serving import OpenAIServing
 from specwood.serve.tenancy import Sharing
 
@@ -143,65 +144,57 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_scheduler(engine: Any, *, max_batch: int = 8, max_queue: int = 64,
-                   kv_memory: int | None = None) -> Scheduler:
-    """The server's scheduler: `max_batch` cache rows that grow with the longest request up to the
-    engine's whole context (plus tree room) within a KV budget of `kv_memory` bytes (None: half
-    the memory available now), the rows and the prefix cache together: the prefix cache keeps
-    what the rows leave. 0: no reuse across requests (the rows then take the default budget)."""
-    if max_batch < 1:
-        raise SpecwoodError(f"--max-batch must be >= 1, got {max_batch}")
-    if max_queue < 1:
-        raise SpecwoodError(f"--max-queue must be >= 1, got {max_queue}")
-    if kv_memory is not None and kv_memory < 0:
-        raise SpecwoodError(f"--kv-memory must be >= 0 bytes, got {kv_memory}")
-    runner = getattr(engine.target, "runner", None) is not None  # llama.cpp holds its own KV
-    budget = kv_memory or (None if runner else default_kv_memory(engine.target.device))
-    return engine.make_scheduler(max_batch=max_batch, row_len=int(engine.max_context) + TREE_ROOM,
-                                 max_queue=max_queue, kv_memory=None if kv_memory == 0 else budget or 0,
-                                 kv_budget=budget)
+def server_config(*, max_batch: int = 8, max_queue: int = 64, kv_memory: int | None = None,
+                  shared_cache: bool = True, request_timeout: float | None = None) -> SchedulerConfig:
+    """The server's scheduler configuration from its flags, their meaning read here once:
+    `max_batch` cache rows that grow with the longest request up to the engine's whole context
+    (plus tree room) within `--kv-memory` bytes (None: half the memory available once the models
+    are loaded), the rows and the prefix cache together; `--kv-memory 0` keeps that default budget
+    and reuses nothing across requests, and so does `--no-shared-cache` (`shared_cache=False`)."""
+    return SchedulerConfig(max_batch=max_batch, max_queue=max_queue, request_timeout_s=request_timeout,
+                           kv_memory=kv_memory or AUTO, reuse=shared_cache and kv_memory != 0)
 
 
-def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto",
-          options: dict[str, Any] | None = None, max_batch: int = 8, max_queue: int = 64,
-          sock: socket.socket | None = None, log_level: str = "warning", executor: Any = None,
-          background: Any = None, max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
-          drain_timeout: float = DEFAULT_DRAIN_S, request_timeout: float | None = None,
-          read_timeout: float = DEFAULT_READ_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-          kv_memory: int | None = None, sharing: Sharing = Sharing()) -> None:
+def serve(engine: Any, config: SchedulerConfig | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+          method: str = "auto", options: dict[str, Any] | None = None, sock: socket.socket | None = None,
+          log_level: str = "warning", executor: Any = None, background: Any = None,
+          max_body_bytes: int = P.DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
+          drain_timeout: float = DEFAULT_DRAIN_S, read_timeout: float = DEFAULT_READ_TIMEOUT_S,
+          max_connections: int = DEFAULT_MAX_CONNECTIONS, sharing: Sharing = Sharing()) -> None:
     """Serve `engine` until interrupted (SIGINT/SIGTERM). Prints one "listening on" line. On the
     signal it stops accepting requests and drains: running requests get `drain_timeout` seconds
     to finish, then end (streams with an error event and [DONE]); a second signal ends at once.
-    executor: a ParallelExecutor to serve on (DuoDecoding, lock-step batches), a PipelineExecutor
-    (SpecPipe-DB, requests joining and leaving between pipeline steps), or None for the
-    continuous-batching scheduler. background: a child process (group leader) that may only
-    run while the server is idle (the plan measured in the background; `pause_while_busy`).
+    config: the scheduler and its KV cache (`server_config`'s by default: batch, queue, request
+    timeout, --kv-memory and reuse; the other executors take its batch, queue and timeout and
+    reuse nothing). executor: a ParallelExecutor to serve on (DuoDecoding, lock-step batches), a
+    PipelineExecutor (SpecPipe-DB, requests joining and leaving between pipeline steps), or None
+    for the continuous-batching scheduler. background: a child process (group leader) that may
+    only run while the server is idle (the plan measured in the background; `pause_while_busy`).
     read_timeout: seconds a request's headers, and then its body, may take to arrive;
     max_connections: open connections served, requests on more get 503 (connections.py);
-    kv_memory: bytes of finished requests' K/V kept for reuse (`make_scheduler`; the other
-    executors reuse nothing); sharing: who reuses whose work (tenancy.Sharing; without a shared
-    cache the server keeps no prefix cache at all)."""
+    sharing: who reuses whose work (tenancy.Sharing; `config.reuse` says whether the server keeps
+    a prefix cache at all)."""
     import uvicorn
 
+    config = config or server_config(shared_cache=sharing.shared_cache)
     sock = sock or bind_socket(host, port)
     if executor is not None:  # DuoDecoding's worker or SpecPipe's ranks (specwood.engine.executor)
-        scheduler = Scheduler(executor, max_batch=max_batch, max_queue=max_queue)
+        scheduler = Scheduler(executor, config)
     else:
-        scheduler = make_scheduler(engine, max_batch=max_batch, max_queue=max_queue,
-                                   kv_memory=kv_memory if sharing.shared_cache else 0)
-    warning = budget_warning(kv_memory) if kv_memory else None
+        scheduler = engine.make_scheduler(config)
+    warning = budget_warning(config.kv_memory) if isinstance(config.kv_memory, int) else None
     if warning:
         _log(warning)
-    scheduler.request_timeout_s = request_timeout
     app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes,
                      access=access.for_bind(str(sock.getsockname()[0])), read_timeout=read_timeout,
                      sharing=sharing)
     if background is not None:
         pause_while_busy(background, scheduler)
     # uvicorn waits for open responses a little longer than the drain, so streams get their end
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=drain_timeout + 10,
-                            lifespan="on", **uvicorn_limits(read_timeout, max_connections))
-    server = uvicorn.Server(config)
+    http_config = uvicorn.Config(app, log_level=log_level, access_log=False,
+                                 timeout_graceful_shutdown=drain_timeout + 10, lifespan="on",
+                                 **uvicorn_limits(read_timeout, max_connections))
+    server = uvicorn.Server(http_config)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in str(bound_host) else bound_host
 
@@ -213,7 +206,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, method: str
             await asyncio.sleep(0.05)
         if server.started:
             print(f"specwood: listening on http://{shown}:{bound_port} (model {engine.target_name}, "
-                  f"method {app.state.methods.default}, max batch {max_batch})", flush=True)
+                  f"method {app.state.methods.default}, max batch {config.max_batch})", flush=True)
         # an executor that cannot recover (a dead pipeline rank) ends the server: /health says 503
         # meanwhile, and a supervisor restarts the process on its non-zero exit
         while not task.done():
