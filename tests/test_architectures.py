@@ -214,7 +214,7 @@ def test_every_method_in_one_batch_matches_autoregressive(arch_engine, one_threa
     request emits what `ar` alone emits, and every method that drafts speculated."""
     import random
 
-    from specwood.engine.scheduler import Scheduler
+    from specwood.engine.scheduler import SchedulerConfig
     from test_batching import Job, assert_like_ar, assert_pools_free, random_prompt, run_jobs, store_auto_plan
 
     arch, engine = arch_engine
@@ -224,7 +224,7 @@ def test_every_method_in_one_batch_matches_autoregressive(arch_engine, one_threa
     jobs = [Job(method, random_prompt(rnd, rnd.randint(9, 45)), max_tokens=rnd.randint(12, 24),
                 start_step=0 if i < 6 else 2 * (i - 5))
             for i, method in enumerate(names + names[::-1])]
-    sched = Scheduler(engine.target, max_batch=6, prefill_chunk_tokens=16)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=6, prefill_chunk_tokens=16), drafts=())
     run_jobs(engine, sched, jobs)
     assert_like_ar(engine, jobs)
     spec = [j for j in jobs if j.method not in ("ar", "pld")]  # pld drafts only where the context repeats
@@ -238,15 +238,14 @@ def test_every_method_with_prefix_reuse_matches_autoregressive(arch_engine, one_
     first turn (target and draft model) and emits what `ar` alone emits on the whole prompt."""
     import random
 
-    from specwood.engine.scheduler import Scheduler
-    from specwood.models.prefix_cache import PrefixCache
+    from specwood.engine.scheduler import SchedulerConfig
     from test_batching import TINY_OPTIONS, quiet_prepare, store_auto_plan
 
     arch, engine = arch_engine
     store_auto_plan(engine)
     rnd = random.Random(5)
-    sched = Scheduler(engine.target, max_batch=4, drafts=(engine.draft_model, engine.draft_head),
-                      prefix_cache=PrefixCache(10 ** 8))
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=4, reuse=True, prefix_bytes=10 ** 8),
+                                  drafts=(engine.draft_model, engine.draft_head))
 
     def run(prompt: list[int], method: str):
         request = engine.new_request(prompt, max_tokens=16, method=method, scheduler=sched,
@@ -264,8 +263,8 @@ def test_every_method_with_prefix_reuse_matches_autoregressive(arch_engine, one_
         assert request.result.token_ids == engine.generate(prompt, max_tokens=16).token_ids, (arch, method)
         if method != "head":  # its draft head reads the target's features of every prompt token: no reuse
             assert request.cached_tokens >= len(first), (arch, method, request.cached_tokens)
-    assert sched.reuse.cache.stats.hit_tokens["draft"] > 0
-    assert not sched.running and sched.cache.free_rows == sched.max_batch
+    assert sched.executor.reuse.cache.stats.hit_tokens["draft"] > 0
+    assert not sched.running and sched.executor.cache.free_rows == sched.max_batch
 
 
 def test_bf16_runs_close_to_fp32_and_stays_lossless(tiny_files):
