@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import math
+import os
 from typing import Any
 
 import specwood
@@ -66,8 +67,8 @@ def main() -> None:
             prompts = [next(p for p in prompts if p.category == c) for c in cats]
     methods = [(spec, *method_and_options(spec)) for spec in args.methods.split(",")]
     print("| prompt | prompt tokens | round | method | decode tok/s | TTFT s | AAT | auto chose | x: steps | sources "
-          "| draft from token | target conf | draft s | = first |")
-    print("|---|---:|---:|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|")
+          "| draft from token | target conf | draft s | = first | load |")
+    print("|---|---:|---:|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|")
     ratios: dict[str, dict[str, list[float]]] = {spec: {} for spec, _, _ in methods[1:]}
     for p in prompts:
         for rnd in range(args.rounds):
@@ -89,7 +90,8 @@ def main() -> None:
                       f"{s['ttft_s']:.2f} | {'–' if aat is None else f'{aat:.2f}'} | {s.get('auto') or '–'} | "
                       f"{xs or '–'} | {sources or '–'} | {s.get('auto_draft_from_token') or '–'} | "
                       f"{'–' if conf is None else f'{conf:.3f}'} | "
-                      f"{'–' if draft_s is None else f'{draft_s:.2f}'} | {r.token_ids == first} |", flush=True)
+                      f"{'–' if draft_s is None else f'{draft_s:.2f}'} | {r.token_ids == first} | "
+                      f"{os.getloadavg()[0]:.1f} |", flush=True)
             for spec, _, _ in methods[1:]:
                 ratios[spec].setdefault(p.id, []).append(rates[spec] / rates[methods[0][0]])
     print(f"\n| method | prompt | decode tok/s ÷ {methods[0][0]} per round | geometric mean |")

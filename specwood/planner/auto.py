@@ -169,13 +169,13 @@ class PlannedShape(ShapePolicy):
         """This step's tree size: the batch's choice in a shared step, else this request's own
         decision or, where that is plain, a probe's tree (and the decision, None where the batch
         or the stored plan chose)."""
-        if not self.model:
-            return 1, None
         if not self.adapt:
             return self.choose_x(context_len), None
-        if batch_size > 1 or riding:
+        if batch_size > 1 or riding:  # a request without its draft counts in the batch's choice too
             return self.batch.x_for(self, context_len, batch_size, riding, self._costs(batch_size, riding),
                                     self._draft_scale(batch_size)), None
+        if not self.model:
+            return 1, None
         d = self._decision(context_len, batch_size, free=free)
         self._probing = self.probes is not None and d.x_best_sd >= 2 and self.probes.step(d.method == "sd")
         if self._probing:
@@ -497,15 +497,15 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     return new_drafter
 
 
-_ONLINE: dict[PlanKey, OnlineCosts] = {}
+_ONLINE: dict[tuple[PlanKey, Path], OnlineCosts] = {}
 
 
 def online_costs(engine: Any, plan: Plan) -> OnlineCosts:
     """The costs this process has measured for the plan's key, kept across prepared `auto`s (each
     in-process `generate` prepares its own): what earlier requests measured is not learnt again.
     Another plan (a measured one replacing the starter plan) starts afresh: the corrections were
-    against the old one's times."""
-    key = plan_key_for(engine, plan.key.method)
+    against the old one's times. (Keyed by the plan's place too: another cache is another server.)"""
+    key = (plan_key_for(engine, plan.key.method), plan_path(plan.key))
     known = _ONLINE.get(key)
     if known is None or (known.plan is not plan and _plan_times(known.plan) != _plan_times(plan)):
         known = _ONLINE[key] = OnlineCosts(plan)
