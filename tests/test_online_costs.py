@@ -92,6 +92,30 @@ def test_a_uniform_change_of_speed_moves_no_decision():
     assert costs.t_d_share(1024, 4) == pytest.approx(costs.machine(1024) * prior_t_d(plan, 1024, 4))
 
 
+def test_the_draft_prefill_is_weighed_at_the_measured_costs():
+    """Alone, the plan's choice for the prompt re-priced at the costs measured at the answer's
+    context: earned at the plan's costs, not where its trees measured dearer, still where the
+    whole machine got slower (the prefill slows with it)."""
+    plan = starter_like_plan()
+    choice = plan.choice_for(1500)
+    assert choice.method == "dyspec"
+    prompt, new_tokens = 1500, 128
+    plan.draft_prefill_s = 0.8 * new_tokens * (1 / choice.p_ar - 1 / choice.p_eff) / prompt
+    ctx = prompt + new_tokens / 2
+
+    def fed(plain: float, tree: float) -> OnlineCosts:
+        costs = OnlineCosts(plan)
+        for _ in range(20):
+            costs.observe_verify(ctx, 1, 1, plain * prior_t_v(plan, ctx, 1))
+            costs.observe_verify(ctx, choice.x, 1, tree * prior_t_v(plan, ctx, choice.x))
+        return costs
+
+    assert OnlineCosts(plan).speculation_pays(prompt, new_tokens)
+    assert not fed(1.0, 1.6).speculation_pays(prompt, new_tokens)
+    assert fed(2.0, 2.0).speculation_pays(prompt, new_tokens)
+    assert not OnlineCosts(plan).speculation_pays(prompt, new_tokens // 2)  # half the answer: not earned
+
+
 def test_probes_are_bounded_and_deterministic_under_a_seed():
     steps = 2000
 

@@ -449,8 +449,8 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
         # here; alone, a seeded sampled request follows the plan's own answer (`planned`)
         scale = draft_costs.scale(load)
         never = no_draft or (all(c.method == "ar" for c in plan.choices) and plan.source == "measured")
-        model = not never and costs.speculation_pays(prompt_len, max_tokens, load, scale)
         planned = not never and plan.speculation_pays(prompt_len, max_tokens, load, scale if load > 1 else 1.0)
+        model = not never and costs.speculation_pays(prompt_len, max_tokens, load, scale) if adapt else planned
         if not model and not no_draft:
             if progress and not told:  # once: a server would print it for every short request
                 told.append(True)

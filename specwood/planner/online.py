@@ -228,12 +228,25 @@ class OnlineCosts:
             return False
         return tokens * (1.0 / d.p_ar - 1.0 / d.p_eff) > self.prefill_s(context_len)
 
-    def speculation_pays(self, prompt_len: int, max_tokens: int, load: int = 1, draft_scale: float = 1.0,
-                         aat: Callable[[float], float] | None = None) -> bool:
-        """Whether the draft's prefill of this prompt is earned back over `max_tokens` new tokens,
-        decided at the context the answer will average (the prompt and half the answer)."""
+    def speculation_pays(self, prompt_len: int, max_tokens: int, load: int = 1, draft_scale: float = 1.0) -> bool:
+        """Plan.speculation_pays at the costs measured here: whether the draft's prefill of this
+        prompt is earned back over `max_tokens` new tokens, at the context the answer will average
+        (the prompt and half the answer). Alone, the plan's choice for the prompt's bucket with its
+        rates re-priced: scaled by the bucket's own times over the measured ones there; shared by
+        `load` requests, the batch decision at the measured costs."""
+        choice = self.plan.choice_for(prompt_len)
+        if choice.method == "ar" or choice.p_eff <= 0:
+            return False
         ctx = prompt_len + max_tokens / 2
-        return self.prefill_is_earned(self.decide(ctx, aat, batch=load, draft_scale=draft_scale), max_tokens, prompt_len)
+        if load > 1:
+            d = self.decide(ctx, batch=load, draft_scale=draft_scale)
+        else:
+            c, x = choice.context, choice.x
+            plain = self.plan.t_v(c, 1) / self.t_v(ctx, 1)
+            tree = ((self.plan.t_v(c, x) + self.plan.t_d(c, x))
+                    / (self.t_v(ctx, x) + draft_scale * self.t_d_share(ctx, x)))
+            d = Decision("sd", x, 0.0, choice.p_eff * tree, choice.p_ar * plain, x)
+        return self.prefill_is_earned(d, max_tokens, prompt_len)
 
     # --- what the steps measured -------------------------------------------------------------
 
