@@ -509,10 +509,11 @@ def test_gemma3_query_scalar_and_pattern_from_an_older_config_json():
 def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch, arch):
     """q4 (the default for a GGUF on a CPU with the kernels) on a Q4_K_M-style file: every layer
     linear runs on the k-quant kernels as the file stores it (Phi-3's fused qkv and gate-up split
-    by rows), their dequantised values equal the fp32 load's, and speculative decoding stays
-    token-identical to ar."""
+    by rows; Qwen3-MoE's experts as KQuantExperts), their dequantised values equal the fp32 load's,
+    and speculative decoding stays token-identical to ar."""
     from specwood.engine.api import load
     from specwood.models import loader
+    from specwood.models.experts import KQuantExperts
     from specwood.models.testing import longrope_scaling, random_tiny_config, write_q4_k_m_gguf
     from specwood.models.w4a8 import KQuantLinear, q4_unavailable_reason
 
@@ -524,7 +525,7 @@ def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch
     head_dim = {"qwen3": 128, "gemma3": 64, "phi3": 64, "qwen3moe": 64}[arch]
     extra = {"gemma3": {"attention_scale": head_dim ** -0.5, "embed_scale": 16.0},
              "phi3": {"rope_scaling": longrope_scaling(head_dim // 2)},
-             "qwen3moe": {"n_experts": 32}}.get(arch, {})
+             "qwen3moe": {"n_experts": 8, "moe_intermediate_size": 256}}.get(arch, {})
     cfg = random_tiny_config(arch, head_dim=head_dim, **sizes, **extra)
     path = str(write_q4_k_m_gguf(tmp_path / f"{arch}.gguf", cfg, seed=5))
     q4 = load(path, None, dtype="q4", progress=False)
@@ -532,12 +533,12 @@ def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch
     assert not [n for n in q4.target.weights_in_floats if n.startswith("layers.")]  # the F32 token table may be
     for block in q4.target.layers:
         assert isinstance(block.attention.wqkv, KQuantLinear) or type(block.attention.wqkv).__name__ == "StackedLinear"
-        # a Mixture-of-Experts layer's router (F32 in the file, as llama.cpp keeps it) and experts stay in floats
-        assert arch == "qwen3moe" or isinstance(block.feed_forward.w2, KQuantLinear)
+        # a Mixture-of-Experts layer's router (F32 in the file, as llama.cpp keeps it) stays in floats
+        assert isinstance(block.feed_forward.w2, KQuantExperts if arch == "qwen3moe" else KQuantLinear)
     reference = load(path, None, dtype="fp32", progress=False).target.canonical_state_dict()
     exported = q4.target.canonical_state_dict(torch.float32)
     for name, ref in reference.items():
-        if name.startswith("layers.") and ref.dim() == 2 and "router" not in name:  # the file's k-quants
+        if name.startswith("layers.") and ref.dim() >= 2 and "router" not in name:  # the file's k-quants
             assert torch.equal(exported[name], ref), name
         else:  # kept in floats, in the activations' dtype
             assert torch.equal(exported[name], ref.to(q4.dtype).float()), name
