@@ -51,10 +51,11 @@ def hf_tiny(arch: str):
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
         cls = transformers.Gemma3ForCausalLM
-    elif arch == "granite":  # the four multipliers, at Granite 3's values where the tiny shapes allow
-        cfg = transformers.GraniteConfig(**common, num_hidden_layers=2, tie_word_embeddings=True,
-                                         embedding_multiplier=12.0, attention_multiplier=0.125,
-                                         residual_multiplier=0.22, logits_scaling=2.0)
+    elif arch == "granite":  # the four multipliers (Granite 3's 12, 0.22, 8 make this random model
+        # repeat one token: its own embedding outweighs what its layers add)
+        cfg = transformers.GraniteConfig(**common, num_hidden_layers=2, tie_word_embeddings=False,
+                                         embedding_multiplier=4.0, attention_multiplier=0.125,
+                                         residual_multiplier=0.4, logits_scaling=1.25)
         cls = transformers.GraniteForCausalLM
     elif arch == "olmo2":  # norms after attention and MLP only; q and k each normed as a whole
         cfg = transformers.Olmo2Config(**common, num_hidden_layers=2)
@@ -180,7 +181,7 @@ def test_config_read_from_the_folder(tiny_files):
         assert config.norm_topk_prob and config.qk_norm
     if arch == "granite":
         assert (config.embed_scale, config.attention_scale, config.residual_scale, config.logit_scale) == \
-            (12.0, 0.125, 0.22, 2.0)
+            (4.0, 0.125, 0.4, 1.25)
     if arch == "olmo2":
         assert not config.pre_norms and config.sandwich_norms and config.qk_norm and config.qk_norm_whole
     if arch == "smollm3":
@@ -611,3 +612,55 @@ def test_mistral_sliding_window_now_applies():
         expected = hf(tokens).logits
         assert (ours(tokens, torch.arange(64)) - expected).abs().max().item() <= 1e-4
         assert (unwindowed(tokens, torch.arange(64)) - expected).abs().max().item() > 1e-2
+
+
+# ----------------------------------------------------------------------------- Granite, OLMo 2, SmolLM3 configs
+
+
+def test_smollm3_nope_layers_from_either_config_key():
+    """SmolLM3's layers without RoPE from `no_rope_layers` (1 = RoPE) or, without it, every
+    `no_rope_layer_interval`-th layer; a list that is not a flag per layer is one line."""
+    cfg = {"model_type": "smollm3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 6,
+           "num_attention_heads": 2, "intermediate_size": 64}
+    assert ModelConfig.from_hf(cfg).nope_layers == [3]  # the default interval, 4
+    assert ModelConfig.from_hf({**cfg, "no_rope_layer_interval": 2}).nope_layers == [1, 3, 5]
+    config = ModelConfig.from_hf({**cfg, "no_rope_layers": [1, 0, 1, 1, 0, 1]})
+    assert config.nope_layers == [1, 4] and [k.rope for k in layer_kinds(config)] == [0, None, 0, 0, None, 0]
+    assert dataclasses.replace(config, n_layers=3).nope_layers == [1]  # an early-exit draft's layers
+    with pytest.raises(ModelFileError, match="no_rope_layers is not one 0/1 flag for each of the 6 layers") as e:
+        ModelConfig.from_hf({**cfg, "no_rope_layers": [1, 0, 1]})
+    assert "\n" not in str(e.value)
+
+
+def test_neutral_multipliers_add_no_operation():
+    """Granite's multipliers at 1 (config.json or GGUF) are left out of the config, so its layers
+    run the Llama layer's forward unchanged, as the default pair's do (no multiply by 1 per layer)."""
+    from specwood.models.testing import random_tiny_config
+    from specwood.models.transformer import Transformer
+
+    cfg = {"model_type": "granite", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "intermediate_size": 64, "embedding_multiplier": 1.0,
+           "attention_multiplier": 1.0, "residual_multiplier": 1, "logits_scaling": 1.0}
+    config = ModelConfig.from_hf(cfg)
+    assert (config.embed_scale, config.attention_scale, config.residual_scale, config.logit_scale) == (None,) * 4
+    for c in (config, random_tiny_config("qwen2"), random_tiny_config("llama")):
+        assert all(block.llama_layer for block in Transformer(c).layers), c.arch
+    with pytest.raises(ModelFileError, match="residual_multiplier is -0.5, not a positive number"):
+        ModelConfig.from_hf({**cfg, "residual_multiplier": -0.5})
+
+
+def test_olmo2_missing_post_norm_names_the_tensor(tmp_path):
+    """OLMo 2 has no input norms: a file without a layer's MLP output norm is one line naming it as
+    the file does (its post_feedforward_layernorm, llama.cpp's post_ffw_norm)."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("olmo2")
+    sd = random_state_dict(cfg)
+    assert not any(name.endswith(("attention_norm.weight", "ffn_norm.weight")) for name in sd)
+    folder = save_hf_folder(tmp_path / "hf", cfg, sd)
+    without_tensor(folder, "model.layers.1.post_feedforward_layernorm.weight")
+    msg = one_line_error(load_hf_folder, folder, torch.float32)
+    assert "missing tensor(s) model.layers.1.post_feedforward_layernorm.weight" in msg, msg
+    del sd["layers.1.ffn_post_norm.weight"]
+    path = write_gguf(tmp_path / "o.gguf", cfg, sd, "F32")
+    assert "missing tensor(s) blk.1.post_ffw_norm.weight" in one_line_error(load_gguf, path, torch.float32)
