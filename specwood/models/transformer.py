@@ -16,7 +16,7 @@ from torch import nn
 
 from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
 from specwood.models.cache import KVCache, Rows, kv_bytes_per_slot
-from specwood.models.canonical import optional_layer_weights
+from specwood.models.canonical import layer_norm_weights
 from specwood.models.config import ModelConfig
 from specwood.models.experts import FloatExperts, KQuantExperts, PackedExperts
 from specwood.models.layer_kinds import LayerKind, layer_kinds, window_mask
@@ -74,9 +74,12 @@ class Attention(nn.Module):
         # q, k and v in one matmul: one weight read and one kernel launch per layer
         self.wqkv = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
-        # Qwen3 / Gemma 3: each head of q and k RMS-normed before RoPE (None: nothing to do)
-        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else None
+        # Qwen3 / Gemma 3: each head of q and k RMS-normed before RoPE; OLMo 2: all of q's heads as
+        # one vector, and all of k's (None: nothing to do)
+        self.qk_norm_whole = c.qk_norm_whole
+        q_width, k_width = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim) if c.qk_norm_whole else (c.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, c.norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(k_width, c.norm_eps) if c.qk_norm else None
         self.scale = c.attention_scale  # None: 1/sqrt(head_dim)
         self.ops = TORCH_OPS
 
@@ -102,9 +105,12 @@ class Attention(nn.Module):
         return self.ops.attention(q, k, v, blk.mask, self.scale)
 
     def normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [B, T, (H + 2 H_kv) D] with each head of q and k RMS-normed (a new tensor: rope_qk
-        may rotate it in place)."""
+        """qkv [B, T, (H + 2 H_kv) D] with each head of q and k RMS-normed, or q and k each as a
+        whole (a new tensor: rope_qk may rotate it in place)."""
         B, T, _ = qkv.shape
+        if self.qk_norm_whole:
+            q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+            return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         heads = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.hd)
         q = self.q_norm(heads[:, :, :self.n_heads])
         k = self.k_norm(heads[:, :, self.n_heads:self.n_heads + self.n_kv])
@@ -173,20 +179,29 @@ class Block(nn.Module):
     def __init__(self, c: ModelConfig, kind: LayerKind = LayerKind()):
         super().__init__()
         self.kind = kind  # which of the forward's row blocks (mask, rotary tables) this layer reads
-        self.attention_norm = RMSNorm(c.dim, c.norm_eps)
+        # the inputs of attention and MLP normed (all but OLMo 2)
+        self.attention_norm = RMSNorm(c.dim, c.norm_eps) if c.pre_norms else None
         self.attention = Attention(c)
-        self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
+        self.ffn_norm = RMSNorm(c.dim, c.norm_eps) if c.pre_norms else None
         self.feed_forward = MoEFeedForward(c) if c.n_experts else FEED_FORWARDS[c.hidden_act](c)
-        # Gemma 3: the attention's and the MLP's outputs normed too, before the residual add
+        # Gemma 3, OLMo 2: the attention's and the MLP's outputs normed, before the residual add
         self.attention_post_norm = RMSNorm(c.dim, c.norm_eps) if c.sandwich_norms else None
         self.ffn_post_norm = RMSNorm(c.dim, c.norm_eps) if c.sandwich_norms else None
+        self.residual_scale = c.residual_scale  # Granite: the outputs scaled before the residual add
+        self.llama_layer = c.pre_norms and not c.sandwich_norms and c.residual_scale is None
 
     def forward(self, x: torch.Tensor, blocks: list[RowBlock], cache: KVCache | None, layer: int) -> torch.Tensor:
-        if self.attention_post_norm is None:
+        if self.llama_layer:  # nothing added: the default pair's forward, one test and no other op
             x = x + self.attention(self.attention_norm(x), blocks, cache, layer)
             return x + self.feed_forward(self.ffn_norm(x))
-        x = x + self.attention_post_norm(self.attention(self.attention_norm(x), blocks, cache, layer))
-        return x + self.ffn_post_norm(self.feed_forward(self.ffn_norm(x)))
+        h = self.attention(x if self.attention_norm is None else self.attention_norm(x), blocks, cache, layer)
+        x = x + self.residual(h if self.attention_post_norm is None else self.attention_post_norm(h))
+        h = self.feed_forward(x if self.ffn_norm is None else self.ffn_norm(x))
+        return x + self.residual(h if self.ffn_post_norm is None else self.ffn_post_norm(h))
+
+    def residual(self, h: torch.Tensor) -> torch.Tensor:
+        """What a sublayer adds to the residual stream: its output, scaled where the config says."""
+        return h if self.residual_scale is None else h * self.residual_scale
 
 
 class Transformer(nn.Module):
@@ -223,7 +238,10 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].attention_norm.weight.dtype
+        # the MLP's input norm (the attention's may be an EAGLE-1 head's Identity), or its output norm
+        # where there is none (OLMo 2)
+        block = self.layers[0]
+        return (block.ffn_norm if block.ffn_norm is not None else block.ffn_post_norm).weight.dtype
 
     @property
     def kv_bytes_per_slot(self) -> int:
@@ -299,15 +317,34 @@ class Transformer(nn.Module):
         this model (or stage) has: rotary tables of its positions ([T] or [B, T]) and its
         attention mask (bool [T, S] or [B, T, S]; None = causal over the T inputs), cut to the
         kind's window."""
-        return {kind: self.row_block(size, positions, mask, cache, slots, rows, kind) for kind in self.kinds}
+        masks: dict[int | None, torch.Tensor] = {}  # kinds of one window (differing in RoPE) share a mask
+        return {kind: self.row_block(size, positions, mask, cache, slots, rows, kind, masks) for kind in self.kinds}
 
     def row_block(self, size: tuple[int, int], positions: torch.Tensor, mask: torch.Tensor | None,
                   cache: KVCache | None, slots: torch.Tensor | None, rows: Rows,
-                  kind: LayerKind = LayerKind()) -> RowBlock:
-        """row_blocks' block for the layers of one kind."""
+                  kind: LayerKind = LayerKind(), masks: dict[int | None, torch.Tensor] | None = None) -> RowBlock:
+        """row_blocks' block for the layers of one kind (`masks`: those already built, by window)."""
         T = size[1]
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
+        if masks is not None and kind.window in masks:
+            mask = masks[kind.window]
+        else:
+            mask = self.kind_mask(T, mask, cache, kind.window)
+            if masks is not None:
+                masks[kind.window] = mask
+        if kind.rope is None:  # a NoPE layer: the identity rotation (cos 1, sin 0), exact in every dtype
+            shape = (positions.shape[0], 1, T, self.rope_cos.shape[-1])
+            return RowBlock((size[0], T), self.rope_cos.new_ones(shape), self.rope_sin.new_zeros(shape), mask,
+                            slots, rows)
+        if kind.rope:  # the kind's own rotary table, after the global one (rope_tables)
+            positions = positions + kind.rope * self.max_positions
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        return RowBlock((size[0], T), cos, sin, mask, slots, rows)
+
+    def kind_mask(self, T: int, mask: torch.Tensor | None, cache: KVCache | None, window: int | None) -> torch.Tensor:
+        """The mask the layers of one window take (see RowBlock.mask)."""
         if mask is None:
             mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
         if mask.dim() == 2:
@@ -315,16 +352,12 @@ class Transformer(nn.Module):
         mask = mask.unsqueeze(1)  # [B, 1, T, S] broadcasts over heads
         if cache is not None:
             cache.check_room(mask.shape[-1])
-        if kind.window is not None:
-            mask = window_mask(mask, kind.window)
+        if window is not None:
+            mask = window_mask(mask, window)
         if mask.device.type != "cuda":
             c = self.config
             mask = cpu_attention_mask(mask, c.n_heads // c.n_kv_heads, self.dtype)
-        if kind.rope:  # the kind's own rotary table, after the global one (rope_tables)
-            positions = positions + kind.rope * self.max_positions
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
-        return RowBlock((size[0], T), cos, sin, mask, slots, rows)
+        return mask
 
     def head(self, x: torch.Tensor, output_rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> torch.Tensor:
@@ -337,7 +370,9 @@ class Transformer(nn.Module):
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.output(self.norm(hidden)).float()
-        cap = self.config.final_logit_softcap
+        cap, divisor = self.config.final_logit_softcap, self.config.logit_scale
+        if divisor is not None:  # Granite
+            logits = logits / divisor
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -552,13 +587,11 @@ class Transformer(nn.Module):
             put(own)
             for local, i in enumerate(self.layer_range):
                 p, q = f"layers.{i}.", f"layers.{local}."
-                own = {q + "attention_norm.weight": take(p + "attention_norm.weight"),
-                       q + "ffn_norm.weight": take(p + "ffn_norm.weight"),
-                       q + "attention.wqkv.weight": torch.cat([take(p + f"attention.w{n}.weight") for n in "qkv"])}
+                own = {q + "attention.wqkv.weight": torch.cat([take(p + f"attention.w{n}.weight") for n in "qkv"])}
                 if c.qkv_bias:
                     own[q + "attention.wqkv.bias"] = torch.cat([take(p + f"attention.w{n}.bias") for n in "qkv"])
                 own[q + "attention.wo.weight"] = take(p + "attention.wo.weight")
-                for extra in optional_layer_weights(c):
+                for extra in layer_norm_weights(c):
                     own[q + extra] = take(p + extra)
                 if c.n_experts:
                     own[q + "feed_forward.router.weight"] = take(p + "feed_forward.router.weight")
@@ -615,9 +648,7 @@ class Transformer(nn.Module):
                 put(p + "feed_forward.w1.weight", w1)
                 put(p + "feed_forward.w3.weight", w3)
                 put(p + "feed_forward.w2.weight", blk.feed_forward.w2.weight.data)
-            put(p + "attention_norm.weight", blk.attention_norm.weight.data)
-            put(p + "ffn_norm.weight", blk.ffn_norm.weight.data)
-            for extra in optional_layer_weights(c):
+            for extra in layer_norm_weights(c):
                 put(p + extra, blk.get_submodule(extra.removesuffix(".weight")).weight.data)
         return sd
 
