@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specwood.errors import ModelFileError
 from specwood.models import loader
@@ -84,9 +85,10 @@ def test_the_default_mode_runs_the_experts_as_stored(q4_available, tiny_tokens, 
     tokens = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ours, exact = q4.target(tokens, torch.arange(48)), fp32.target(tokens, torch.arange(48))
-    # measured 0.047 (int8 activations and bf16 around the kernels); a dense Qwen3 of the same
-    # widths from the same kind of file: 0.10
-    assert ((ours - exact).norm() / exact.norm()).item() < 0.1
+    # int8 activations and bf16 around the kernels: mean KL 0.0081 here (0.006-0.016 over files of
+    # seeds 5-8), where a dense Qwen3 of the same widths from the same kind of file is at 0.013-0.08
+    kl = F.kl_div(ours.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    assert kl.item() < 0.05
     assert (ours.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
 
 
