@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specwood.errors import ModelFileError
 from specwood.models import loader
@@ -84,9 +85,10 @@ def test_the_default_mode_runs_the_experts_as_stored(q4_available, tiny_tokens, 
     tokens = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ours, exact = q4.target(tokens, torch.arange(48)), fp32.target(tokens, torch.arange(48))
-    # measured 0.047 (int8 activations and bf16 around the kernels); a dense Qwen3 of the same
-    # widths from the same kind of file: 0.10
-    assert ((ours - exact).norm() / exact.norm()).item() < 0.1
+    # int8 activations and bf16 around the kernels: mean KL 0.0081 here (0.006-0.016 over files of
+    # seeds 5-8), where a dense Qwen3 of the same widths from the same kind of file is at 0.013-0.08
+    kl = F.kl_div(ours.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    assert kl.item() < 0.05
     assert (ours.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
 
 
@@ -114,6 +116,14 @@ def test_a_rows_output_does_not_depend_on_its_batch(q4_available, tiny_tokens, m
         for experts in (ff.w13, ff.w2):  # inputs of 256 both (hidden size, expert width)
             one_by_one = torch.cat([experts(e, rows[starts[e]:starts[e] + c]) for e, c in enumerate(counts) if c])
             assert torch.equal(experts.grouped(rows, counts), one_by_one)
+    from specwood.models.kquant_kernels import AVX2_KERNEL, VNNI_KERNEL
+
+    if not VNNI_KERNEL.missing_flags():  # the AVX2 build's grouped ops give the AVX512 build's bits
+        vnni, avx2 = VNNI_KERNEL.load(), AVX2_KERNEL.load()
+        for experts in (ff.w13, ff.w2):
+            for op, packed in zip(experts.op_names, experts.packed()):
+                name = op.replace("_linear", "_experts")
+                assert torch.equal(getattr(vnni, name)(rows, packed, counts), getattr(avx2, name)(rows, packed, counts))
 
 
 def test_speculative_methods_match_ar_with_kquant_experts(q4_available, tiny_tokens, moe_files):
