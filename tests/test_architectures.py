@@ -258,7 +258,7 @@ def test_every_method_in_one_batch_matches_autoregressive(arch_engine, one_threa
     request emits what `ar` alone emits, and every method that drafts speculated."""
     import random
 
-    from specwood.engine.scheduler import Scheduler
+    from specwood.engine.scheduler import SchedulerConfig
     from test_batching import Job, assert_like_ar, assert_pools_free, random_prompt, run_jobs, store_auto_plan
 
     arch, engine = arch_engine
@@ -268,7 +268,7 @@ def test_every_method_in_one_batch_matches_autoregressive(arch_engine, one_threa
     jobs = [Job(method, random_prompt(rnd, rnd.randint(9, 45)), max_tokens=rnd.randint(12, 24),
                 start_step=0 if i < 6 else 2 * (i - 5))
             for i, method in enumerate(names + names[::-1])]
-    sched = Scheduler(engine.target, max_batch=6, prefill_chunk_tokens=16)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=6, prefill_chunk_tokens=16), drafts=())
     run_jobs(engine, sched, jobs)
     assert_like_ar(engine, jobs)
     spec = [j for j in jobs if j.method not in ("ar", "pld")]  # pld drafts only where the context repeats
@@ -286,15 +286,14 @@ def test_every_method_with_prefix_reuse_matches_autoregressive(arch_engine, one_
     first turn (target and draft model) and emits what `ar` alone emits on the whole prompt."""
     import random
 
-    from specwood.engine.scheduler import Scheduler
-    from specwood.models.prefix_cache import PrefixCache
+    from specwood.engine.scheduler import SchedulerConfig
     from test_batching import TINY_OPTIONS, quiet_prepare, store_auto_plan
 
     arch, engine = arch_engine
     store_auto_plan(engine)
     rnd = random.Random(5)
-    sched = Scheduler(engine.target, max_batch=4, drafts=(engine.draft_model, engine.draft_head),
-                      prefix_cache=PrefixCache(10 ** 8))
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=4, reuse=True, prefix_bytes=10 ** 8),
+                                  drafts=(engine.draft_model, engine.draft_head))
 
     def run(prompt: list[int], method: str):
         request = engine.new_request(prompt, max_tokens=16, method=method, scheduler=sched,
@@ -312,8 +311,8 @@ def test_every_method_with_prefix_reuse_matches_autoregressive(arch_engine, one_
         assert request.result.token_ids == engine.generate(prompt, max_tokens=16).token_ids, (arch, method)
         if method != "head":  # its draft head reads the target's features of every prompt token: no reuse
             assert request.cached_tokens >= len(first), (arch, method, request.cached_tokens)
-    assert sched.reuse.cache.stats.hit_tokens["draft"] > 0
-    assert not sched.running and sched.cache.free_rows == sched.max_batch
+    assert sched.executor.reuse.cache.stats.hit_tokens["draft"] > 0
+    assert not sched.running and sched.executor.cache.free_rows == sched.max_batch
 
 
 def test_bf16_runs_close_to_fp32_and_stays_lossless(tiny_files):
@@ -558,10 +557,11 @@ def test_gemma3_query_scalar_and_pattern_from_an_older_config_json():
 def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch, arch):
     """q4 (the default for a GGUF on a CPU with the kernels) on a Q4_K_M-style file: every layer
     linear runs on the k-quant kernels as the file stores it (Phi-3's fused qkv and gate-up split
-    by rows), their dequantised values equal the fp32 load's, and speculative decoding stays
-    token-identical to ar."""
+    by rows; Qwen3-MoE's experts as KQuantExperts), their dequantised values equal the fp32 load's,
+    and speculative decoding stays token-identical to ar."""
     from specwood.engine.api import load
     from specwood.models import loader
+    from specwood.models.experts import KQuantExperts
     from specwood.models.testing import longrope_scaling, random_tiny_config, write_q4_k_m_gguf
     from specwood.models.w4a8 import KQuantLinear, q4_unavailable_reason
 
@@ -573,7 +573,7 @@ def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch
     head_dim = {"qwen3": 128}.get(arch, 64)
     extra = {"gemma3": {"attention_scale": head_dim ** -0.5, "embed_scale": 16.0},
              "phi3": {"rope_scaling": longrope_scaling(head_dim // 2)},
-             "qwen3moe": {"n_experts": 32}}.get(arch, {})
+             "qwen3moe": {"n_experts": 8, "moe_intermediate_size": 256}}.get(arch, {})
     cfg = random_tiny_config(arch, head_dim=head_dim, **sizes, **extra)
     path = str(write_q4_k_m_gguf(tmp_path / f"{arch}.gguf", cfg, seed=5))
     q4 = load(path, None, dtype="q4", progress=False)
@@ -581,12 +581,12 @@ def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch
     assert not [n for n in q4.target.weights_in_floats if n.startswith("layers.")]  # the F32 token table may be
     for block in q4.target.layers:
         assert isinstance(block.attention.wqkv, KQuantLinear) or type(block.attention.wqkv).__name__ == "StackedLinear"
-        # a Mixture-of-Experts layer's router (F32 in the file, as llama.cpp keeps it) and experts stay in floats
-        assert arch == "qwen3moe" or isinstance(block.feed_forward.w2, KQuantLinear)
+        # a Mixture-of-Experts layer's router (F32 in the file, as llama.cpp keeps it) stays in floats
+        assert isinstance(block.feed_forward.w2, KQuantExperts if arch == "qwen3moe" else KQuantLinear)
     reference = load(path, None, dtype="fp32", progress=False).target.canonical_state_dict()
     exported = q4.target.canonical_state_dict(torch.float32)
     for name, ref in reference.items():
-        if name.startswith("layers.") and ref.dim() == 2 and "router" not in name:  # the file's k-quants
+        if name.startswith("layers.") and ref.dim() >= 2 and "router" not in name:  # the file's k-quants
             assert torch.equal(exported[name], ref), name
         else:  # kept in floats, in the activations' dtype
             assert torch.equal(exported[name], ref.to(q4.dtype).float()), name

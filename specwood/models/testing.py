@@ -273,7 +273,7 @@ def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
     kind = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[kind]
     raw = np.random.default_rng(seed).integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    at = {"Q6_K": [size - 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])  # d (and dmin)
+    at = {"Q6_K": [size - 2], "Q3_K": [size - 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])  # d (and dmin)
     factors = (np.random.default_rng(seed + 1).random((raw.shape[0], len(at))) * 0.02 - 0.005).astype(np.float16)
     for i, pos in enumerate(at):
         raw[:, pos:pos + 2] = factors[:, i:i + 1].view(np.uint8)
@@ -281,17 +281,21 @@ def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
 
 
 def write_q4_k_m_gguf(path: str | os.PathLike[str], config: ModelConfig, seed: int = 0,
-                      tokens: list[str] | None = None) -> Path:
+                      tokens: list[str] | None = None, types: dict[str, str] | None = None) -> Path:
     """A random model laid out as a Q4_K_M file: the layers' linears in Q4_K, their v and down
     projections in Q6_K (so each fused qkv mixes two types; Phi-3's one qkv tensor is all Q4_K),
-    every other tensor in F32. The layers' widths must be multiples of 256 (a k-quant superblock)."""
+    a MoE layer's experts likewise (gate and up Q4_K, down Q6_K, [E, N, K] each), every other
+    tensor in F32. The layers' widths must be multiples of 256 (a k-quant superblock). `types`
+    maps canonical names' endings to other types (e.g. {"experts.w3.weight": "Q5_K"})."""
     sd = random_state_dict(config, seed)
     raw = {}
-    six = ("feed_forward.w2.weight",) if config.arch == "phi3" else ("attention.wv.weight", "feed_forward.w2.weight")
+    six = ("feed_forward.w2.weight",) if config.arch == "phi3" else ("attention.wv.weight", "w2.weight")
     for i, (name, t) in enumerate(sd.items()):
-        if name.startswith("layers.") and t.dim() == 2 and "router" not in name:  # llama.cpp keeps routers in F32
-            kind = "Q6_K" if name.endswith(six) else "Q4_K"
-            raw[name] = (kind, kquant_blocks(kind, *t.shape, seed=seed * 1000 + i))
+        if name.startswith("layers.") and t.dim() >= 2 and "router" not in name:  # llama.cpp keeps routers in F32
+            kind = next((k for end, k in (types or {}).items() if name.endswith(end)),
+                        "Q6_K" if name.endswith(six) else "Q4_K")
+            blocks = kquant_blocks(kind, t.shape[:-1].numel(), t.shape[-1], seed=seed * 1000 + i)
+            raw[name] = (kind, blocks.reshape(*t.shape[:-1], -1))
     return write_gguf(path, config, sd, "F32", tokens=tokens, raw_blocks=raw)
 
 

@@ -6,19 +6,19 @@ mask, and a pipeline stage is the same class built over a layer range.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specwood.errors import ContextLengthError, ModelFileError, SpecwoodError
 from specwood.models.cache import KVCache, Rows, kv_bytes_per_slot
 from specwood.models.canonical import layer_norm_weights
 from specwood.models.config import ModelConfig
+from specwood.models.experts import FloatExperts, KQuantExperts, PackedExperts
 from specwood.models.layer_kinds import LayerKind, layer_kinds, window_mask
 from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, kernel_layer_ops
 from specwood.models.linears import (Int4Linear, Int8Linear, PackedLinear, cpu_packing_available,
@@ -143,13 +143,14 @@ class MoEFeedForward(nn.Module):
     experts per token (their probabilities renormalised with norm_topk_prob), each expert's
     SiLU-gated MLP weighted by its probability. Each expert runs once over all the rows routed to
     it, never once per row; a row's k outputs are summed in expert order whatever else is in the
-    batch, so a token's result does not depend on its neighbours (tree verification stays exact)."""
+    batch, so a token's result does not depend on its neighbours (tree verification stays exact).
+    The experts' weights are FloatExperts, or KQuantExperts (a GGUF's k-quants as stored, q4 mode)."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.router = nn.Linear(c.dim, c.n_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(c.n_experts, 2 * c.moe_intermediate_size, c.dim))  # gate and up
-        self.w2 = nn.Parameter(torch.empty(c.n_experts, c.dim, c.moe_intermediate_size))
+        self.w13: nn.Module = FloatExperts(c.n_experts, 2 * c.moe_intermediate_size, c.dim)  # gate and up
+        self.w2: nn.Module = FloatExperts(c.n_experts, c.dim, c.moe_intermediate_size)
         self.top_k, self.norm_topk_prob = c.n_experts_used, c.norm_topk_prob
         self.ops = TORCH_OPS
 
@@ -159,19 +160,18 @@ class MoEFeedForward(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype).flatten()
+        experts, by_expert = experts.sort(dim=-1)  # a row's choices in expert order: the order they are summed in
+        weights = weights.gather(-1, by_expert).to(x.dtype).flatten()
         choices = experts.flatten()  # [N k]: row n's j-th choice at n * k + j
         order = choices.argsort(stable=True)  # grouped by expert
-        out = torch.zeros_like(flat)
-        start = 0
-        for expert, count in enumerate(torch.bincount(choices, minlength=len(self.w13)).tolist()):
-            if count == 0:
-                continue
-            picks = order[start:start + count]
-            start += count
-            rows = picks // self.top_k
-            hidden = self.ops.silu_mul(F.linear(flat[rows], self.w13[expert]))
-            out.index_add_(0, rows, F.linear(hidden, self.w2[expert]) * weights[picks, None])
+        routed = flat[order // self.top_k]  # each expert's rows, one expert after another
+        counts = torch.bincount(choices, minlength=self.w13.n_experts).tolist()
+        per_choice = torch.empty_like(routed)
+        per_choice[order] = self.w2.grouped(self.ops.silu_mul(self.w13.grouped(routed, counts)), counts)
+        per_choice = (per_choice * weights[:, None]).view(len(flat), self.top_k, -1)
+        out = per_choice[:, 0]
+        for j in range(1, self.top_k):  # added one choice at a time, whatever the batch
+            out = out + per_choice[:, j]
         return out.view(x.shape)
 
 
@@ -408,13 +408,16 @@ class Transformer(nn.Module):
                 m.ops = ops
 
     def pack_for_cpu(self) -> bool:
-        """Swap every bf16 Linear for a PackedLinear; True if anything was packed."""
+        """Swap every bf16 Linear for a PackedLinear (and float MoE experts for PackedExperts); True
+        if anything was packed."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not cpu_packing_available():
             return False
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
                     setattr(module, name, PackedLinear(child))
+                elif type(child) is FloatExperts:
+                    setattr(module, name, PackedExperts(child))
         return True
 
     def quantize_int4(self) -> bool:
@@ -454,7 +457,8 @@ class Transformer(nn.Module):
         `exact` maps canonical weight names to a GGUF file's quantised values (Q4_K, Q5_K, Q6_K
         and Q8_0; Q4_0 and Q5_0 in Q8_0's form, gguf_kquants.kquant_weights): a linear
         whose parts are all there runs them as the file stores them (a fused linear whose parts
-        differ in type runs as a StackedLinear), and such a token table becomes a QuantEmbedding. The
+        differ in type runs as a StackedLinear), as do a MoE layer's experts (KQuantExperts), and
+        such a token table becomes a QuantEmbedding. The
         others stay in floats, in the model's dtype, and their names are returned so the loader can
         say so: never silently coarser than the file. With `lite` (q4-lite, and drafts) they are
         quantised to 4 bits from their floats instead, and with `embeddings` any token table is
@@ -470,18 +474,21 @@ class Transformer(nn.Module):
         kinds = {Q4Weights: Q4Linear, Q5Weights: Q5Linear, Q6Weights: Q6Linear, Q8Weights: Q8Linear}
         targets = self._q4_targets(exact, layers)
         table = self.tok_embeddings if layers is None else None
-        if table is not None and exact.get("tok_embeddings.weight") is not None:
-            self.tok_embeddings = QuantEmbedding(exact["tok_embeddings.weight"], self.dtype)  # kept exactly
+        stored_table = exact.get("tok_embeddings.weight") if table is not None else None
+        if stored_table is not None:
+            self.tok_embeddings = QuantEmbedding(stored_table, self.dtype)  # kept exactly
         elif table is not None and embeddings and self.config.dim % GROUP == 0:
             self.tok_embeddings = QuantEmbedding(quantize_q4(self.tok_embeddings.weight.data), self.dtype)
         in_floats = []
         for owner, attr, names in targets:
             child = getattr(owner, attr)
-            if type(child) is not nn.Linear:
+            if type(child) not in (nn.Linear, FloatExperts):
                 continue
             found = [exact.get(name) for name in names]
-            if not Q4Linear.fits(child.out_features, child.in_features):
+            if not kernels_fit(child, len(names)):
                 in_floats += [] if lite else names  # q4-lite: int8 (build_model)
+            elif all(f is not None for f in found) and type(child) is FloatExperts:
+                setattr(owner, attr, KQuantExperts(found, child.n_experts))
             elif all(f is not None for f in found):
                 runs = [list(run) for _, run in groupby(found, key=type)]  # one kernel call per run of a type
                 biases = (child.bias.split([sum(f.codes.shape[0] for f in run) for run in runs])
@@ -489,17 +496,19 @@ class Transformer(nn.Module):
                 linears = [kinds[type(run[0])](type(run[0]).cat(run), b) for run, b in zip(runs, biases)]
                 setattr(owner, attr, linears[0] if len(linears) == 1 else StackedLinear(linears))
             elif lite:
-                setattr(owner, attr, Q4Linear.from_linear(child))
+                setattr(owner, attr, KQuantExperts.from_floats(child) if type(child) is FloatExperts
+                        else Q4Linear.from_linear(child))
             else:
                 in_floats += [n for n, f in zip(names, found) if f is None]
         return in_floats
 
     def _q4_targets(self, exact: dict[str, KQuantWeights],
                     layers: Sequence[int] | None = None) -> list[tuple[nn.Module, str, list[str]]]:
-        """The linears quantize_q4 puts on the k-quant kernels: (owner, attribute, canonical source
-        names); with `layers` (local indices) those layers' only."""
+        """The linears (and MoE experts) quantize_q4 puts on the k-quant kernels: (owner, attribute,
+        canonical source names); with `layers` (local indices) those layers' only."""
+        ffn = "feed_forward.experts" if self.config.n_experts else "feed_forward"
         parts = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"), "attention.wo": ("attention.wo",),
-                 "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"), "feed_forward.w2": ("feed_forward.w2",)}
+                 "feed_forward.w13": (f"{ffn}.w1", f"{ffn}.w3"), "feed_forward.w2": (f"{ffn}.w2",)}
         targets: list[tuple[nn.Module, str, list[str]]] = []
         for local in range(len(self.layer_range)) if layers is None else layers:
             i = self.layer_range[local]
@@ -517,13 +526,10 @@ class Transformer(nn.Module):
     def weights_taken_as_stored(self, exact: dict[str, KQuantWeights] | None, lite: bool = False) -> set[str]:
         """The canonical weights quantize_q4(exact, lite=lite) runs from the file's own values and never
         reads in floats: a loader need not decode them (a 1.5B target in fp32 would be 6 GB for nothing)."""
-        from specwood.models.w4a8 import Q4Linear
-
         exact = usable_exact(exact, lite)
         taken, needed = set(), set()
         for owner, attr, names in self._q4_targets(exact):
-            child = getattr(owner, attr)
-            fits = type(child) is nn.Linear and Q4Linear.fits(child.out_features, child.in_features)
+            fits = kernels_fit(getattr(owner, attr), len(names))
             (taken if fits and all(n in exact for n in names) else needed).update(names)
         if self.tok_embeddings is not None:
             (taken if "tok_embeddings.weight" in exact else needed).add("tok_embeddings.weight")
@@ -535,7 +541,7 @@ class Transformer(nn.Module):
         model dtype (bf16/fp32)."""
         from specwood.models.w4a8 import KQuantLinear
 
-        if any(isinstance(m, KQuantLinear) for m in self.modules()):
+        if any(isinstance(m, (KQuantLinear, KQuantExperts)) for m in self.modules()):
             return "q4-lite" if self.q4_lite else "q4"
         kinds = {type(m) for m in self.layers.modules()}
         if Int4Linear in kinds:  # before int8: an Int4Linear holds an Int8Linear for many rows
@@ -589,9 +595,9 @@ class Transformer(nn.Module):
                     own[q + extra] = take(p + extra)
                 if c.n_experts:
                     own[q + "feed_forward.router.weight"] = take(p + "feed_forward.router.weight")
-                    own[q + "feed_forward.w13"] = torch.cat([take(p + "feed_forward.experts.w1.weight"),
-                                                             take(p + "feed_forward.experts.w3.weight")], dim=1)
-                    own[q + "feed_forward.w2"] = take(p + "feed_forward.experts.w2.weight")
+                    own[q + "feed_forward.w13.weight"] = torch.cat([take(p + "feed_forward.experts.w1.weight"),
+                                                                    take(p + "feed_forward.experts.w3.weight")], dim=1)
+                    own[q + "feed_forward.w2.weight"] = take(p + "feed_forward.experts.w2.weight")
                 else:
                     own[q + "feed_forward.w13.weight"] = torch.cat([take(p + "feed_forward.w1.weight"),
                                                                     take(p + "feed_forward.w3.weight")])
@@ -633,10 +639,10 @@ class Transformer(nn.Module):
             if c.n_experts:
                 ff = blk.feed_forward
                 put(p + "feed_forward.router.weight", ff.router.weight.data)
-                w1, w3 = ff.w13.data.split(c.moe_intermediate_size, dim=1)
+                w1, w3 = ff.w13.weight.data.split(c.moe_intermediate_size, dim=1)
                 put(p + "feed_forward.experts.w1.weight", w1)
                 put(p + "feed_forward.experts.w3.weight", w3)
-                put(p + "feed_forward.experts.w2.weight", ff.w2.data)
+                put(p + "feed_forward.experts.w2.weight", ff.w2.weight.data)
             else:
                 w1, w3 = blk.feed_forward.w13.weight.data.split(c.intermediate_size)
                 put(p + "feed_forward.w1.weight", w1)
@@ -647,12 +653,26 @@ class Transformer(nn.Module):
         return sd
 
 
-def usable_exact(exact: dict[str, KQuantWeights] | None, lite: bool) -> dict[str, KQuantWeights]:
+def kernels_fit(module: nn.Module, parts: int) -> bool:
+    """Whether the k-quant kernels take `module`'s weights: a float linear, or float experts made of
+    `parts` equal parts (gate and up), whose outputs (per part) and inputs are multiples of 32."""
+    from specwood.models.w4a8 import Q4Linear
+
+    if type(module) is FloatExperts:
+        return KQuantExperts.fits(module.out_features // parts, module.in_features)
+    return type(module) is nn.Linear and Q4Linear.fits(module.out_features, module.in_features)
+
+
+def usable_exact(exact: Mapping[str, KQuantWeights] | None, lite: bool) -> Mapping[str, KQuantWeights]:
     """The file's quantised weights a q4 build runs as stored: all of them, or with `lite` (q4-lite)
     the Q4_K ones only (the rest are requantised to 4 bits from floats)."""
     from specwood.models.w4a8 import Q4Weights
 
-    return {name: w for name, w in (exact or {}).items() if not lite or type(w) is Q4Weights}
+    if exact is None or not lite:
+        return exact if exact is not None else {}
+    if hasattr(exact, "only"):  # a file's tensors decoded when looked up (gguf_kquants.KQuantTensors)
+        return exact.only(Q4Weights)
+    return {name: w for name, w in exact.items() if type(w) is Q4Weights}
 
 
 def weights_taken_as_stored(config: ModelConfig, exact: dict[str, KQuantWeights] | None, lite: bool = False) -> set[str]:
