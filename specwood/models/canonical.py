@@ -57,8 +57,12 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (c.vocab_size, c.dim), "norm.weight": (c.dim,)}
     if not c.tie_embeddings:
         shapes["output.weight"] = (c.vocab_size, c.dim)
+    norms = layer_norm_weights(c)
     for i in (range(c.n_layers) if layers is None else layers):
         p = f"layers.{i}."
+        # the input norms first in their places (the order random_state_dict draws tensors in)
+        if c.pre_norms:
+            shapes[p + "attention_norm.weight"] = (c.dim,)
         shapes[p + "attention.wq.weight"] = (q, c.dim)
         shapes[p + "attention.wk.weight"] = (kv, c.dim)
         shapes[p + "attention.wv.weight"] = (kv, c.dim)
@@ -67,6 +71,8 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
             shapes[p + "attention.wq.bias"] = (q,)
             shapes[p + "attention.wk.bias"] = (kv,)
             shapes[p + "attention.wv.bias"] = (kv,)
+        if c.pre_norms:
+            shapes[p + "ffn_norm.weight"] = (c.dim,)
         if c.n_experts:
             e, inter = c.n_experts, c.moe_intermediate_size
             shapes[p + "feed_forward.router.weight"] = (e, c.dim)
@@ -77,7 +83,7 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
             shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
             shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
             shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
-        for name, shape in layer_norm_weights(c).items():
+        for name, shape in norms.items():
             shapes[p + name] = shape
     return shapes
 
