@@ -21,6 +21,7 @@ from specwood.engine.specpipe.args import cmd_generate_pipeline, pipeline_cli_op
 from specwood.engine.specpipe.launch import PipelineExecutor, generate_on_pipeline, pipeline_mode
 from specwood.errors import SpecwoodError
 from specwood.methods import get_method, method_on
+from specwood.sampling import SamplingParams
 
 
 # --- Engine.generate(..., executor="parallel" | a ParallelExecutor) ------------------------------
@@ -40,7 +41,8 @@ def engine_executor(engine: EngineLike, **options: Any) -> ParallelExecutor:
     return ex
 
 
-def generate_parallel(engine: EngineLike, executor: Any, prompt: Any, **kwargs: Any) -> Any:
+def generate_parallel(engine: EngineLike, executor: Any, prompt: Any, params: SamplingParams | None = None,
+                      **kwargs: Any) -> Any:
     """Engine.generate with executor="parallel" (or a ParallelExecutor): DuoDecoding."""
     options = {k: kwargs.pop(k) for k in EXECUTOR_OPTIONS if k in kwargs}
     if isinstance(executor, ParallelExecutor):
@@ -51,7 +53,7 @@ def generate_parallel(engine: EngineLike, executor: Any, prompt: Any, **kwargs: 
         ex = engine_executor(engine, **options)
     else:
         raise SpecwoodError(f"unknown executor {executor!r} (use 'sequential', 'parallel' or 'pipeline')")
-    return ex.generate(prompt, **kwargs)
+    return ex.generate(prompt, params, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class ExecutorPlugin:
     build: Callable[[EngineLike, dict[str, Any]], Executor | None]
     # `specwood generate` on it, where one request needs more than Engine.generate (the pipeline's ranks)
     generate_cli: Callable[[argparse.Namespace, Callable[..., Any]], int] | None = None
-    # Engine.generate on it: (engine, executor or its name, prompt, **generate's arguments) -> result
+    # Engine.generate on it: (engine, executor or its name, prompt, params, **generate's arguments) -> result
     generate: Callable[..., GenerationResult] | None = None
     # (method, args) -> the method as it runs here, or one line saying why it cannot (a bench row)
     check_method: Callable[[str, argparse.Namespace], str] | None = None

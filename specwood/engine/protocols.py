@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
     from specwood.constrain.processors import Processors
+    from specwood.engine.config import SchedulerConfig
     from specwood.engine.output import GenerationResult
     from specwood.engine.request import Request
     from specwood.engine.scheduler import Scheduler
@@ -71,9 +72,7 @@ class EngineLike(Protocol):
                tools: list[dict[str, Any]] | None = None,
                template_kwargs: dict[str, Any] | None = None) -> list[int]: ...
 
-    def make_scheduler(self, *, max_batch: int = 8, row_len: int | None = None, max_queue: int = 64,
-                       growable: bool = False, kv_memory: int | None = None,
-                       kv_budget: int | None = None) -> Scheduler: ...
+    def make_scheduler(self, config: SchedulerConfig = ..., drafts: tuple[Any, ...] | None = None) -> Scheduler: ...
 
     def prepare(self, method: str, options: dict[str, Any] | None = None) -> DrafterFactory: ...
 
