@@ -83,6 +83,7 @@ def test_a_plan_for_the_server_that_fails_is_not_stored(tiny_model_factory, tiny
     ends in one line and leaves no file, so `auto` keeps its starter plan; the same plan asked for
     by hand is stored with a warning."""
     import specwood.engine.api as engine_api
+    import specwood.engine.args  # noqa: F401 - imported before the patch: it binds the real `load` (the CLI's)
     from specwood.errors import SpecwoodError
 
     tiny_engine = engine_api.Engine(tiny_model_factory(), tiny_tokenizer, target_name="tiny")
