@@ -251,8 +251,10 @@ def test_requests_near_the_context_end_in_a_batch(tiny_engine):
 def test_newcomers_share_the_prefill(tiny_engine):
     """With nobody decoding, newcomers share one chunk of PREFILL_CHUNK tokens equally (short
     prompts get their first token at once, a long one keeps prefilling); while others decode,
-    each newcomer's target and draft advance prefill_chunk_tokens a step, the target's chunks in
-    the decode step's own forward (one pass over the weights a step); output is ar's."""
+    each newcomer's target advances prefill_chunk_tokens a step, in the decode step's own forward
+    (one pass over the weights a step). A draft model reads its prompt only after the first
+    token, in chunks of the same share (a short one in the next step, which it drafts in);
+    output is ar's."""
     from specwood.models.prefill import PREFILL_CHUNK
 
     engine = tiny_engine
@@ -269,20 +271,22 @@ def test_newcomers_share_the_prefill(tiny_engine):
     factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in ("ar", "dyspec", "chain")}
     for job in jobs:
         sched.submit(job.build(engine, sched, factories))
-    long = jobs[-1].request
+    long, dyspec = jobs[-1].request, jobs[1].request
     sched.step()
     assert all(j.request.state is State.DECODE for j in jobs[:3])
-    assert (long.state, long.prefilled, long.draft_prefilled) == (State.PREFILL, 128, 128)
+    assert (dyspec.draft_prefilled, len(dyspec.out.token_ids)) == (0, 1)  # its first token did not wait
+    assert (long.state, long.prefilled, long.draft_prefilled) == (State.PREFILL, 128, 0)
     assert len(passes) == 1  # four prompts' chunks (10, 9, 11, 128 tokens): one forward
-    sched.step()  # now others decode: 16 tokens of it, on both models
-    assert (long.prefilled, long.draft_prefilled) == (144, 144)
+    sched.step()  # now others decode: 16 tokens of the long prompt; dyspec's draft reads its 9 and drafts
+    assert (long.prefilled, long.draft_prefilled) == (144, 0)
+    assert dyspec.draft_prefilled == 9 and records[-1].drafting == 1
     assert len(passes) == 2 and records[-1].prefill_tokens == 16  # rode in the decode step's forward
     late = [Job("ar", random_prompt(rnd, 60), 8), Job("chain", random_prompt(rnd, 60), 8)]
     for job in late:
         sched.submit(job.build(engine, sched, factories))
     sched.step()
-    assert (long.prefilled, long.draft_prefilled) == (160, 160)
-    assert [j.request.prefilled for j in late] == [16, 16] and late[1].request.draft_prefilled == 16
+    assert (long.prefilled, long.draft_prefilled) == (160, 0)
+    assert [j.request.prefilled for j in late] == [16, 16] and late[1].request.draft_prefilled == 0
     assert len(passes) == 3 and records[-1].prefill_tokens == 48
     sched.run_until_done([j.request for j in jobs + late])
     hook.remove()

@@ -21,7 +21,7 @@ from specwood.engine.sequential import SequentialExecutor
 from specwood.engine.step import StepRecord, advance, tree_row
 from specwood.errors import ContextLengthError
 from specwood.models.batch import forward_rows
-from specwood.models.prefill import prefill_rows
+from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
 from specwood.models.transformer import Transformer
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
@@ -93,6 +93,7 @@ class RunnerExecutor(SequentialExecutor):
         self.tree_room = 0  # a tree that does not fit next to the context is decoded plainly
         self.row_len = runner.n_ctx
         self.growable = False
+        self.prefill_chunk_tokens = PREFILL_CHUNK  # the draft's prompt, read after the first token: alone, in full chunks
 
     def draft_source(self, model: Any) -> Any:
         # one request at a time: a torch draft gets a one-row cache of its own
@@ -117,13 +118,14 @@ class RunnerExecutor(SequentialExecutor):
         req.row = 0
 
     def _prefill(self, requests: list[Request]) -> None:
-        """The whole prompt at once (nobody else is decoding), then the draft's."""
+        """The whole prompt at once (nobody else is decoding); the draft reads it after the first
+        token (the decode steps' `_draft_prefill`), but for a `draft_first` request."""
         for req in requests:
             try:
                 with torch.inference_mode():
                     req.prefill_logits = self.runner.prefill(req.prompt_ids)
                     req.prefilled = len(req.prompt_ids)
-                    if req.uses_draft_model and req.draft_prefilled < len(req.prompt_ids):
+                    if req.draft_first and req.draft_behind:
                         req.drafter.source.prefill_part(req.prompt_ids, 0, len(req.prompt_ids))
                         req.draft_prefilled = len(req.prompt_ids)
             except Exception as e:  # noqa: BLE001

@@ -239,47 +239,48 @@ class SequentialExecutor(Executor):
         """Advance the newcomers' prompts by their share (`prefill_share`) in a step with nobody
         decoding: one forward per model for all the chunks."""
         with torch.inference_mode():
-            target_chunks = self._draft_prefill(requests, decoding=False)
+            target_chunks = self._draft_prefill(requests, [])
             self._prefill_forward(self.target, self.cache, target_chunks, draft=False)
             self._first_tokens(requests)
 
-    def _draft_prefill(self, requests: list[Request], decoding: bool) -> list[tuple[Request, int, int]]:
-        """Split the step's prefill into chunks (request, start, end) per model, the target's and
-        the draft's side by side (the draft's prefill is part of the time to first token); run
-        the draft models' chunks (one forward per draft pool) and return the target's."""
+    def _draft_prefill(self, newcomers: list[Request], decoding: list[Request]) -> list[tuple[Request, int, int]]:
+        """Split the step's prefill into chunks (request, start, end) per model: the newcomers'
+        prompts on the target; on the draft models the prompts of requests past their first
+        token (the first token never waits for the draft: it reads the prompt after, while its
+        request decodes plainly), and of `draft_first` newcomers beside their target's. Run the
+        draft models' chunks (one forward per draft pool) and return the target's."""
+        reading = [r for r in newcomers if r.draft_first and r.draft_behind] + [r for r in decoding if r.draft_behind]
         waiting: dict[bool, set[Request]] = {False: set(), True: set()}
-        if self.reuse is not None:  # shared prompt tokens: computed by one newcomer, copied by the others
-            self.reuse.catch_up(requests, self.cache)
-            waiting = {draft: self.reuse.followers(requests, draft) for draft in (False, True)}
-        each, in_all = self.prefill_share(max(1, len(requests) - len(waiting[False])), decoding)
-        target_chunks, draft_chunks = [], []
-        left = {False: in_all, True: in_all}
-        for req in requests:
-            n = len(req.prompt_ids)
-            sides = ((False, req.prefilled, target_chunks), (True, req.draft_prefilled, draft_chunks))
-            for draft, done, chunks in sides:
-                if draft and not req.uses_draft_model or req in waiting[draft]:
-                    continue
-                take = min(n - done, each, left[draft])
-                if take > 0:
-                    chunks.append((req, done, done + take))
-                    left[draft] -= take
+        if self.reuse is not None:  # shared prompt tokens: computed by one request, copied by the others
+            self.reuse.catch_up(newcomers, reading, self.cache)
+            waiting = {False: self.reuse.followers(newcomers, False), True: self.reuse.followers(reading, True)}
+        # a draft's chunks hold up the requests that decode with no prompt of their own left to read
+        others = {False: bool(decoding), True: any(not r.draft_behind for r in decoding)}
+        chunks: dict[bool, list[tuple[Request, int, int]]] = {}
+        for draft, requests in ((False, newcomers), (True, reading)):
+            each, left = self.prefill_share(max(1, len(requests) - len(waiting[draft])), others[draft])
+            chunks[draft] = []
+            for req in requests:
+                done = req.draft_prefilled if draft else req.prefilled
+                take = min(len(req.prompt_ids) - done, each, left)
+                if take > 0 and req not in waiting[draft]:
+                    chunks[draft].append((req, done, done + take))
+                    left -= take
         pools: dict[int, list] = {}
-        for chunk in draft_chunks:
+        for chunk in chunks[True]:
             if chunk[0].drafter.source.batched:  # one prefill forward per draft pool
                 pools.setdefault(id(chunk[0].drafter.source.cache), []).append(chunk)
             else:
                 self._prefill_own_source(*chunk)
-        for chunks in pools.values():
-            src = chunks[0][0].drafter.source
-            self._prefill_forward(src.model, src.cache, chunks, draft=True)
-        return [c for c in target_chunks if c[0].state is State.PREFILL]  # not failed in its draft chunk
+        for group in pools.values():
+            src = group[0][0].drafter.source
+            self._prefill_forward(src.model, src.cache, group, draft=True)
+        return [c for c in chunks[False] if c[0].state is State.PREFILL]  # not failed in its draft chunk
 
     def _first_tokens(self, requests: list[Request]) -> None:
         for req in requests:
-            n = len(req.prompt_ids)
-            draft_done = req.draft_prefilled >= n or not req.uses_draft_model
-            if req.state is State.PREFILL and req.prefilled >= n and draft_done:
+            if req.state is State.PREFILL and req.prefilled >= len(req.prompt_ids) and not (
+                    req.draft_first and req.draft_behind):
                 self._first_token(req)
 
     def _prefill_own_source(self, req: Request, start: int, end: int) -> None:
@@ -341,7 +342,8 @@ class SequentialExecutor(Executor):
         """One decode step of `batch`; the newcomers' prefill chunks ride in its target forward."""
         failed: dict[Request, BaseException] = {}
         with torch.inference_mode():
-            chunks = self._draft_prefill(newcomers, decoding=True) if newcomers else []
+            chunks = self._draft_prefill(newcomers, batch)
+            batch = [r for r in batch if r.state is State.DECODE]  # not failed in its draft's chunk
             riding = sum(b - a for _, a, b in chunks)
             t0 = time.perf_counter()
             trees, forced = draft_trees(batch, len(batch), failed, riding)
