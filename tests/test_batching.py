@@ -294,6 +294,55 @@ def test_newcomers_share_the_prefill(tiny_engine):
     assert_pools_free(sched)
 
 
+def test_the_first_token_never_waits_for_the_draft(tiny_engine):
+    """A draft model reads its prompt after its request's first token (issue 58 item 3): alone,
+    all of it in the next step, which the request drafts in; beside others decoding,
+    prefill_chunk_tokens a step while the request decodes plainly, then it drafts. auto with its
+    draft model too. Greedy, fp32: every output is ar's. A seeded sampled request still has its
+    draft read the prompt first (its trees must not depend on the batch)."""
+    engine = tiny_engine
+    store_auto_plan(engine)
+    rnd = random.Random(9)
+    sched = Scheduler(engine.target, max_batch=4, prefill_chunk_tokens=16)
+    records = []
+    sched.observers.append(records.append)
+    options = {**TINY_OPTIONS, "auto": {"progress": False, "lookup": False}}  # auto drafts with its model
+    factories = {m: quiet_prepare(engine, m, options[m]) for m in ("ar", "dyspec", "auto")}
+    done = []
+    for method in ("dyspec", "auto"):  # alone
+        job = Job(method, random_prompt(rnd, 40), 16, eos=set())
+        req = sched.submit(job.build(engine, sched, factories))
+        sched.step()
+        assert (req.state, len(req.out.token_ids), req.draft_prefilled) == (State.DECODE, 1, 0), method
+        sched.step()
+        assert req.draft_prefilled == 40 and records[-1].drafting == 1, method
+        sched.run_until_done([req])
+        done.append(job)
+    running = Job("ar", random_prompt(rnd, 10), 60, eos=set())  # beside a request that decodes
+    sched.submit(running.build(engine, sched, factories))
+    sched.step()
+    job = Job("dyspec", random_prompt(rnd, 60), 24, eos=set())
+    req = sched.submit(job.build(engine, sched, factories))
+    while req.state is not State.DECODE:
+        sched.step()
+    assert (req.draft_prefilled, len(req.out.token_ids)) == (0, 1)
+    seen = []
+    while req.draft_behind:
+        sched.step()
+        seen.append((req.draft_prefilled, records[-1].drafting, len(req.out.token_ids)))
+    # plain steps (a token each) while the draft reads 16 tokens a step; it drafts in the step it is done
+    assert seen == [(16, 0, 2), (32, 0, 3), (48, 0, 4), (60, 1, seen[-1][2])]
+    sched.run_until_done([running.request, req])
+    assert req.result.stats["spec_steps"] > 0
+    assert_like_ar(engine, done + [running, job])
+    seeded = sched.submit(engine.new_request(random_prompt(rnd, 30), max_tokens=4, method="dyspec", seed=5,
+                                             temperature=0.8, scheduler=sched, prepared=factories["dyspec"]))
+    sched.step()
+    assert seeded.draft_first and (len(seeded.out.token_ids), seeded.draft_prefilled) == (1, 30)
+    sched.run_until_done([seeded])
+    assert_pools_free(sched)
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_engine):
     """Each request owns its random streams: a seeded sampled request emits the same tokens alone
     and in a batch with others (that join, finish and sample around it)."""
