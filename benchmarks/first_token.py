@@ -6,13 +6,15 @@ as early as `ar`'s), for one or more source trees of specwood, servers alternate
 Per round and tree (the trees' order alternating from round to round): one `specwood serve` on
 the default pair (127.0.0.1, a free port, PYTHONPATH=the tree, no background plan), an untimed
 warm-up request per method (auto's starter plan is timed then), then each short held-out prompt
-(benchmarks/heldout_prompts.jsonl without the long-* categories) sent once with "method": "ar"
-and once with "auto", one at a time, the order alternating from prompt to prompt. Streaming chat
+(benchmarks/heldout_prompts.jsonl without the long-* categories) sent once with each "method"
+(ar, auto, and dyspec, which always drafts with the model), one at a time, the order alternating
+from prompt to prompt. Streaming chat
 requests, greedy, `max_tokens` tokens; each with a fresh `cache_salt`, so that no request reuses
 the K/V of the other method's request on the same prompt. TTFT: request sent to the first content
-chunk (client clock); total: to the end of the stream. Reported per tree: TTFT p50 per method and
-their ratio, the median of the per-prompt auto/ar ratios, and the same for the total time; the
-load average and the cores other processes used (sampled idle before each server's requests).
+chunk (client clock); total: to the end of the stream. Reported per tree: TTFT p50 per method, its
+ratio to ar's and the median of the per-prompt ratios to ar, and the same for the total time; the
+load average and the cores other processes used (sampled idle before each server's start).
+The servers inherit this environment (e.g. OMP_NUM_THREADS=1 on a crowded machine).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -32,7 +35,6 @@ from specwood.bench.workload import load_workload
 from specwood.planner.machine import others_cores
 
 REPO = Path(__file__).resolve().parent.parent
-METHODS = ("ar", "auto")
 
 
 async def timed_request(client, base: str, prompt, method: str, max_tokens: int) -> dict:
@@ -55,7 +57,7 @@ async def timed_request(client, base: str, prompt, method: str, max_tokens: int)
     return {"method": method, "ttft_s": (first or end) - t0, "total_s": end - t0}
 
 
-async def one_server(tree: str, prompts, max_tokens: int, round_no: int, log_dir: Path) -> list[dict]:
+async def one_server(tree: str, prompts, methods: list[str], max_tokens: int, round_no: int, log_dir: Path) -> list[dict]:
     httpx = _require_httpx()
     port = free_port()
     env = {**os.environ, "PYTHONPATH": tree}
@@ -63,11 +65,11 @@ async def one_server(tree: str, prompts, max_tokens: int, round_no: int, log_dir
                        log_path=log_dir / f"server-{Path(tree).name}-{round_no}.log"):
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=None) as client:
-            for method in METHODS:  # warm-up: kernels, auto's starter plan
+            for method in methods:  # warm-up: kernels, auto's starter plan
                 await timed_request(client, base, prompts[0], method, max_tokens)
             out = []
             for i, prompt in enumerate(prompts):
-                order = METHODS if (i + round_no) % 2 == 0 else METHODS[::-1]
+                order = methods if (i + round_no) % 2 == 0 else methods[::-1]
                 for method in order:
                     rec = await timed_request(client, base, prompt, method, max_tokens)
                     out.append({**rec, "prompt": prompt.id})
@@ -75,13 +77,19 @@ async def one_server(tree: str, prompts, max_tokens: int, round_no: int, log_dir
 
 
 def summary(recs: list[dict]) -> dict:
-    by = {m: {r["prompt"]: r for r in recs if r["method"] == m} for m in METHODS}
+    """Per time (TTFT, total): each method's p50, and each other method's p50 and median paired
+    (same prompt, same round) ratio to ar's."""
+    methods = list(dict.fromkeys(r["method"] for r in recs))
+    by = {m: {(r["prompt"], r.get("round")): r for r in recs if r["method"] == m} for m in methods}
     row: dict = {}
     for what in ("ttft_s", "total_s"):
-        p50 = {m: statistics.median(r[what] for r in by[m].values()) for m in METHODS}
-        paired = [by["auto"][p][what] / by["ar"][p][what] for p in by["ar"] if p in by["auto"]]
-        row[what] = {"ar_p50": round(p50["ar"], 4), "auto_p50": round(p50["auto"], 4),
-                     "auto/ar_p50": round(p50["auto"] / p50["ar"], 3), "auto/ar_paired_median": round(statistics.median(paired), 3)}
+        p50 = {m: statistics.median(r[what] for r in by[m].values()) for m in methods}
+        row[what] = {f"{m}_p50": round(p50[m], 4) for m in methods}
+        for m in methods:
+            if m != "ar":
+                paired = [by[m][k][what] / by["ar"][k][what] for k in by["ar"] if k in by[m]]
+                row[what][f"{m}/ar_p50"] = round(p50[m] / p50["ar"], 3)
+                row[what][f"{m}/ar_paired_median"] = round(statistics.median(paired), 3)
     return row
 
 
@@ -91,8 +99,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--methods", default="ar,auto,dyspec", help="ar first; dyspec always drafts with the model")
     ap.add_argument("--out", default=None, help="write every record and the summary as JSON here")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the server is stopped on the way out
     trees = dict(item.split("=", 1) for item in a.trees.split(","))
     prompts = interleave([p for p in load_workload(str(REPO / "benchmarks" / "heldout_prompts.jsonl")).prompts
                           if not p.category.startswith("long-")])[:a.limit]
@@ -103,7 +113,7 @@ def main() -> None:
         names = list(trees) if round_no % 2 == 0 else list(trees)[::-1]
         for name in names:
             machine.append({"round": round_no, "tree": name, "loadavg": os.getloadavg(), "others_cores": others_cores(1.0)})
-            recs = asyncio.run(one_server(trees[name], prompts, a.max_tokens, round_no, log_dir))
+            recs = asyncio.run(one_server(trees[name], prompts, a.methods.split(","), a.max_tokens, round_no, log_dir))
             records[name] += [{**r, "round": round_no} for r in recs]
             print(f"round {round_no} {name}: {json.dumps(summary(recs))} (load {machine[-1]['loadavg'][0]:.2f}, "
                   f"others {machine[-1]['others_cores']})", file=sys.stderr, flush=True)
