@@ -9,11 +9,13 @@ warm-up request per method (auto's starter plan is timed then), then each short 
 (benchmarks/heldout_prompts.jsonl without the long-* categories) sent once with each "method"
 (ar, auto, and dyspec, which always drafts with the model), one at a time, the order alternating
 from prompt to prompt. Streaming chat
-requests, greedy, `max_tokens` tokens; each with a fresh `cache_salt`, so that no request reuses
-the K/V of the other method's request on the same prompt. TTFT: request sent to the first content
-chunk (client clock); total: to the end of the stream. Reported per tree: TTFT p50 per method, its
-ratio to ar's and the median of the per-prompt ratios to ar, and the same for the total time; the
-load average and the cores other processes used (sampled idle before each server's start).
+requests, greedy, asking for `max_tokens` tokens (128: auto weighs its draft's prefill by them);
+each with a fresh `cache_salt`, so that no request reuses the K/V of another method's request on
+the same prompt. TTFT: request sent to the first content chunk (client clock); the client then
+leaves (the server cancels the rest), or with --to-end reads on: total, to the stream's end.
+Reported per tree: TTFT p50 per method, its ratio to ar's and the median of the per-prompt ratios
+to ar, and the same for the total time; the load average and the cores other processes used
+(sampled idle before each server's start).
 The servers inherit this environment (e.g. OMP_NUM_THREADS=1 on a crowded machine).
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ from specwood.planner.machine import others_cores
 REPO = Path(__file__).resolve().parent.parent
 
 
-async def timed_request(client, base: str, prompt, method: str, max_tokens: int) -> dict:
+async def timed_request(client, base: str, prompt, method: str, max_tokens: int, to_end: bool = True) -> dict:
     path, body = request_body(prompt, method, max_tokens, None, continuous_usage=False)
     body["cache_salt"] = uuid.uuid4().hex  # nothing cached by the other method's request is reused
     t0 = time.perf_counter()
@@ -53,11 +55,16 @@ async def timed_request(client, base: str, prompt, method: str, max_tokens: int)
                 break
             if first is None and _chunk_text(json.loads(data)):
                 first = time.perf_counter()
+                if not to_end:  # the server cancels the rest when the client leaves
+                    break
     end = time.perf_counter()
-    return {"method": method, "ttft_s": (first or end) - t0, "total_s": end - t0}
+    if not to_end:
+        await asyncio.sleep(0.3)  # the cancelled request leaves the server before the next one
+    return {"method": method, "ttft_s": (first or end) - t0, "total_s": end - t0 if to_end else None}
 
 
-async def one_server(tree: str, prompts, methods: list[str], max_tokens: int, round_no: int, log_dir: Path) -> list[dict]:
+async def one_server(tree: str, prompts, methods: list[str], max_tokens: int, round_no: int, log_dir: Path,
+                     to_end: bool) -> list[dict]:
     httpx = _require_httpx()
     port = free_port()
     env = {**os.environ, "PYTHONPATH": tree}
@@ -71,7 +78,7 @@ async def one_server(tree: str, prompts, methods: list[str], max_tokens: int, ro
             for i, prompt in enumerate(prompts):
                 order = methods if (i + round_no) % 2 == 0 else methods[::-1]
                 for method in order:
-                    rec = await timed_request(client, base, prompt, method, max_tokens)
+                    rec = await timed_request(client, base, prompt, method, max_tokens, to_end)
                     out.append({**rec, "prompt": prompt.id})
     return out
 
@@ -83,6 +90,8 @@ def summary(recs: list[dict]) -> dict:
     by = {m: {(r["prompt"], r.get("round")): r for r in recs if r["method"] == m} for m in methods}
     row: dict = {}
     for what in ("ttft_s", "total_s"):
+        if any(r[what] is None for r in recs):
+            continue
         p50 = {m: statistics.median(r[what] for r in by[m].values()) for m in methods}
         row[what] = {f"{m}_p50": round(p50[m], 4) for m in methods}
         for m in methods:
@@ -98,7 +107,9 @@ def main() -> None:
     ap.add_argument("--trees", default=f"this={REPO}", help="name=path,...: specwood source trees to compare")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--limit", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128, help="what each request asks for (auto weighs its draft by it)")
+    ap.add_argument("--to-end", action="store_true", help="read every answer to its end (total time too); "
+                    "by default the client leaves after the first token")
     ap.add_argument("--methods", default="ar,auto,dyspec", help="ar first; dyspec always drafts with the model")
     ap.add_argument("--out", default=None, help="write every record and the summary as JSON here")
     a = ap.parse_args()
@@ -113,7 +124,8 @@ def main() -> None:
         names = list(trees) if round_no % 2 == 0 else list(trees)[::-1]
         for name in names:
             machine.append({"round": round_no, "tree": name, "loadavg": os.getloadavg(), "others_cores": others_cores(1.0)})
-            recs = asyncio.run(one_server(trees[name], prompts, a.methods.split(","), a.max_tokens, round_no, log_dir))
+            recs = asyncio.run(one_server(trees[name], prompts, a.methods.split(","), a.max_tokens, round_no, log_dir,
+                                          a.to_end))
             records[name] += [{**r, "round": round_no} for r in recs]
             print(f"round {round_no} {name}: {json.dumps(summary(recs))} (load {machine[-1]['loadavg'][0]:.2f}, "
                   f"others {machine[-1]['others_cores']})", file=sys.stderr, flush=True)
