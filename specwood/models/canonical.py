@@ -39,6 +39,7 @@ the non-layer tensors are always returned.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -111,9 +112,12 @@ def split_fused(config: ModelConfig, sd: dict[str, Any]) -> None:
             start += rows
 
 
-def stack_experts(config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
+def stack_experts(config: ModelConfig, sd: dict[str, torch.Tensor], source: str | os.PathLike[str] = "",
+                  file_name: Callable[[str], str] | None = None) -> None:
     """Stack, in place, one tensor per expert (`feed_forward.experts.{e}.w1.weight`, as Hugging
-    Face checkpoints store them) into the canonical [E, ...] tensor of each layer."""
+    Face checkpoints store them) into the canonical [E, ...] tensor of each layer. An expert
+    missing or beyond the config's count is one line naming its tensor as the file does."""
+    show = file_name or (lambda name: name)
     singles: dict[str, dict[int, torch.Tensor]] = {}
     for name in [n for n in sd if ".feed_forward.experts." in n]:
         head, rest = name.split(".feed_forward.experts.", 1)
@@ -122,9 +126,13 @@ def stack_experts(config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
             singles.setdefault(f"{head}.feed_forward.experts.{part}", {})[int(expert)] = sd.pop(name)
     for name, experts in singles.items():
         if sorted(experts) != list(range(config.n_experts)):
+            head, part = name.split(".feed_forward.experts.", 1)
             missing = sorted(set(range(config.n_experts)) - set(experts))
-            raise ModelFileError(f"{name}: the checkpoint has experts {min(experts)}..{max(experts)} "
-                                 f"(missing {missing[:3]}), the config says {config.n_experts}")
+            odd = missing[0] if missing else min(set(experts) - set(range(config.n_experts)))
+            what = "is missing" if missing else "is an expert too many"
+            raise ModelFileError(f"{source}: tensor {show(f'{head}.feed_forward.experts.{odd}.{part}')} {what}: the "
+                                 f"config says {config.n_experts} experts, the checkpoint has {len(experts)} "
+                                 f"(numbered {min(experts)}..{max(experts)})")
         sd[name] = torch.stack([experts[e] for e in range(config.n_experts)])
 
 
@@ -146,11 +154,14 @@ def layer_index(canonical_name: str) -> int | None:
 
 
 def validate_state_dict(
-    config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str], layers: range | None = None
+    config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str],
+    layers: range | None = None, file_name: Callable[[str], str] | None = None,
 ) -> None:
-    """Raise ModelFileError if a tensor the config needs is missing or has the wrong shape."""
+    """Raise ModelFileError if a tensor the config needs is missing or has the wrong shape; the
+    message names it as the file does (`file_name`: canonical name -> the file's; default: as is)."""
+    show = file_name or (lambda name: name)
     expected = canonical_shapes(config, layers)
-    missing = [k for k in expected if k not in state_dict]
+    missing = list(dict.fromkeys(show(k) for k in expected if k not in state_dict))  # fused parts: one file tensor
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelFileError(
@@ -160,6 +171,6 @@ def validate_state_dict(
     for name, shape in expected.items():
         if tuple(state_dict[name].shape) != shape:
             raise ModelFileError(
-                f"{source}: tensor {name} has shape {tuple(state_dict[name].shape)}, the model config implies "
+                f"{source}: tensor {show(name)} has shape {tuple(state_dict[name].shape)}, the model config implies "
                 f"{shape}; the file's metadata does not match its weights (corrupt or unsupported variant)"
             )

@@ -7,12 +7,21 @@ from dataclasses import dataclass, field, asdict
 from typing import Any
 
 from specwood.errors import ModelFileError
-from specwood.models.layer_kinds import FULL_ATTENTION, check_layer_types, sliding_types
+from specwood.models.layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION, check_layer_types, sliding_types
 
 # Architectures the runtime implements; all are Llama-style decoders that differ in what their
 # layers add (docs/models.md): the fields below say what, per model.
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "qwen3moe")
 ACTIVATIONS = ("silu", "gelu_tanh")  # of the gated MLP
+# RoPE scalings specwood.models.rope computes ("su": LongRoPE's older name); any other is refused
+# when the config is read, before a weight is decoded
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
+_ROPE_ALIASES = ("su",)
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """A RoPE scaling's type, under either key config.json has used for it ("rope_type", "type")."""
+    return str((scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default")
 
 
 @dataclass
@@ -67,6 +76,9 @@ class ModelConfig:
             raise ModelFileError(f"model config: {self.n_experts_used} experts per token of {self.n_experts}")
         if self.n_experts and self.moe_intermediate_size < 1:
             raise ModelFileError("model config: the experts' MLP width must be a positive integer")
+        if self.rope_scaling is not None and rope_type(self.rope_scaling) not in ROPE_TYPES + _ROPE_ALIASES:
+            raise ModelFileError(f"unsupported rope scaling type '{rope_type(self.rope_scaling)}' (specwood runs "
+                                 f"{', '.join(ROPE_TYPES)})")
         if self.hidden_act not in ACTIVATIONS:
             raise ModelFileError(f"unsupported MLP activation '{self.hidden_act}' (specwood runs {', '.join(ACTIVATIONS)})")
         if self.layer_types is not None:
@@ -106,7 +118,12 @@ class ModelConfig:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch in _WINDOWED_ARCHS) else None
         layer_types = cfg.get("layer_types")
         if layer_types is None and arch == "gemma3" and window:
-            layer_types = sliding_types(n_layers, int(cfg.get("sliding_window_pattern") or 6))
+            period = _whole(cfg.get("sliding_window_pattern") or 6, "sliding_window_pattern")
+            layer_types = sliding_types(n_layers, period)
+        if layer_types is None and arch in ("qwen2", "qwen3") and window and "max_window_layers" in cfg:
+            # transformers' rule before it wrote layer_types: the layers from max_window_layers on slide
+            first = _whole(cfg["max_window_layers"], "max_window_layers")
+            layer_types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n_layers)]
         if arch == "gemma3" and cfg.get("attn_logit_softcapping") is not None:
             raise ModelFileError("attention logit softcapping (Gemma 2) is not supported; Gemma 3 has none")
         if float(cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
@@ -133,7 +150,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=(arch == "qwen2") or bool(cfg.get("attention_bias", False)),
-            sliding_window=window,
+            sliding_window=_whole(window, "sliding_window") if window else None,
             layer_types=layer_types,
             rope_local_theta=rope["local_theta"],
             qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
@@ -157,6 +174,13 @@ _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qw
                    "gemma3_text": "gemma3", "phi3": "phi3", "qwen3_moe": "qwen3moe"}
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _WINDOWED_ARCHS = ("mistral", "gemma3", "phi3")  # archs whose sliding_window applies without use_sliding_window
+
+
+def _whole(value: Any, key: str) -> int:
+    """A config.json integer field, or one line saying it is not one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer() or value < 0:
+        raise ModelFileError(f"config.json's {key} is {value!r}, not a whole number (a damaged or unsupported config)")
+    return int(value)
 
 
 def _hf_rope(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
