@@ -16,12 +16,14 @@ dequantised, q/k in the Hugging Face "rotate-half" RoPE layout):
     norm.weight                                [dim]
     output.weight                              [V, dim]       (absent when tie_embeddings)
 
-and what an architecture adds to the Llama layer (optional_layer_weights):
+and what an architecture adds to the Llama layer's norms, or takes away (layer_norm_weights):
 
-    layers.{i}.attention.q_norm.weight         [hd]   (qk_norm: Qwen3, Gemma 3)
-    layers.{i}.attention.k_norm.weight         [hd]
-    layers.{i}.attention_post_norm.weight      [dim]  (sandwich_norms: Gemma 3)
+    layers.{i}.attention.q_norm.weight         [hd]   (qk_norm: Qwen3, Gemma 3; [n_heads*hd] with
+    layers.{i}.attention.k_norm.weight         [hd]    qk_norm_whole, OLMo 2: [n_kv*hd])
+    layers.{i}.attention_post_norm.weight      [dim]  (sandwich_norms: Gemma 3, OLMo 2)
     layers.{i}.ffn_post_norm.weight            [dim]
+
+(OLMo 2 has no attention_norm and ffn_norm: pre_norms False.)
 
 and in a Mixture-of-Experts layer (n_experts: Qwen3-MoE), in place of the feed_forward weights:
 
@@ -55,9 +57,12 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (c.vocab_size, c.dim), "norm.weight": (c.dim,)}
     if not c.tie_embeddings:
         shapes["output.weight"] = (c.vocab_size, c.dim)
+    norms = layer_norm_weights(c)
     for i in (range(c.n_layers) if layers is None else layers):
         p = f"layers.{i}."
-        shapes[p + "attention_norm.weight"] = (c.dim,)
+        # the input norms first in their places (the order random_state_dict draws tensors in)
+        if c.pre_norms:
+            shapes[p + "attention_norm.weight"] = (c.dim,)
         shapes[p + "attention.wq.weight"] = (q, c.dim)
         shapes[p + "attention.wk.weight"] = (kv, c.dim)
         shapes[p + "attention.wv.weight"] = (kv, c.dim)
@@ -66,7 +71,8 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
             shapes[p + "attention.wq.bias"] = (q,)
             shapes[p + "attention.wk.bias"] = (kv,)
             shapes[p + "attention.wv.bias"] = (kv,)
-        shapes[p + "ffn_norm.weight"] = (c.dim,)
+        if c.pre_norms:
+            shapes[p + "ffn_norm.weight"] = (c.dim,)
         if c.n_experts:
             e, inter = c.n_experts, c.moe_intermediate_size
             shapes[p + "feed_forward.router.weight"] = (e, c.dim)
@@ -77,16 +83,25 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
             shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
             shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
             shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
-        for name in optional_layer_weights(c):
-            shapes[p + name] = (c.head_dim,) if name.startswith("attention.") else (c.dim,)
+        for name, shape in norms.items():
+            shapes[p + name] = shape
     return shapes
 
 
-def optional_layer_weights(config: ModelConfig) -> list[str]:
-    """The canonical layer weights (after `layers.{i}.`) beyond the Llama layer's that the config's
-    architecture has: its q/k norms and sandwich norms."""
-    names = ["attention.q_norm.weight", "attention.k_norm.weight"] if config.qk_norm else []
-    return names + (["attention_post_norm.weight", "ffn_post_norm.weight"] if config.sandwich_norms else [])
+def layer_norm_weights(config: ModelConfig) -> dict[str, tuple[int]]:
+    """The canonical norm weights of a layer (after `layers.{i}.`) the config's architecture has,
+    with their shapes: the input norms of attention and MLP (not OLMo 2's), q/k norms, the
+    norms of their outputs."""
+    c, names = config, {}
+    if c.pre_norms:
+        names.update({"attention_norm.weight": (c.dim,), "ffn_norm.weight": (c.dim,)})
+    if c.qk_norm:
+        whole = c.qk_norm_whole
+        names.update({"attention.q_norm.weight": (c.n_heads * c.head_dim if whole else c.head_dim,),
+                      "attention.k_norm.weight": (c.n_kv_heads * c.head_dim if whole else c.head_dim,)})
+    if c.sandwich_norms:
+        names.update({"attention_post_norm.weight": (c.dim,), "ffn_post_norm.weight": (c.dim,)})
+    return names
 
 
 def split_fused(config: ModelConfig, sd: dict[str, Any]) -> None:

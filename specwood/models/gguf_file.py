@@ -34,7 +34,7 @@ _NP_DTYPE = {
 }
 
 # llama.cpp's converter interleaves q/k rows (Meta's original RoPE layout) for these archs only.
-_PERMUTED_QK_ARCHS = ("llama", "mistral")
+_PERMUTED_QK_ARCHS = ("llama", "mistral", "granite", "smollm3")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "attention_norm.weight",
@@ -272,7 +272,8 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     if arch not in SUPPORTED_ARCHS:
         raise ModelFileError(
             f"{path}: unsupported GGUF architecture {_show(arch)} (specwood runs {', '.join(SUPPORTED_ARCHS)}); "
-            "use a Llama, SmolLM2, Qwen2/Qwen2.5, Mistral, Qwen3, Qwen3-MoE, Gemma 3 or Phi-3 GGUF"
+            "use a Llama, SmolLM2, Qwen2/Qwen2.5, Mistral, Qwen3, Qwen3-MoE, Gemma 3, Phi-3, Granite 3, OLMo 2 or "
+            "SmolLM3 GGUF"
         )
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
@@ -369,7 +370,11 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     window = count("attention.sliding_window", None, low=0) or None
     layer_types = _layer_types(arch, md.get(f"{arch}.attention.sliding_window_pattern"), window, n_layers, path)
     arch_fields = _gemma3_fields(get, real, n_layers, head_dim or dim // n_heads, dim, n_heads) \
-        if arch == "gemma3" else {}
+        if arch == "gemma3" else _granite_fields(real) if arch == "granite" else {}
+    if arch == "olmo2":  # norms on the sublayers' outputs only, q and k each normed as a whole
+        arch_fields = dict(pre_norms=False, sandwich_norms=True, qk_norm_whole=True)
+    if arch == "smollm3":  # llama.cpp skips RoPE on every 4th layer (no key says so; SmolLM3's own default)
+        arch_fields = dict(nope_layers=[i for i in range(n_layers) if (i + 1) % 4 == 0])
 
     try:
         return ModelConfig(
@@ -389,7 +394,7 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
             qkv_bias="blk.0.attn_q.bias" in tensors,
             sliding_window=window,
             layer_types=layer_types,
-            qk_norm="blk.0.attn_q_norm.weight" in tensors or arch in ("qwen3", "gemma3", "qwen3moe"),
+            qk_norm="blk.0.attn_q_norm.weight" in tensors or arch in ("qwen3", "gemma3", "qwen3moe", "olmo2"),
             **arch_fields,
             **moe,
             bos_token_id=int(bos) if bos is not None else None,
@@ -419,6 +424,18 @@ def _layer_types(arch: str, pattern: Any, window: int | None, n_layers: int, pat
         raise ModelFileError(f"{path}: {key} is {_show(pattern)}, neither a period (a whole number) nor a flag per "
                              f"layer; {_TRUNCATED_FIX}")
     return sliding_types(n_layers, int(pattern or 6))
+
+
+def _granite_fields(real: Any) -> dict[str, Any]:
+    """Granite's multipliers, under the keys llama.cpp's converter writes them; one that is absent
+    or 1 is left out (no operation), as llama.cpp's graph skips it."""
+    fields = {}
+    for key, field in (("embedding_scale", "embed_scale"), ("attention.scale", "attention_scale"),
+                       ("residual_scale", "residual_scale"), ("logit_scale", "logit_scale")):
+        value = real(key, 1.0)
+        if value != 1.0:
+            fields[field] = value
+    return fields
 
 
 def _gemma3_fields(get: Any, real: Any, n_layers: int, head_dim: int, dim: int, n_heads: int) -> dict[str, Any]:

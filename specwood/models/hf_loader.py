@@ -42,7 +42,12 @@ _PHI3_FUSED_PARTS = {**{f"attention.w{p}.weight": "attention.wqkv.weight" for p 
 _MOE_LAYER_NAMES = {**_LAYER_NAMES, "mlp.gate.weight": "feed_forward.router.weight"}
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _EXPERT_PARTS = {"gate": "w1", "up": "w3", "down": "w2"}
-_ARCH_LAYER_NAMES = {"gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES}
+# OLMo 2 norms the outputs of attention and MLP only: its post_attention_layernorm too
+_OLMO2_LAYER_NAMES = {**{k: v for k, v in _LAYER_NAMES.items() if v not in ("attention_norm.weight", "ffn_norm.weight")},
+                      "post_attention_layernorm.weight": "attention_post_norm.weight",
+                      "post_feedforward_layernorm.weight": "ffn_post_norm.weight"}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES,
+                     "olmo2": _OLMO2_LAYER_NAMES}
 # Gemma's RMSNorm multiplies by (1 + w): canonical norms hold the factor (see canonical)
 NORM_SHIFT = {"gemma3": 1.0}
 _GLOBAL_NAMES = {
