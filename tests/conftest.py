@@ -16,6 +16,9 @@ from specwood.models.testing import make_tiny_tokenizer  # noqa: F401 - the test
 # compiled kernels stay in one place for the whole run: tests (and the processes they start) that
 # point SPECWOOD_CACHE at a private folder must not compile them again there
 os.environ.setdefault("SPECWOOD_KERNEL_DIR", str(build_directory()))
+# tests measure plans beside each other (xdist) and other jobs: their plans are stored whatever the
+# machine's load (tests/test_plan_sanity.py checks that a busy machine's plan is not)
+os.environ.setdefault("SPECWOOD_PLAN_BUSY_CORES", "inf")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -91,19 +91,21 @@ class PrefixReuse:
 
     # --- newcomers prefilling together ----------------------------------------------------------
 
-    def catch_up(self, requests: list[Request], target: KVCache) -> None:
-        """Carry each newcomer's rows along its prompt as far as a running row's committed prefix
-        goes (copies instead of a prefill)."""
-        for req in requests:
-            n = len(req.prompt_ids)
+    def catch_up(self, newcomers: list[Request], reading: list[Request], target: KVCache) -> None:
+        """Carry each newcomer's target row, and the draft row of each request whose draft is
+        `reading` its prompt, along the prompt as far as a running row's committed prefix goes
+        (copies instead of a prefill). A draft row holds the prompt's first `draft_prefilled`
+        tokens (the tokens emitted meanwhile wait as its pending ones, read after the prompt)."""
+        for req in newcomers:
             if target_reusable(req) and req.prefilled == target.lengths[req.row]:
                 before = req.prefilled
-                req.prefilled = self.cache.extend(target, req.row, req.prompt_ids, n - 1,
+                req.prefilled = self.cache.extend(target, req.row, req.prompt_ids, len(req.prompt_ids) - 1,
                                                   self._live_target(req.cache_scope))
                 req.cached_tokens += req.prefilled - before
+        for req in reading:
             src = req.drafter.source
-            if draft_reusable(req) and not src.pending and req.draft_prefilled == src.length:
-                req.draft_prefilled = self.cache.extend(src.cache, src.row, req.prompt_ids, n,
+            if draft_reusable(req) and req.draft_prefilled == src.length:
+                req.draft_prefilled = self.cache.extend(src.cache, src.row, req.prompt_ids, len(req.prompt_ids),
                                                         self._live_draft(src.cache, req.cache_scope), "draft")
 
     @staticmethod

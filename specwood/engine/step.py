@@ -66,7 +66,9 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
                 trees[req] = chain
                 continue
             context, root = (req.context, req.root) if chain is None else ([*req.context, req.root, *run[:-1]], run[-1])
-            shape = req.drafter.shape_for_step(batch_size, len(context) + 1, riding, free=len(run))
+            # a draft still reading its prompt (after the first token) cannot draft yet: a plain step
+            shape = None if req.draft_behind else req.drafter.shape_for_step(batch_size, len(context) + 1, riding,
+                                                                              free=len(run))
             if shape is None:
                 trees[req] = chain if chain is not None else plain_tree(req)
                 continue
