@@ -32,7 +32,7 @@ from specwood.engine.parallel import ParallelExecutor, WorkerFailure
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
-from specwood.verify import verify
+from specwood.verify import verify_trees
 
 from conftest import BiasedVerify, exact_first_two_law, g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
@@ -653,16 +653,16 @@ def test_biased_verifier_is_caught(stat_executor, monkeypatch):
     params = SamplingParams(temperature=1.0)
     law = exact_law(stat_executor.engine, params)
     biased = BiasedVerify(BIAS)
-    monkeypatch.setattr(step_mod, "verify", biased)
+    monkeypatch.setattr(step_mod, "verify_trees", biased.trees)
     n = STAT_SAMPLES["biased"]
     t0 = time.perf_counter()
     counts, _, _, _ = run_requests(stat_executor, STAT_CASES["single"][0], params, n, stream=1000)
     ps = p_values(counts, law)
     print(f"\nparallel, biased verifier (+{BIAS}): " + " ".join(f"p({k})={v:.3g}" for k, v in ps.items())
           + f" | {n} requests in {time.perf_counter() - t0:.1f}s")
-    assert biased.calls >= n // 5, "the executor no longer verifies through specwood.engine.step.verify"
+    assert biased.calls >= n // 5, "the executor no longer verifies through specwood.engine.step.verify_trees"
     assert min(ps.values()) < P_BIASED, f"the test cannot see a +{BIAS} acceptance bias"
-    assert step_mod.verify is biased and verify is not biased
+    assert step_mod.verify_trees == biased.trees and verify_trees is not step_mod.verify_trees
 
 
 # ---------------------------------------------------------------------------------------------

@@ -543,17 +543,19 @@ class ParallelExecutor(Executor):
     def _target_step(self, live: list[Request]) -> float:
         """One batched target forward verifying every request's pending tree; commit and emit.
         Returns its seconds."""
-        from specwood.engine.step import StepRecord, commit, target_forward, verify_tree
+        from specwood.engine.step import StepRecord, commit, target_forward, verify_requests
 
         t0 = time.perf_counter()
         trees = {r: self._duo[r].pending for r in live}
         rows = sum(len(t) for t in trees.values())
         with torch.inference_mode():
             outs = target_forward(self.target, self.cache, live, trees)
-            for r, logits in zip(live, outs):
+            verdicts = verify_requests(live, [trees[r] for r in live], outs)
+            for r, verdict in zip(live, verdicts):
                 st, tree = self._duo[r], trees[r]
                 try:
-                    verdict = verify_tree(r, tree, logits)
+                    if isinstance(verdict, Exception):
+                        raise verdict
                     st.all_accepted = len(verdict.accepted) == tree.max_depth
                     st.iterations += 1
                     tokens = commit(self.cache, r, tree, verdict,

@@ -84,7 +84,7 @@ class TorchRunner:
 
 class RunnerExecutor(SequentialExecutor):
     """The sequential executor's step on a ModelRunner: one request at a time (the others wait),
-    each step one tree forward, the same drafting (draft_trees), verification (verify_tree) and
+    each step one tree forward, the same drafting (draft_trees), verification (verify_requests) and
     bookkeeping (advance) as the batched step."""
 
     def __init__(self, runner: Any) -> None:
