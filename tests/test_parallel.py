@@ -63,9 +63,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def executor(engine: Engine, **kwargs) -> ParallelExecutor:
-    """A worker process with one thread; no catch-up steps (unless asked), so that every step is
-    speculative however fast the tiny target is next to the worker's reply latency."""
+    """A worker process with one thread and a target on one (prefill included: on all cores, beside
+    the other xdist worker, every op of a prefill waited milliseconds for a core -- the G-tests ran
+    2.5-4x slower); no catch-up steps (unless asked), so that every step is speculative however
+    fast the tiny target is next to the worker's reply latency."""
     kwargs.setdefault("catch_up", False)
+    kwargs.setdefault("target_threads", 1)
     ex = ParallelExecutor(engine, draft_threads=1, verbose=False, **kwargs)
     _executors.append(ex)
     return ex
@@ -401,6 +404,8 @@ def test_bad_input_is_one_clear_error(tiny_pair, engine):
         ParallelExecutor(engine, draft_threads=cores + 1)
     with pytest.raises(SpecwoodError, match="positive integer"):
         ParallelExecutor(engine, draft_threads=0)
+    with pytest.raises(SpecwoodError, match="target threads must be a positive integer"):
+        ParallelExecutor(engine, draft_threads=1, target_threads=0)
     other = make_tiny_model(vocab_size=tiny_pair.target.config.vocab_size + 8, seed=5)
     with pytest.raises(SpecwoodError, match=r"draft vocabulary \(\d+ tokens\) differs from the target's"):
         ParallelExecutor(engine, draft=other, draft_threads=1)
