@@ -64,9 +64,9 @@ def llama_cpp_required() -> None:
 class BiasedVerify:
     """A deliberately wrong sampling verifier: accepts drafted tokens `bias` too often. It counts
     the drafted trees it verifies, so a refactor that stops routing through the patched name
-    cannot make a power test vacuous. The engine's step verifies a step's sampled trees in one
-    call: monkeypatch.setattr(step_mod, "verify_trees", b.trees); one tree at a time (the
-    pipeline's ranks): monkeypatch.setattr(ranks_mod, "verify", b)."""
+    cannot make a power test vacuous. The engine's step and the pipeline's last stage verify a
+    step's sampled trees in one call: monkeypatch.setattr(step_mod, "verify_trees", b.trees);
+    one tree: b(tree, logits, params, generator)."""
 
     def __init__(self, bias: float) -> None:
         self.bias = bias

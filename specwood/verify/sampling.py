@@ -73,6 +73,11 @@ class BatchVerdict:
         k = int(self.num_accepted[b])
         return Verdict(self.accepted[b, :k].tolist(), int(self.next_token[b]))
 
+    def verdicts(self) -> list[Verdict]:
+        """Every tree's verdict (one host copy, not one per tree)."""
+        accepted, counts, nexts = self.accepted.tolist(), self.num_accepted.tolist(), self.next_token.tolist()
+        return [Verdict(a[:k], t) for a, k, t in zip(accepted, counts, nexts)]
+
 
 def children_table(parents: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """[n, C] long: the children of each node in trial order, -1 padded at the end."""
@@ -237,8 +242,8 @@ def verify_trees(
     for members in kinds.values():
         out = _verify_kind([trees[i] for i in members], [target_logits[i] for i in members], params[members[0]],
                            [uniforms[i] for i in members], accept_prob)
-        for k, i in enumerate(members):
-            verdicts[i] = out.verdict(k)
+        for i, v in zip(members, out.verdicts()):
+            verdicts[i] = v
     return verdicts  # type: ignore[return-value]
 
 
