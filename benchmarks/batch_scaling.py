@@ -10,7 +10,7 @@ import time
 
 import specwood
 from specwood.bench.workload import load_workload
-from specwood.engine.scheduler import Scheduler
+from specwood.engine.scheduler import SchedulerConfig
 
 SHORT = ["code", "chat", "translation", "math", "json-extraction", "summarisation"]
 
@@ -30,12 +30,12 @@ def main() -> None:
         name, _, opt = method.partition(":")  # "auto:nolookup" = auto without copying from the context
         prepared = engine.prepare(name, ({"progress": False, "lookup": opt != "nolookup"} if name == "auto" else {}))
         base = None
-        warm = Scheduler(engine.target, max_batch=1, row_len=2048)
+        warm = engine.make_scheduler(SchedulerConfig(max_batch=1, row_len=2048), drafts=())
         engine_req = engine.new_request("Say hi.", max_tokens=8, scheduler=warm, prepared=prepared, method=name)
         warm.submit(engine_req)
         warm.run_until_done([engine_req])
         for c in levels:
-            sched = Scheduler(engine.target, max_batch=c, row_len=2048)
+            sched = engine.make_scheduler(SchedulerConfig(max_batch=c, row_len=2048), drafts=())
             reqs = [engine.new_request(p.content, raw=p.raw, max_tokens=args.max_tokens, scheduler=sched,
                                        prepared=prepared, method=name) for p in prompts[:c]]
             for r in reqs:

@@ -30,7 +30,7 @@ from specwood.models.config import ModelConfig  # noqa: E402
 from specwood.models.loader import load_tokenizer  # noqa: E402
 from specwood.models.registry import DEFAULT_TARGET  # noqa: E402
 from specwood.models.transformer import Transformer  # noqa: E402
-from specwood.serve.app import create_app, make_scheduler  # noqa: E402
+from specwood.serve.app import create_app, server_config  # noqa: E402
 
 
 def heavy_body(i: int) -> dict:
@@ -57,7 +57,7 @@ def serve_in_child(urls: "multiprocessing.Queue", stop: "multiprocessing.Event")
     torch.manual_seed(0)
     model = Transformer(cfg).eval().requires_grad_(False)
     engine = Engine(model, tokenizer, target_name="tiny-qwen-vocab")
-    sched = make_scheduler(engine, max_batch=8, max_queue=64, kv_memory=256 << 20)
+    sched = engine.make_scheduler(server_config(max_batch=8, max_queue=64, kv_memory=256 << 20))
     srv = ServerThread(create_app(engine, sched, method="ar")).start()
     urls.put(srv.url)
     stop.wait()

@@ -12,7 +12,7 @@ import time
 import specwood
 from specwood.bench.workload import load_workload
 from specwood.engine.request import State
-from specwood.engine.scheduler import Scheduler
+from specwood.engine.scheduler import SchedulerConfig
 from specwood.engine.step import StepRecord
 
 SHORT = ["code", "chat", "translation", "math", "json-extraction", "summarisation"]
@@ -33,7 +33,7 @@ def main() -> None:
     for rnd in range(1, args.rounds + 1):
         for method in args.methods.split(","):
             prepared = engine.prepare(method, {"progress": False} if method == "auto" else {})
-            sched = Scheduler(engine.target, max_batch=args.concurrency, row_len=2048)
+            sched = engine.make_scheduler(SchedulerConfig(max_batch=args.concurrency, row_len=2048), drafts=())
             records: list[StepRecord] = []
             sched.observers.append(records.append)
             reqs = [engine.new_request(p.content, raw=p.raw, max_tokens=args.max_tokens, scheduler=sched,

@@ -12,6 +12,7 @@ from specwood.engine.args import (add_executor_args, add_method_args, add_model_
 from specwood.engine.executor import executor_name
 from specwood.engine.executors import needs_draft_on, plugin_for
 from specwood.errors import SpecwoodError
+from specwood.sampling import params_from_flags
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -21,7 +22,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if plugin.generate_cli is not None:  # the pipeline's ranks start for the one request
         return plugin.generate_cli(args, load_engine)
     options = plugin.cli_options(args)  # checks that need no model first
-    constraints = constraint_options(args)
+    params = params_from_flags(args, **constraint_options(args))
     engine = load_engine(args, need_draft=needs_draft_on(args.executor, args.method))
     # a name the engine runs itself ("sequential"; None: the method decides, auto follows the plan)
     built = plugin.build(engine, options)
@@ -31,11 +32,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     try:
-        result = engine.generate(
-            prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed, stop=args.stop, method=args.method, raw=args.raw, on_text=stream, executor=executor,
-            **constraints, **method_options(args),
-        )
+        result = engine.generate(prompt, params, max_tokens=args.max_tokens, stop=args.stop, method=args.method,
+                                 raw=args.raw, on_text=stream, executor=executor, **method_options(args))
     finally:
         if built is not None:
             built.close()
@@ -59,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def constraint_options(args: argparse.Namespace) -> dict[str, Any]:
-    """--grammar FILE (llguidance's Lark dialect), --json-schema FILE, --logprobs N as generate's arguments."""
+    """--grammar FILE (llguidance's Lark dialect), --json-schema FILE, --logprobs N as SamplingParams fields."""
     options: dict[str, Any] = {}
     if args.grammar is not None:
         import llguidance
@@ -129,7 +127,7 @@ def read_keys_file(path: str) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specwood.serve.app import DEFAULT_MAX_CONTEXT, bind_socket, serve
+    from specwood.serve.app import DEFAULT_MAX_CONTEXT, bind_socket, serve, server_config
     from specwood.serve.kv_memory import parse_size
     from specwood.serve.tenancy import Sharing
 
@@ -139,17 +137,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     executor_options = plugin.cli_options(args)  # may name the method as the executor runs it
     need_draft = needs_draft_on(args.executor, args.method)
     access = access_of(args)
-    if args.request_timeout is not None and not args.request_timeout > 0:
-        raise SpecwoodError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    # the scheduler and its KV cache, validated once (--max-batch, --max-queue, --request-timeout, --kv-memory)
+    config = server_config(max_batch=args.max_batch, max_queue=args.max_queue,
+                           kv_memory=parse_size(args.kv_memory) if args.kv_memory is not None else None,
+                           shared_cache=args.shared_cache, request_timeout=args.request_timeout)
     if not 0 <= args.drain_timeout <= 3600:
         raise SpecwoodError(f"--drain-timeout must be between 0 and 3600 seconds, got {args.drain_timeout}")
     if not 0 < args.read_timeout <= 3600:
         raise SpecwoodError(f"--read-timeout must be between 0 and 3600 seconds, got {args.read_timeout}")
-    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
-                        ("--max-body-bytes", args.max_body_bytes), ("--max-connections", args.max_connections)):
+    for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-connections", args.max_connections)):
         if value < 1:
             raise SpecwoodError(f"{flag} must be >= 1, got {value}")
-    kv_memory = parse_size(args.kv_memory) if args.kv_memory is not None else None
     if args.max_context is None:
         # the sequential torch executor's rows grow within --kv-memory: the model's whole context;
         # the other executors and llama.cpp hold static rows of DEFAULT_MAX_CONTEXT
@@ -164,11 +162,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         executor = plugin.build(engine, executor_options)
         if executor is None and args.method == "auto" and args.plan_in_background:
             planner = start_background_plan(args, engine)
-        serve(engine, host=args.host, port=args.port, method=args.method, options=method_options(args),
-              max_batch=args.max_batch, max_queue=args.max_queue, sock=sock, executor=executor,
-              background=planner, max_body_bytes=args.max_body_bytes, access=access, drain_timeout=args.drain_timeout,
-              request_timeout=args.request_timeout, read_timeout=args.read_timeout,
-              max_connections=args.max_connections, kv_memory=kv_memory,
+        serve(engine, config, host=args.host, port=args.port, method=args.method, options=method_options(args),
+              sock=sock, executor=executor, background=planner, max_body_bytes=args.max_body_bytes, access=access,
+              drain_timeout=args.drain_timeout, read_timeout=args.read_timeout,
+              max_connections=args.max_connections,
               sharing=Sharing(shared_cache=args.shared_cache, specwood_stats=args.specwood_stats))
     finally:
         sock.close()

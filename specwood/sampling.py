@@ -1,12 +1,19 @@
 """Sampling parameters and the one logits -> probabilities transform.
 
-Autoregressive sampling and every speculative verifier call `target_probs` so that the
-distribution SD preserves is exactly the one plain decoding samples from.
+`SamplingParams` is the one description of how a request samples: its fields' defaults are the
+neutral values, `__post_init__` the one validation. The HTTP body (serve.protocol), the command line
+(engine.args) and the Python API (`Engine.generate(prompt, params)`, or its sampling keywords through
+`split_sampling`) each build one, and every executor reads it as it is. Autoregressive sampling and
+every speculative verifier call `target_probs` so that the distribution SD preserves is exactly
+the one plain decoding samples from.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,6 +25,9 @@ SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes seeds below this
 # float32 to inf and softmax to NaN, and long before that the softmax is one-hot up to rounding.
 GREEDY_BELOW = 1e-5
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+# fields only the sequential executor carries out (per-path processors, the output's reports):
+# the other executors refuse a request that sets them
+SHAPING = {"shaping": True}
 
 
 def _is_int(v: object) -> bool:
@@ -30,20 +40,28 @@ def _is_number(v: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples; each default is the field's neutral value (off)."""
+
     temperature: float = 0.0  # 0 (or below GREEDY_BELOW) means greedy (argmax)
     top_k: int = 0  # 0 means off
     top_p: float = 1.0  # 1.0 means off
     seed: int | None = None
-    # ids at or past it are never chosen: a vocabulary padded past the tokenizer's (engine.vocab)
+    # ids at or past it are never chosen: a vocabulary padded past the tokenizer's (the engine sets it)
     emit_limit: int | None = None
     # per-path logits processors (specwood.constrain.processors), applied before temperature
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit), OpenAI's range
-    presence_penalty: float = 0.0  # over the generated tokens (OpenAI/vLLM)
-    frequency_penalty: float = 0.0  # over the generated tokens, times their count
-    repetition_penalty: float = 1.0  # over prompt + generated tokens (HF/vLLM); 1.0 means off
-    min_p: float = 0.0  # after temperature: drop tokens below min_p * the top probability
-    grammar: str | None = None  # an llguidance grammar (LLMatcher.grammar_from_json_schema / _lark)
-    logprobs: int | None = None  # None: off; k: the chosen token's logprob and its k best alternatives
+    # (token id, added logit) pairs, OpenAI's range; a {token id: bias} mapping is taken (sorted pairs)
+    logit_bias: tuple[tuple[int, float], ...] = field(default=(), metadata=SHAPING)
+    presence_penalty: float = field(default=0.0, metadata=SHAPING)  # over the generated tokens (OpenAI/vLLM)
+    frequency_penalty: float = field(default=0.0, metadata=SHAPING)  # over the generated tokens, times their count
+    # over prompt + generated tokens (HF/vLLM); 1.0 means off
+    repetition_penalty: float = field(default=1.0, metadata=SHAPING)
+    min_p: float = field(default=0.0, metadata=SHAPING)  # after temperature: drop tokens below min_p * the top probability
+    # an llguidance grammar (LLMatcher.grammar_from_json_schema / _lark)
+    grammar: str | None = field(default=None, metadata=SHAPING)
+    # a JSON schema (a dict) the output must match: the engine compiles it to `grammar` for its tokenizer
+    json_schema: Mapping[str, Any] | None = field(default=None, hash=False, metadata=SHAPING)
+    # None: off; k: the chosen token's logprob and its k best alternatives
+    logprobs: int | None = field(default=None, metadata=SHAPING)
 
     def __post_init__(self) -> None:
         t, k, p = self.temperature, self.top_k, self.top_p
@@ -57,6 +75,10 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be an integer in [0, 2**64), got {self.seed}")  # torch's range
         if self.emit_limit is not None and (not isinstance(self.emit_limit, int) or self.emit_limit < 1):
             raise SamplingParamsError(f"emit_limit must be a positive integer, got {self.emit_limit}")
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        elif not isinstance(self.logit_bias, tuple):
+            raise SamplingParamsError("logit_bias must map token ids to numbers in [-100, 100]")
         self._check_processors()
 
     def _check_processors(self) -> None:
@@ -72,6 +94,11 @@ class SamplingParams:
                     or not _is_number(pair[1]) or not -100 <= pair[1] <= 100):
                 raise SamplingParamsError(
                     f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100], got {pair!r}")
+        if self.json_schema is not None:
+            if self.grammar is not None:
+                raise SamplingParamsError("pass grammar or json_schema, not both")
+            if not isinstance(self.json_schema, Mapping):
+                raise SamplingParamsError("json_schema must be a JSON schema object (a dict)")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise SamplingParamsError("grammar must be a non-empty llguidance grammar string")
         lp = self.logprobs
@@ -88,6 +115,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    def shaping(self) -> list[str]:
+        """The names of the set fields that only the sequential executor carries out."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.metadata.get("shaping") and getattr(self, f.name) != f.default]
+
+    def unshaped(self) -> SamplingParams:
+        """These parameters without the fields that only the sequential executor carries out."""
+        return dataclasses.replace(self, **{f.name: f.default for f in dataclasses.fields(self)
+                                            if f.metadata.get("shaping")})
+
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)
         if self.seed is None:
@@ -95,6 +132,40 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed)
         return g
+
+
+FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def split_sampling(params: SamplingParams | None, options: Mapping[str, Any]) -> tuple[SamplingParams, dict[str, Any]]:
+    """(the request's SamplingParams, the other options): `params`, or the one the keyword
+    arguments named after its fields make (`generate(prompt, temperature=0.7)`), never both."""
+    named = {k: v for k, v in options.items() if k in FIELDS}
+    rest = {k: v for k, v in options.items() if k not in FIELDS}
+    if not named:
+        return params if params is not None else SamplingParams(), rest
+    if params is not None:
+        raise SamplingParamsError(f"pass the sampling parameters as params or as keywords, not both "
+                                  f"(got params and {', '.join(named)})")
+    return SamplingParams(**named), rest
+
+
+def params_from_flags(args: Any, **more: Any) -> SamplingParams:
+    """The command line's sampling flags (--temperature, --top-p, --top-k, --seed:
+    engine.args.add_sampling_args) and `more` fields as one SamplingParams."""
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, **more)
+
+
+def _bias_pairs(bias: Mapping[Any, Any]) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or numeric strings, as JSON gives them) -> sorted pairs."""
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}") from None
+        pairs.append((token, value))
+    return tuple(sorted(pairs))
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

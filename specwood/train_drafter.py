@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from specwood.engine.config import SchedulerConfig
 from specwood.errors import SpecwoodError
 
 
@@ -143,7 +144,7 @@ def _answers(engine: Any, args: argparse.Namespace, work: Path) -> list[list[int
               f"{engine.max_context} tokens with their answers; skipped", file=sys.stderr)
     if not fitting:
         return []
-    sched = engine.make_scheduler(max_batch=8, max_queue=len(fitting))
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=8, max_queue=len(fitting)))
     bar = tqdm(total=len(fitting), desc="target answers", unit="prompt")
     requests = [engine.new_request(ids, max_tokens=args.answer_tokens, scheduler=sched,
                                    on_finish=lambda r: bar.update(1)) for ids in fitting]

@@ -5,8 +5,10 @@ there is one) and greedy tokens; every speculative method token-identical to our
 bad files and unknown types give one-line errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -49,6 +51,18 @@ def hf_tiny(arch: str):
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "granite":  # the four multipliers (Granite 3's 12, 0.22, 8 make this random model
+        # repeat one token: its own embedding outweighs what its layers add)
+        cfg = transformers.GraniteConfig(**common, num_hidden_layers=2, tie_word_embeddings=False,
+                                         embedding_multiplier=4.0, attention_multiplier=0.125,
+                                         residual_multiplier=0.4, logits_scaling=1.25)
+        cls = transformers.GraniteForCausalLM
+    elif arch == "olmo2":  # norms after attention and MLP only; q and k each normed as a whole
+        cfg = transformers.Olmo2Config(**common, num_hidden_layers=2)
+        cls = transformers.Olmo2ForCausalLM
+    elif arch == "smollm3":  # RoPE skipped on every 4th layer (its default no_rope_layer_interval)
+        cfg = transformers.SmolLM3Config(**common, num_hidden_layers=4)
+        cls = transformers.SmolLM3ForCausalLM
     else:  # phi3: fused qkv and gate-up, LongRoPE pretrained on 128 positions, 256 in all
         g = torch.Generator().manual_seed(11)
         common["max_position_embeddings"] = 256
@@ -85,7 +99,7 @@ def files_for(arch: str, tmp_path_factory) -> tuple:
     return _files[arch]
 
 
-ARCHS = ["qwen3", "gemma3", "phi3", "qwen3moe"]
+ARCHS = ["qwen3", "gemma3", "phi3", "qwen3moe", "granite", "olmo2", "smollm3"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -111,6 +125,25 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_files, source):
         assert expected.std() > 0.5  # logits that tell tokens apart: the comparison means something
         prompt = tokens[0, :8].tolist()
         assert our_greedy(ours, prompt, 64) == hf_greedy(hf, prompt, 64)
+
+
+@pytest.mark.parametrize("arch,neutral", [
+    ("granite", {"embed_scale": None}), ("granite", {"attention_scale": None}), ("granite", {"residual_scale": None}),
+    ("granite", {"logit_scale": None}), ("smollm3", {"nope_layers": None}),
+    ("olmo2", {"qk_norm": False, "qk_norm_whole": False}),
+], ids=["embedding", "attention", "residual", "logits", "nope", "olmo2-qk-norm"])
+def test_each_addition_is_needed_for_parity(tmp_path_factory, arch, neutral):
+    """Each field an architecture adds moves the logits well past the parity tolerance when left
+    out (so the parity tests above check it): Granite's four multipliers, SmolLM3's NoPE layers,
+    OLMo 2's q/k norm (its norms' placement is the layer's whole shape)."""
+    _, hf, folder, _ = files_for(arch, tmp_path_factory)
+    config, sd = load_hf_folder(folder, torch.float32)
+    if not neutral.get("qk_norm", True):
+        sd = {k: v for k, v in sd.items() if "q_norm" not in k and "k_norm" not in k}
+    without = build_model(dataclasses.replace(config, **neutral), sd, torch.float32, max_positions=128)
+    tokens = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        assert (without(tokens, torch.arange(64)) - hf(tokens).logits).abs().max().item() > 1e-2
 
 
 def test_phi3_long_factors_past_the_pretrained_length(tmp_path_factory):
@@ -146,31 +179,140 @@ def test_config_read_from_the_folder(tiny_files):
     if arch == "qwen3moe":
         assert (config.n_experts, config.n_experts_used, config.moe_intermediate_size) == (8, 2, 32)
         assert config.norm_topk_prob and config.qk_norm
+    if arch == "granite":
+        assert (config.embed_scale, config.attention_scale, config.residual_scale, config.logit_scale) == \
+            (4.0, 0.125, 0.4, 1.25)
+    if arch == "olmo2":
+        assert not config.pre_norms and config.sandwich_norms and config.qk_norm and config.qk_norm_whole
+    if arch == "smollm3":
+        assert config.nope_layers == [3] and kinds == [LayerKind()] * 3 + [LayerKind(None, None)]
+    else:
+        assert config.nope_layers is None
     assert layer_kinds(from_gguf) == kinds
-    for field in ("head_dim", "qk_norm", "sandwich_norms", "hidden_act", "tie_embeddings", "rope_local_theta",
-                  "final_logit_softcap", "rope_theta", "n_experts", "n_experts_used", "moe_intermediate_size"):
+    for field in ("head_dim", "qk_norm", "qk_norm_whole", "pre_norms", "sandwich_norms", "nope_layers", "hidden_act",
+                  "tie_embeddings", "rope_local_theta", "final_logit_softcap", "rope_theta", "n_experts",
+                  "n_experts_used", "moe_intermediate_size"):
         assert getattr(from_gguf, field) == getattr(config, field), field
+    for field in ("embed_scale", "attention_scale", "residual_scale", "logit_scale"):  # float32 in a GGUF
+        ours, theirs = getattr(from_gguf, field), getattr(config, field)
+        assert ours == theirs or math.isclose(ours, theirs, rel_tol=1e-6), field
 
 
 # ----------------------------------------------------------------------------- speculative methods
 
-METHODS = ["chain", "dyspec", "sequoia", "pld", "suffix", "early-exit"]
 
-
-def test_every_method_matches_autoregressive(tiny_files):
+@pytest.fixture(scope="module")
+def arch_engine(tiny_files):
+    """(arch, an fp32 engine on the tiny model): a perturbed copy of it as the draft model (the
+    same architecture and vocabulary; perturbed by 0.15, it gets 1.4-10 tokens a step accepted
+    on these models, so both accepted paths and rejections are exercised) and an untrained
+    draft head (its drafts are rarely right, but every one is verified)."""
+    from specwood.drafting.head import untrained_head
     from specwood.engine.api import Engine
 
     arch, _, folder, _ = tiny_files
     config, sd = load_hf_folder(folder, torch.float32)
     target = build_model(config, sd, torch.float32, max_positions=positions_for(arch))
-    engine = Engine(target, make_tiny_tokenizer(), draft=perturbed_copy(target, 0.3, seed=1))
-    prompts = ["def add(a, b):", "1, 2, 3, 1, 2, 3, 1, 2,"]
-    for prompt in prompts:
+    engine = Engine(target, make_tiny_tokenizer(), draft=perturbed_copy(target, 0.15, seed=1),
+                    head=untrained_head(target, seed=3), target_name=f"tiny-{arch}", draft_name=f"tiny-{arch}-draft")
+    return arch, engine
+
+
+@pytest.fixture()
+def one_thread_private_cache(monkeypatch, tmp_path):
+    """Tiny models on one thread; auto's and prior's plans in a private cache."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
+    yield
+    torch.set_num_threads(threads)
+
+
+def every_method() -> list[str]:
+    from specwood.methods import method_names
+
+    return method_names()  # those the sequential executor runs: ar, every tree shape, head, suffix, duo, auto, ...
+
+
+def test_every_method_matches_autoregressive(arch_engine, one_thread_private_cache):
+    """Each method alone (Engine.generate) emits `ar`'s tokens: the tree shapes first checked here
+    at their default (full-size) trees, the rest at test_batching's small ones; on Gemma 3 the
+    prompts and answers run past its window of 8."""
+    from test_batching import TINY_OPTIONS, quiet_prepare, store_auto_plan
+
+    arch, engine = arch_engine
+    store_auto_plan(engine)
+    full_size = ("chain", "dyspec", "sequoia", "pld", "suffix", "early-exit")
+    prepared = {m: quiet_prepare(engine, m, {} if m in full_size else TINY_OPTIONS[m]) for m in every_method()}
+    for prompt in ["def add(a, b):", "1, 2, 3, 1, 2, 3, 1, 2,"]:
         ref = engine.generate(prompt, max_tokens=40, raw=True)
         assert len(ref.token_ids) == 40 or ref.finish_reason == "stop"
-        for method in METHODS:
-            out = engine.generate(prompt, max_tokens=40, raw=True, method=method)
+        for method, factory in prepared.items():
+            out = engine.run(engine.new_request(prompt, max_tokens=40, raw=True, method=method, prepared=factory))
             assert out.token_ids == ref.token_ids, (arch, method, prompt)
+
+
+def test_every_method_in_one_batch_matches_autoregressive(arch_engine, one_thread_private_cache):
+    """Every method twice in one scheduler batch (prompts of 9 to 45 tokens, half of the requests
+    joining mid-stream, newcomers prefilled in chunks beside the others' decode steps): each
+    request emits what `ar` alone emits, and every method that drafts speculated."""
+    import random
+
+    from specwood.engine.scheduler import SchedulerConfig
+    from test_batching import Job, assert_like_ar, assert_pools_free, random_prompt, run_jobs, store_auto_plan
+
+    arch, engine = arch_engine
+    store_auto_plan(engine)
+    names = every_method()
+    rnd = random.Random(57)
+    jobs = [Job(method, random_prompt(rnd, rnd.randint(9, 45)), max_tokens=rnd.randint(12, 24),
+                start_step=0 if i < 6 else 2 * (i - 5))
+            for i, method in enumerate(names + names[::-1])]
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=6, prefill_chunk_tokens=16), drafts=())
+    run_jobs(engine, sched, jobs)
+    assert_like_ar(engine, jobs)
+    spec = [j for j in jobs if j.method not in ("ar", "pld")]  # pld drafts only where the context repeats
+    # a request whose prompt is followed by EOS ends with its prefill, before a step could draft (on
+    # the random OLMo 2 and SmolLM3, one or two of these prompts); every method still drafts in the other
+    drafting = [j for j in spec if j.request.result.token_ids or j.request.result.finish_reason != "stop"]
+    assert {j.method for j in drafting} == {j.method for j in spec}, arch
+    assert all(j.request.result.stats.get("spec_steps", 0) > 0 for j in drafting), arch
+    assert_pools_free(sched)
+
+
+def test_every_method_with_prefix_reuse_matches_autoregressive(arch_engine, one_thread_private_cache):
+    """A conversation's first turn, then every method's second turn (its prompt: the first turn,
+    its answer and a new message) on a scheduler with a prefix cache: each starts from the cached
+    first turn (target and draft model) and emits what `ar` alone emits on the whole prompt."""
+    import random
+
+    from specwood.engine.scheduler import SchedulerConfig
+    from test_batching import TINY_OPTIONS, quiet_prepare, store_auto_plan
+
+    arch, engine = arch_engine
+    store_auto_plan(engine)
+    rnd = random.Random(5)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=4, reuse=True, prefix_bytes=10 ** 8),
+                                  drafts=(engine.draft_model, engine.draft_head))
+
+    def run(prompt: list[int], method: str):
+        request = engine.new_request(prompt, max_tokens=16, method=method, scheduler=sched,
+                                     prepared=quiet_prepare(engine, method, TINY_OPTIONS[method]))
+        sched.submit(request)
+        sched.run_until_done([request])
+        assert request.error is None, (arch, method, request.error)
+        return request
+
+    first = [rnd.randrange(32, 127) for _ in range(30)]
+    answer = run(first, "ar").result.token_ids
+    for method in every_method():
+        prompt = first + answer + [rnd.randrange(32, 127) for _ in range(6)]
+        request = run(prompt, method)
+        assert request.result.token_ids == engine.generate(prompt, max_tokens=16).token_ids, (arch, method)
+        if method != "head":  # its draft head reads the target's features of every prompt token: no reuse
+            assert request.cached_tokens >= len(first), (arch, method, request.cached_tokens)
+    assert sched.executor.reuse.cache.stats.hit_tokens["draft"] > 0
+    assert not sched.running and sched.executor.cache.free_rows == sched.max_batch
 
 
 def test_bf16_runs_close_to_fp32_and_stays_lossless(tiny_files):
@@ -248,16 +390,36 @@ def test_tree_forward_equals_path_forwards_on_sliding_layers(tmp_path_factory):
 # ----------------------------------------------------------------------------- errors
 
 
+def one_line_error(load, *args) -> str:
+    """The ModelFileError `load(*args)` raises: its message, asserted to be one line."""
+    with pytest.raises(ModelFileError) as e:
+        load(*args)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def without_tensor(folder, name: str) -> None:
+    """Drop tensor `name` from a saved Hugging Face folder's (single) safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors[name]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
 def test_missing_qk_norm_names_the_tensor(tmp_path):
-    from specwood.models.testing import random_state_dict, random_tiny_config
+    """A Qwen3 file without one layer's q norm: one line naming the tensor as the file does."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
 
     cfg = random_tiny_config("qwen3")
     sd = random_state_dict(cfg)
+    folder = save_hf_folder(tmp_path / "hf", cfg, sd)
+    without_tensor(folder, "model.layers.1.self_attn.q_norm.weight")
+    assert "missing tensor(s) model.layers.1.self_attn.q_norm.weight" in one_line_error(load_hf_folder, folder, torch.float32)
     del sd["layers.1.attention.q_norm.weight"]
     path = write_gguf(tmp_path / "q.gguf", cfg, sd, "F32")
-    with pytest.raises(ModelFileError) as e:
-        load_gguf(path, torch.float32)
-    assert "layers.1.attention.q_norm.weight" in str(e.value) and "\n" not in str(e.value)
+    assert "missing tensor(s) blk.1.attn_q_norm.weight" in one_line_error(load_gguf, path, torch.float32)
 
 
 def test_tensor_not_matching_metadata_names_it(tmp_path):
@@ -267,9 +429,84 @@ def test_tensor_not_matching_metadata_names_it(tmp_path):
     sd = random_state_dict(cfg)
     sd["layers.2.attention.k_norm.weight"] = torch.ones(16)  # head_dim is 32
     path = write_gguf(tmp_path / "g.gguf", cfg, sd, "F32")
-    with pytest.raises(ModelFileError, match="layers.2.attention.k_norm.weight") as e:
-        load_gguf(path, torch.float32)
-    assert "\n" not in str(e.value)
+    assert "tensor blk.2.attn_k_norm.weight has shape (16,)" in one_line_error(load_gguf, path, torch.float32)
+
+
+def test_wrong_expert_count_names_the_tensor(tmp_path):
+    """A Qwen3-MoE file whose metadata counts other experts than its tensors hold: one line naming
+    the first tensor that disagrees (the GGUF's router, stored [experts, dim]; the folder's first
+    expert past the ones it has, or the first one too many)."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("qwen3moe")  # 4 experts
+    sd = random_state_dict(cfg)
+    path = write_gguf(tmp_path / "m.gguf", cfg, sd, "F32", extra_metadata={"qwen3moe.expert_count": 8})
+    msg = one_line_error(load_gguf, path, torch.float32)
+    assert "tensor blk.0.ffn_gate_inp.weight has shape (4, 64), the model config implies (8, 64)" in msg
+    folder = save_hf_folder(tmp_path / "hf", cfg, sd)
+    raw = json.loads((folder / "config.json").read_text())
+    key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    for experts, says in ((6, r"experts\.4\.\w+_proj\.weight is missing"), (3, r"experts\.3\.\w+_proj\.weight is an expert too many")):
+        (folder / "config.json").write_text(json.dumps({**raw, key: experts}))
+        msg = one_line_error(load_hf_folder, folder, torch.float32)
+        assert re.search(rf"tensor model\.layers\.0\.mlp\.{says}: the config says {experts} experts, the checkpoint "
+                         r"has 4 \(numbered 0\.\.3\)", msg), msg
+
+
+@pytest.mark.parametrize("arch,metadata,says", [
+    ("qwen3", {"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0}, "unsupported rope scaling type 'yarn'"),
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": "local"}, "sliding_window_pattern is 'local', neither a period"),
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": [True, False]}, "not one sliding flag for each of the file's 4"),
+    ("gemma3", {"gemma3.attention.sliding_window": 8.5}, "'gemma3.attention.sliding_window' is 8.5, not an integer"),
+], ids=["rope-yarn", "pattern-string", "pattern-length", "window-fraction"])
+def test_unknown_rope_scaling_or_sliding_window_in_a_gguf(tmp_path, arch, metadata, says):
+    """Read with the header, before a weight is decoded: one line naming the file."""
+    from specwood.models.testing import random_state_dict, random_tiny_config
+
+    cfg = random_tiny_config(arch)
+    path = write_gguf(tmp_path / "x.gguf", cfg, random_state_dict(cfg), "F32", extra_metadata=metadata)
+    msg = one_line_error(load_gguf, path, torch.float32)
+    assert msg.startswith(str(path)) and says in msg, msg
+
+
+def test_a_gguf_per_layer_sliding_pattern_applies_to_any_architecture(tmp_path):
+    """llama.cpp's sliding_window_pattern (a flag per layer) is read for every architecture, not
+    only Gemma 3's (it was ignored, and the window applied to every layer)."""
+    from specwood.models.testing import random_state_dict, random_tiny_config
+
+    cfg = random_tiny_config("qwen3")
+    path = write_gguf(tmp_path / "x.gguf", cfg, random_state_dict(cfg), "F32",
+                      extra_metadata={"qwen3.attention.sliding_window": 8,
+                                      "qwen3.attention.sliding_window_pattern": [False, True]})
+    config, _ = load_gguf(path, torch.float32)
+    assert layer_kinds(config) == [LayerKind(), LayerKind(8, 0)]
+
+
+def test_qwen3_sliding_layers_from_max_window_layers_match_transformers(tmp_path):
+    """A Qwen3 config.json of transformers < 5 (use_sliding_window, no layer_types): the layers from
+    max_window_layers on slide, as transformers runs them (they all slid, silently, before)."""
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, head_dim=32, use_sliding_window=True,
+                                   sliding_window=8, max_window_layers=1, max_position_embeddings=512)
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape) if p.dim() == 1 else torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    hf.save_pretrained(tmp_path / "hf")
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    raw.pop("layer_types")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    config, sd = load_hf_folder(tmp_path / "hf", torch.float32)
+    assert layer_kinds(config) == [LayerKind(), LayerKind(8, 0)]
+    ours = build_model(config, sd, torch.float32, max_positions=64)
+    all_sliding = build_model(dataclasses.replace(config, layer_types=None), sd, torch.float32, max_positions=64)
+    tokens = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        expected = hf(tokens).logits
+        assert (ours(tokens, torch.arange(64)) - expected).abs().max().item() <= 1e-4
+        assert (all_sliding(tokens, torch.arange(64)) - expected).abs().max().item() > 1e-2  # the old reading
 
 
 def test_unknown_architecture_lists_the_ones_we_run(tmp_path):
@@ -288,13 +525,15 @@ def test_unknown_architecture_lists_the_ones_we_run(tmp_path):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling type 'yarn'"),
     ({"hidden_act": "relu"}, "unsupported MLP activation 'relu'"),
     ({"partial_rotary_factor": 0.5}, "partial rotary"),
+    ({"model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": "every 6th"},
+     "sliding_window_pattern is 'every 6th', not a whole number"),
 ])
 def test_unknown_types_are_one_line_errors(change, match):
     cfg = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
            "num_attention_heads": 2, "intermediate_size": 64, **change}
     with pytest.raises(ModelFileError, match=match) as e:
         config = ModelConfig.from_hf(cfg)
-        build_model(config, {}, torch.float32)  # RoPE types are checked when the tables are built
+        build_model(config, {}, torch.float32)  # (RoPE types are checked when the config is read)
     assert "\n" not in str(e.value)
 
 
@@ -318,10 +557,11 @@ def test_gemma3_query_scalar_and_pattern_from_an_older_config_json():
 def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch, arch):
     """q4 (the default for a GGUF on a CPU with the kernels) on a Q4_K_M-style file: every layer
     linear runs on the k-quant kernels as the file stores it (Phi-3's fused qkv and gate-up split
-    by rows), their dequantised values equal the fp32 load's, and speculative decoding stays
-    token-identical to ar."""
+    by rows; Qwen3-MoE's experts as KQuantExperts), their dequantised values equal the fp32 load's,
+    and speculative decoding stays token-identical to ar."""
     from specwood.engine.api import load
     from specwood.models import loader
+    from specwood.models.experts import KQuantExperts
     from specwood.models.testing import longrope_scaling, random_tiny_config, write_q4_k_m_gguf
     from specwood.models.w4a8 import KQuantLinear, q4_unavailable_reason
 
@@ -330,10 +570,10 @@ def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch
     monkeypatch.setattr(loader, "load_tokenizer", lambda path: make_tiny_tokenizer())
     sizes = dict(vocab_size=VOCAB, dim=256, intermediate_size=512, n_heads=4, n_kv_heads=2, eos_token_ids=[256],
                  bos_token_id=None, max_position_embeddings=128)
-    head_dim = {"qwen3": 128, "gemma3": 64, "phi3": 64, "qwen3moe": 64}[arch]
+    head_dim = {"qwen3": 128}.get(arch, 64)
     extra = {"gemma3": {"attention_scale": head_dim ** -0.5, "embed_scale": 16.0},
              "phi3": {"rope_scaling": longrope_scaling(head_dim // 2)},
-             "qwen3moe": {"n_experts": 32}}.get(arch, {})
+             "qwen3moe": {"n_experts": 8, "moe_intermediate_size": 256}}.get(arch, {})
     cfg = random_tiny_config(arch, head_dim=head_dim, **sizes, **extra)
     path = str(write_q4_k_m_gguf(tmp_path / f"{arch}.gguf", cfg, seed=5))
     q4 = load(path, None, dtype="q4", progress=False)
@@ -341,12 +581,12 @@ def test_q4_mode_runs_the_files_kquants_and_stays_lossless(tmp_path, monkeypatch
     assert not [n for n in q4.target.weights_in_floats if n.startswith("layers.")]  # the F32 token table may be
     for block in q4.target.layers:
         assert isinstance(block.attention.wqkv, KQuantLinear) or type(block.attention.wqkv).__name__ == "StackedLinear"
-        # a Mixture-of-Experts layer's router (F32 in the file, as llama.cpp keeps it) and experts stay in floats
-        assert arch == "qwen3moe" or isinstance(block.feed_forward.w2, KQuantLinear)
+        # a Mixture-of-Experts layer's router (F32 in the file, as llama.cpp keeps it) stays in floats
+        assert isinstance(block.feed_forward.w2, KQuantExperts if arch == "qwen3moe" else KQuantLinear)
     reference = load(path, None, dtype="fp32", progress=False).target.canonical_state_dict()
     exported = q4.target.canonical_state_dict(torch.float32)
     for name, ref in reference.items():
-        if name.startswith("layers.") and ref.dim() == 2 and "router" not in name:  # the file's k-quants
+        if name.startswith("layers.") and ref.dim() >= 2 and "router" not in name:  # the file's k-quants
             assert torch.equal(exported[name], ref), name
         else:  # kept in floats, in the activations' dtype
             assert torch.equal(exported[name], ref.to(q4.dtype).float()), name
@@ -372,3 +612,55 @@ def test_mistral_sliding_window_now_applies():
         expected = hf(tokens).logits
         assert (ours(tokens, torch.arange(64)) - expected).abs().max().item() <= 1e-4
         assert (unwindowed(tokens, torch.arange(64)) - expected).abs().max().item() > 1e-2
+
+
+# ----------------------------------------------------------------------------- Granite, OLMo 2, SmolLM3 configs
+
+
+def test_smollm3_nope_layers_from_either_config_key():
+    """SmolLM3's layers without RoPE from `no_rope_layers` (1 = RoPE) or, without it, every
+    `no_rope_layer_interval`-th layer; a list that is not a flag per layer is one line."""
+    cfg = {"model_type": "smollm3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 6,
+           "num_attention_heads": 2, "intermediate_size": 64}
+    assert ModelConfig.from_hf(cfg).nope_layers == [3]  # the default interval, 4
+    assert ModelConfig.from_hf({**cfg, "no_rope_layer_interval": 2}).nope_layers == [1, 3, 5]
+    config = ModelConfig.from_hf({**cfg, "no_rope_layers": [1, 0, 1, 1, 0, 1]})
+    assert config.nope_layers == [1, 4] and [k.rope for k in layer_kinds(config)] == [0, None, 0, 0, None, 0]
+    assert dataclasses.replace(config, n_layers=3).nope_layers == [1]  # an early-exit draft's layers
+    with pytest.raises(ModelFileError, match="no_rope_layers is not one 0/1 flag for each of the 6 layers") as e:
+        ModelConfig.from_hf({**cfg, "no_rope_layers": [1, 0, 1]})
+    assert "\n" not in str(e.value)
+
+
+def test_neutral_multipliers_add_no_operation():
+    """Granite's multipliers at 1 (config.json or GGUF) are left out of the config, so its layers
+    run the Llama layer's forward unchanged, as the default pair's do (no multiply by 1 per layer)."""
+    from specwood.models.testing import random_tiny_config
+    from specwood.models.transformer import Transformer
+
+    cfg = {"model_type": "granite", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "intermediate_size": 64, "embedding_multiplier": 1.0,
+           "attention_multiplier": 1.0, "residual_multiplier": 1, "logits_scaling": 1.0}
+    config = ModelConfig.from_hf(cfg)
+    assert (config.embed_scale, config.attention_scale, config.residual_scale, config.logit_scale) == (None,) * 4
+    for c in (config, random_tiny_config("qwen2"), random_tiny_config("llama")):
+        assert all(block.llama_layer for block in Transformer(c).layers), c.arch
+    with pytest.raises(ModelFileError, match="residual_multiplier is -0.5, not a positive number"):
+        ModelConfig.from_hf({**cfg, "residual_multiplier": -0.5})
+
+
+def test_olmo2_missing_post_norm_names_the_tensor(tmp_path):
+    """OLMo 2 has no input norms: a file without a layer's MLP output norm is one line naming it as
+    the file does (its post_feedforward_layernorm, llama.cpp's post_ffw_norm)."""
+    from specwood.models.testing import random_state_dict, random_tiny_config, save_hf_folder
+
+    cfg = random_tiny_config("olmo2")
+    sd = random_state_dict(cfg)
+    assert not any(name.endswith(("attention_norm.weight", "ffn_norm.weight")) for name in sd)
+    folder = save_hf_folder(tmp_path / "hf", cfg, sd)
+    without_tensor(folder, "model.layers.1.post_feedforward_layernorm.weight")
+    msg = one_line_error(load_hf_folder, folder, torch.float32)
+    assert "missing tensor(s) model.layers.1.post_feedforward_layernorm.weight" in msg, msg
+    del sd["layers.1.ffn_post_norm.weight"]
+    path = write_gguf(tmp_path / "o.gguf", cfg, sd, "F32")
+    assert "missing tensor(s) blk.1.post_ffw_norm.weight" in one_line_error(load_gguf, path, torch.float32)

@@ -23,7 +23,7 @@ from specwood.drafting.base import TreeShape
 from specwood.drafting.shapes import make_shape
 from specwood.engine.api import Engine
 from specwood.engine.request import Drafter, Request, State
-from specwood.engine.scheduler import TREE_ROOM, Scheduler
+from specwood.engine.scheduler import TREE_ROOM, Scheduler, SchedulerConfig
 from specwood.engine.sequential import SequentialExecutor
 from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
 from specwood.methods import method_names
@@ -152,10 +152,10 @@ def assert_like_ar(engine: Engine, jobs: list[Job]) -> None:
 
 def assert_pools_free(sched: Scheduler) -> None:
     assert sched.idle and not sched.running and not sched.waiting
-    assert sched.cache.free_rows == sched.max_batch
-    assert sorted(sched.cache._free) == list(range(sched.max_batch))
-    assert all(n == 0 for n in sched.cache.lengths)
-    for model, pool in sched._draft_pools.values():
+    assert sched.executor.cache.free_rows == sched.max_batch
+    assert sorted(sched.executor.cache._free) == list(range(sched.max_batch))
+    assert all(n == 0 for n in sched.executor.cache.lengths)
+    for model, pool in sched.executor._draft_pools.values():
         assert pool.free_rows == sched.max_batch, model
         assert sorted(pool._free) == list(range(sched.max_batch))
 
@@ -187,7 +187,8 @@ def test_all_methods_mixed_in_one_batch_equal_ar_alone(tiny_engine):
         else:
             k = next(k for k in range(6, n) if ref.token_ids[k] not in ref.token_ids[:k])
             job.eos = {ref.token_ids[k]}
-    sched = Scheduler(engine.target, max_batch=6, prefill_chunk_tokens=16)  # newcomers prefill in chunks
+    # newcomers prefill in chunks
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=6, prefill_chunk_tokens=16), drafts=())
     run_jobs(engine, sched, jobs)
     assert_like_ar(engine, jobs)
     reasons = {(j.method, j.request.result.finish_reason) for j in jobs if j.stop or j.eos}
@@ -224,7 +225,8 @@ def test_small_tree_room_scheduler_serves_draft_model_methods(tiny_engine):
     tree_room, max_tokens = 16, 16
     jobs = [Job(m, random_prompt(rnd, n), max_tokens) for m, n in
             (("ar", 20), ("chain", 30), ("dyspec", 12), ("eagle", 25), ("early-exit", 18), ("pld", 22))]
-    sched = Scheduler(engine.target, max_batch=4, row_len=40 + max_tokens + tree_room, tree_room=tree_room)
+    config = SchedulerConfig(max_batch=4, row_len=40 + max_tokens + tree_room, tree_room=tree_room)
+    sched = engine.make_scheduler(config, drafts=())
     run_jobs(engine, sched, jobs, {"eagle": {"budget": 4, "depth": 2, "topk": 2}})  # drafts <= 6 nodes
     assert_like_ar(engine, jobs)
     assert_pools_free(sched)
@@ -238,7 +240,7 @@ def test_requests_near_the_context_end_in_a_batch(tiny_engine):
     near = engine.max_context - 10
     jobs = [Job("ar", random_prompt(rnd, 20), 16)]
     jobs += [Job(m, random_prompt(rnd, near), 50) for m in ("chain", "static", "eagle", "early-exit", "dyspec", "pld")]
-    sched = Scheduler(engine.target, max_batch=8)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=8), drafts=())
     run_jobs(engine, sched, jobs)
     assert_like_ar(engine, jobs)
     assert all(j.request.result.finish_reason == "length" for j in jobs)
@@ -257,13 +259,13 @@ def test_newcomers_share_the_prefill(tiny_engine):
 
     engine = tiny_engine
     rnd = random.Random(5)
-    sched = Scheduler(engine.target, max_batch=6, prefill_chunk_tokens=16)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=6, prefill_chunk_tokens=16), drafts=())
     passes, records = [], []  # target forwards (passes over its first layer), step records
     hook = engine.target.layers[0].register_forward_pre_hook(lambda *_: passes.append(1))
     sched.observers.append(records.append)
-    assert sched.prefill_share(4, decoding=False) == (PREFILL_CHUNK // 4, PREFILL_CHUNK)
-    assert sched.prefill_share(64, decoding=False) == (16, PREFILL_CHUNK)
-    assert sched.prefill_share(3, decoding=True) == (16, PREFILL_CHUNK)
+    assert sched.executor.prefill_share(4, decoding=False) == (PREFILL_CHUNK // 4, PREFILL_CHUNK)
+    assert sched.executor.prefill_share(64, decoding=False) == (16, PREFILL_CHUNK)
+    assert sched.executor.prefill_share(3, decoding=True) == (16, PREFILL_CHUNK)
     jobs = [Job("ar", random_prompt(rnd, 10), 12), Job("dyspec", random_prompt(rnd, 9), 12),
             Job("ar", random_prompt(rnd, 11), 12), Job("chain", random_prompt(rnd, 200), 12)]
     factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in ("ar", "dyspec", "chain")}
@@ -300,7 +302,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_engine):
     kw = dict(max_tokens=24, temperature=0.9, top_p=0.95)
     alone = [engine.generate(p, method=m, seed=100 + i, **kw, **TINY_OPTIONS[m]).token_ids
              for i, (m, p) in enumerate(zip(methods, prompts))]
-    sched = Scheduler(engine.target, max_batch=4, prefill_chunk_tokens=16)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=4, prefill_chunk_tokens=16), drafts=())
     reqs = []
     for i, (m, p) in enumerate(zip(methods, prompts)):
         reqs.append(sched.submit(engine.new_request(p, method=m, seed=100 + i, scheduler=sched, **kw,
@@ -336,7 +338,7 @@ def test_real_pair_mixed_batch_equals_ar(real_pair_engine_fp32):
                "auto": {"progress": False}}
     factories = {m: quiet_prepare(engine, m, options.get(m, {})) for m, *_ in plan}
     # rows: prompt + 32 tokens + the default tree room (1025; draft sources ask for it, see above)
-    sched = Scheduler(engine.target, max_batch=len(plan), row_len=1280)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=len(plan), row_len=1280), drafts=())
     reqs, pending, step = {}, list(plan), 0
     while pending or not sched.idle:
         for item in [p for p in pending if p[3] <= step]:
@@ -387,7 +389,7 @@ def test_a_newcomer_sees_the_load_it_joins(tiny_engine):
     """The drafter factory learns how many requests will share the newcomer's steps (running and
     queued, itself included, capped by the batch): `auto` weighs the draft's prefill by it."""
     engine = tiny_engine
-    sched = Scheduler(engine.target, max_batch=4, max_queue=16)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=4, max_queue=16), drafts=())
     seen: list[int] = []
 
     def factory(sources, prompt_len, max_tokens, load=1, scope=""):
@@ -410,7 +412,7 @@ def test_run_here_steps_in_the_calling_thread_until_stopped(tiny_engine):
     import threading
 
     engine = tiny_engine
-    sched = Scheduler(engine.target, max_batch=4, max_queue=16)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=4, max_queue=16), drafts=())
     prompts = [[3, 4, 5], [7, 1, 2, 9]]
     refs = [engine.generate(p, max_tokens=4).token_ids for p in prompts]
     results: list = []
@@ -451,15 +453,15 @@ def test_a_server_scheduler_has_its_draft_pool_before_any_request(tiny_engine):
     import threading
 
     engine = tiny_engine
-    sched = engine.make_scheduler(max_batch=2, row_len=256 + TREE_ROOM)
-    pools = dict(sched._draft_pools)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=2, row_len=256 + TREE_ROOM))
+    pools = dict(sched.executor._draft_pools)
     assert list(pools) == [id(engine.draft_model), id(engine.draft_head)]
     made: list = []
     client = threading.Thread(target=lambda: made.append(
         engine.new_request([3, 4, 5], max_tokens=4, method="dyspec", scheduler=sched)))
     client.start()
     client.join(30)
-    assert len(made) == 1 and sched._draft_pools == pools
+    assert len(made) == 1 and sched.executor._draft_pools == pools
     assert made[0].drafter.source.pool is pools[id(engine.draft_model)][1]
     sched.submit(made[0])
     sched.run_until_done(made)
@@ -476,7 +478,7 @@ def test_cache_pools_survive_a_thousand_requests(tiny_engine):
     factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in methods}
     chain = make_shape("chain", budget=3)
     factories["raising"] = lambda sources, n, m, load=1, scope="": Drafter(sources(engine.draft_model), RaisingShape(chain, 1))
-    sched = Scheduler(engine.target, max_batch=B, max_queue=N, prefill_chunk_tokens=16)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=B, max_queue=N, prefill_chunk_tokens=16), drafts=())
     kinds = rnd.choices(["finish", "cancel-waiting", "cancel-decode", "cancel-prefill", "fail"],
                         weights=[60, 12, 15, 6, 7], k=N)
     jobs: list[tuple[str, int, Request]] = []
@@ -598,7 +600,7 @@ def test_a_failing_request_fails_alone(tiny_engine, how):
         factory = lambda sources, n, m, load=1, scope="": Drafter(sources(engine.draft_model), chain)  # noqa: E731
     else:
         factory = lambda sources, n, m, load=1, scope="": Drafter(sources(engine.draft_model), BadTreeShape(chain, how))  # noqa: E731
-    sched = Scheduler(engine.target, max_batch=8)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=8), drafts=())
     factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in {j.method for j in good}}
     reqs = [j.build(engine, sched, factories) for j in good]
     bad = engine.new_request(prompt, max_tokens=16, method="bad", scheduler=sched, prepared=factory)
@@ -638,7 +640,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize("kwargs,error,match", BAD_INPUT,
                          ids=[",".join(f"{k}={v}" for k, v in kw.items()) for kw, _, _ in BAD_INPUT])
 def test_bad_input_is_a_specwood_error(tiny_engine, kwargs, error, match):
-    sched = Scheduler(tiny_engine.target, max_batch=2)
+    sched = tiny_engine.make_scheduler(SchedulerConfig(max_batch=2), drafts=())
     kwargs = {"max_tokens": 4, **kwargs}
     with pytest.raises(error, match=match):
         tiny_engine.new_request([1, 2, 3], scheduler=sched, **kwargs)
@@ -666,7 +668,8 @@ def test_prompt_longer_than_the_context_or_the_rows(tiny_engine):
         engine.generate([i % 256 for i in range(engine.max_context)], max_tokens=4)
     with pytest.raises(ContextLengthError, match="context holds"):
         engine.new_request("y" * (engine.max_context + 3), raw=True, max_tokens=4, method="chain")
-    sched = Scheduler(engine.target, max_batch=2, row_len=64, tree_room=16)  # rows hold 48 context tokens
+    # rows hold 48 context tokens
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=2, row_len=64, tree_room=16), drafts=())
     with pytest.raises(ContextLengthError, match="cache rows hold"):
         engine.new_request(list(range(40)), max_tokens=16, scheduler=sched)
     with pytest.raises(SpecwoodError, match="prompt is empty"):
@@ -678,7 +681,7 @@ def test_prompt_longer_than_the_context_or_the_rows(tiny_engine):
 def test_bad_token_id_prompts_are_a_specwood_error(tiny_engine, prompt):
     """Token ids the model does not have (or no tokens at all) are the caller's mistake: a
     SpecwoodError from new_request, not an internal error of the step."""
-    sched = Scheduler(tiny_engine.target, max_batch=2)
+    sched = tiny_engine.make_scheduler(SchedulerConfig(max_batch=2), drafts=())
     with pytest.raises(SpecwoodError):
         tiny_engine.new_request(prompt, max_tokens=4, scheduler=sched)
     assert_pools_free(sched)
@@ -706,7 +709,7 @@ def test_static_shape_forwards_equal_eager_for_every_method(tiny_engine, monkeyp
         return cache
 
     monkeypatch.setattr(SequentialExecutor, "_pool", static_pool)
-    sched = Scheduler(engine.target, max_batch=5, prefill_chunk_tokens=16)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=5, prefill_chunk_tokens=16), drafts=())
     run_jobs(engine, sched, jobs)
     for j, ref in zip(jobs, refs):
         assert j.request.error is None and j.request.result.token_ids == ref, j.method

@@ -10,7 +10,7 @@ import torch
 
 from specwood.constrain.processors import Processors, tree_paths
 from specwood.engine.api import Engine
-from specwood.engine.scheduler import TREE_ROOM
+from specwood.engine.scheduler import TREE_ROOM, SchedulerConfig
 from specwood.errors import GrammarError, SamplingParamsError
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
@@ -134,7 +134,7 @@ def test_constrained_and_plain_requests_share_a_step(tiny_engine):
              ("pld", dict(frequency_penalty=1.0)), ("dyspec", dict(logit_bias={101: 5.0}))]
     prompts = ["def add(a, b):", "Once upon a time", "1, 2, 3,", "x = [", "hello hello", "abc"]
     refs = [tiny_engine.generate(p, max_tokens=30, raw=True, **kw).token_ids for p, (_, kw) in zip(prompts, cases)]
-    sched = tiny_engine.make_scheduler(max_batch=len(cases), row_len=256 + TREE_ROOM)
+    sched = tiny_engine.make_scheduler(SchedulerConfig(max_batch=len(cases), row_len=256 + TREE_ROOM))
     reqs = [tiny_engine.new_request(p, max_tokens=30, raw=True, method=m, scheduler=sched, **kw)
             for p, (m, kw) in zip(prompts, cases)]
     assert reqs[0].processors is None and reqs[2].processors is None  # plain requests pay nothing

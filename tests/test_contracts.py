@@ -48,14 +48,11 @@ ALLOWED_PROBES: dict[tuple[str, str], str] = {
     ("sequential.py", "pool"): "a KVCache (models/): `graphs` only where CUDA graphs were captured",
     ("sequential.py", "model"): "a draft model (models/, not a plug-in base here) may name the source class its "
                                 "rows need (DraftHead.source_class); Transformer could declare the default",
-    ("scheduler.py", "executor"): "Scheduler.__getattr__ hands callers that hold the scheduler the sequential "
-                                  "executor's own parts (cache, pools); an absent one still raises AttributeError",
 }
 
 # (file under specwood/engine, plug-in class) -> why an isinstance on it is no capability probe
 ALLOWED_ISINSTANCE: dict[tuple[str, str], str] = {
     ("executor.py", "Executor"): "executor=... is a name or an executor object",
-    ("scheduler.py", "Executor"): "Scheduler(target model) builds the sequential executor; Scheduler(executor) drives it",
     ("executors.py", "ParallelExecutor"): "executor=... is a name or a ParallelExecutor object",
     ("specpipe/launch.py", "PipelineExecutor"): "executor=... is a name or a PipelineExecutor object",
 }
@@ -138,10 +135,20 @@ def test_the_engine_asks_no_plugin_its_class(path):
     assert not bad, "ask the plug-in through a declared flag or method, not its class:\n" + "\n".join(bad)
 
 
-def test_the_allow_lists_name_no_plugin_but_the_scheduler_delegation():
+def test_the_allow_lists_name_no_plugin():
     plugins = [key for key in ALLOWED_PROBES if PLUGIN.search(key[1])]
-    assert plugins == [("scheduler.py", "executor")]
+    assert plugins == []
     assert all(reason.strip() for reason in [*ALLOWED_PROBES.values(), *ALLOWED_ISINSTANCE.values()])
+
+
+def test_the_scheduler_forwards_nothing_and_takes_an_executor():
+    """What an executor holds is read off `scheduler.executor`, never through the scheduler."""
+    import inspect as _inspect
+
+    from specwood.engine.scheduler import Scheduler
+
+    assert "__getattr__" not in vars(Scheduler)
+    assert list(_inspect.signature(Scheduler).parameters) == ["executor", "config"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +182,18 @@ def test_what_the_engine_calls_on_a_source_or_a_shape_is_declared():
             if not _declared(TreeShape, attr):
                 bad.append(f"{_rel(path)}:{line}: shape.{attr} is not declared on TreeShape / ShapePolicy")
     assert not bad, "\n".join(bad)
+
+
+def test_what_the_sequential_step_reads_off_its_rows_is_declared():
+    from specwood.engine.sequential import TargetRows
+
+    bad = []
+    for path in [ROOT / "engine" / "sequential.py"]:  # where SequentialStep drives them
+        for attr, line in _attributes_read(path, re.compile(r"^(self\.)?rows$")):
+            if not _declared(TargetRows, attr):
+                bad.append(f"{_rel(path)}:{line}: rows.{attr} is not declared on TargetRows")
+    assert not bad, "\n".join(bad)
+    assert TargetRows.__abstractmethods__ == {"prefill_chunks", "prefill", "fits", "forward", "commit"}
 
 
 def test_what_the_engine_reads_off_processors_and_executors_is_declared():

@@ -13,7 +13,7 @@ import torch
 import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
 import specwood.engine.step as step_mod
 from specwood.engine.api import Engine
-from specwood.engine.scheduler import Scheduler
+from specwood.engine.scheduler import SchedulerConfig
 from specwood.methods import method_names
 from specwood.sampling import SamplingParams
 
@@ -45,8 +45,8 @@ def test_every_method_in_one_cuda_batch_equals_ar(cuda_engine):
     rnd = random.Random(7)
     jobs = [Job(m, random_prompt(rnd, rnd.randint(2, 60)), max_tokens=rnd.randint(8, 32),
                 start_step=0 if i < 5 else 2 * i) for i, m in enumerate(names + names[::-1])]
-    sched = Scheduler(engine.target, max_batch=6, prefill_chunk_tokens=16)
-    assert sched.cache.k.device.type == "cuda"
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=6, prefill_chunk_tokens=16), drafts=())
+    assert sched.executor.cache.k.device.type == "cuda"
     run_jobs(engine, sched, jobs)
     assert_like_ar(engine, jobs)
     spec = [j for j in jobs if j.method not in ("ar", "pld")]
@@ -103,14 +103,15 @@ def test_cuda_graphs_replay_and_match_eager(cuda_engine):
     for graphs in (False, True):
         jobs = [Job(m, random_prompt(rnd := random.Random(11 + i), rnd.randint(2, 40)), max_tokens=20)
                 for i, m in enumerate(["ar", "dyspec", "chain", "eagle", "ar", "dyspec"])]
-        sched = Scheduler(engine.target, max_batch=4, prefill_chunk_tokens=16, cuda_graphs=graphs)
+        sched = engine.make_scheduler(SchedulerConfig(max_batch=4, prefill_chunk_tokens=16, cuda_graphs=graphs),
+                                      drafts=())
         run_jobs(engine, sched, jobs)
         outputs[graphs] = [j.request.result.token_ids for j in jobs]
         if graphs:
-            assert sched.cache.graphs.replays > 0
-            assert all(pool.graphs.replays > 0 for _, pool in sched._draft_pools.values())
+            assert sched.executor.cache.graphs.replays > 0
+            assert all(pool.graphs.replays > 0 for _, pool in sched.executor._draft_pools.values())
         else:
-            assert getattr(sched.cache, "graphs", None) is None
+            assert getattr(sched.executor.cache, "graphs", None) is None
     assert outputs[True] == outputs[False]
 
 

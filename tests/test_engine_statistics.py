@@ -37,7 +37,7 @@ import pytest
 import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
 import specwood.engine.step as step_mod
 from specwood.engine.api import Engine
-from specwood.engine.scheduler import TREE_ROOM, Scheduler
+from specwood.engine.scheduler import TREE_ROOM, SchedulerConfig
 from specwood.methods import method_names
 from specwood.sampling import SamplingParams
 
@@ -141,8 +141,8 @@ def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, st
         warnings.simplefilter("ignore")  # prior without stored scores warns (analytic prior)
         factory = engine.prepare(method, options if options is not None else options_for(method))
     # rows keep the scheduler's default tree room: draft sources need it (see test_batching)
-    sched = Scheduler(engine.target, max_batch=batch, row_len=len(prompt) + MAX_TOKENS + TREE_ROOM,
-                      max_queue=BATCH)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=batch, row_len=len(prompt) + MAX_TOKENS + TREE_ROOM,
+                                                  max_queue=BATCH), drafts=())
     counts = np.zeros((OUTCOMES, OUTCOMES), dtype=np.int64)
     spec_steps = accepted = copied = 0
     for start in range(0, n, BATCH):
@@ -164,7 +164,7 @@ def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, st
             accepted += r.stats.accepted
             sources = r.result.stats.get("auto_sources") or {}
             copied += int(r.result.stats.get("auto_lookup_steps", 0)) + sources.get("suffix", 0) + sources.get("both", 0)
-    assert sched.idle and sched.cache.free_rows == batch
+    assert sched.idle and sched.executor.cache.free_rows == batch
     run_requests.copied = copied  # auto's steps that copied from the context (the last run)
     return counts, spec_steps, accepted
 

@@ -13,7 +13,7 @@ from specwood.engine.executor import Executor
 from specwood.engine.parallel import ParallelExecutor
 from specwood.engine.request import State
 from specwood.engine.specpipe.launch import PipelineExecutor
-from specwood.engine.scheduler import Scheduler
+from specwood.engine.scheduler import Scheduler, SchedulerConfig
 from specwood.engine.sequential import SequentialExecutor
 from specwood.errors import DeadlineExceeded, SpecwoodError
 
@@ -38,7 +38,7 @@ def engine():
 
 def make_executor(name: str, engine: Engine) -> Executor:
     if name == "sequential":
-        return SequentialExecutor(engine.target, max_batch=4, row_len=256, tree_room=64)
+        return SequentialExecutor(engine.target, SchedulerConfig(max_batch=4, row_len=256, tree_room=64))
     if name == "parallel":
         return ParallelExecutor(engine, draft_threads=1, verbose=False, catch_up=False)
     return PipelineExecutor(engine, 2, width=4, topk=4, threads=1, max_lanes=4)
@@ -58,7 +58,7 @@ class RaisingConsumer:
 def test_one_workload_through_every_executor(engine, name):
     expected = [engine.generate(p, max_tokens=n, raw=True, method="ar").token_ids for p, n in zip(PROMPTS, MAX_TOKENS)]
     executor = make_executor(name, engine)
-    scheduler = Scheduler(executor, max_batch=4, max_queue=8)
+    scheduler = Scheduler(executor, SchedulerConfig(max_batch=4, max_queue=8))
     try:
         requests = [scheduler.make_request(engine, p, max_tokens=n, raw=True, method=m,
                                            on_text=RaisingConsumer(3) if i == FAILING else None)
@@ -81,7 +81,7 @@ def test_one_workload_through_every_executor(engine, name):
 def test_a_step_answers_its_requests_after_its_record_is_observed(engine):
     """The server's /metrics observe each step's record: a client answered by a step must find that
     step counted when it scrapes right after (the sequential executor steps one decode step)."""
-    scheduler = Scheduler(make_executor("sequential", engine), max_batch=4, max_queue=8)
+    scheduler = Scheduler(make_executor("sequential", engine), SchedulerConfig(max_batch=4, max_queue=8))
     requests = [scheduler.make_request(engine, p, max_tokens=n, raw=True, method="dyspec")
                 for p, n in zip(PROMPTS, MAX_TOKENS)]
     seen: list[list[tuple[bool, bool]]] = []  # per observed record: each request finished?, answered?
@@ -116,7 +116,7 @@ LATE = 2  # the request that runs past its deadline (30 tokens: it is still runn
 @pytest.mark.parametrize("name", ["sequential", "parallel", "pipeline"])
 def test_a_request_past_its_deadline_fails_alone_on_every_executor(engine, name):
     expected = [engine.generate(p, max_tokens=n, raw=True, method="ar").token_ids for p, n in zip(PROMPTS, MAX_TOKENS)]
-    scheduler = Scheduler(make_executor(name, engine), max_batch=4, max_queue=8)
+    scheduler = Scheduler(make_executor(name, engine), SchedulerConfig(max_batch=4, max_queue=8))
     try:
         requests = [scheduler.make_request(engine, p, max_tokens=n, raw=True, method=m,
                                            on_text=SlowConsumer(0.6) if i == LATE else None)

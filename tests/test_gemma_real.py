@@ -9,7 +9,7 @@ import pytest
 
 from specwood.bench.fidelity import run_fidelity
 from specwood.engine.api import load
-from specwood.serve.app import create_app, make_scheduler
+from specwood.serve.app import create_app, server_config
 from test_server import ServerThread
 
 PROMPTS = ["The three primary colours are", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -36,7 +36,7 @@ def test_model_free_methods_equal_ar_on_the_real_file(gemma, method):
 
 
 def test_the_server_answers_completions_with_model_free_drafts(gemma):
-    sched = make_scheduler(gemma, max_batch=2, kv_memory=256 << 20)
+    sched = gemma.make_scheduler(server_config(max_batch=2, kv_memory=256 << 20))
     srv = ServerThread(create_app(gemma, sched, method="auto")).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=300, trust_env=False) as c:

@@ -11,9 +11,8 @@ import httpx
 import pytest
 
 from specwood.engine.api import Engine
-from specwood.engine.scheduler import Scheduler
+from specwood.engine.scheduler import Scheduler, SchedulerConfig
 from specwood.errors import ContextLengthError, SpecwoodError
-from specwood.models.prefix_cache import PrefixCache
 from test_prefix_cache import _one_thread_and_private_cache  # noqa: F401 - the same autouse fixture
 
 TREE = 16  # tree room of these schedulers: small trees, small rows
@@ -30,12 +29,13 @@ def per_slot(engine: Engine, head: bool = False) -> int:
 
 
 def budgeted(engine: Engine, budget: int, max_batch: int = 2) -> Scheduler:
-    return Scheduler(engine.target, max_batch=max_batch, tree_room=TREE, drafts=(engine.draft_model,),
-                     prefix_cache=PrefixCache(budget), kv_budget=budget, base_row_len=BASE)
+    return engine.make_scheduler(SchedulerConfig(max_batch=max_batch, tree_room=TREE, kv_memory=budget, reuse=True,
+                                                 base_row_len=BASE), drafts=(engine.draft_model,))
 
 
 def static(engine: Engine) -> Scheduler:
-    return Scheduler(engine.target, max_batch=1, tree_room=TREE, row_len=256 + TREE, drafts=(engine.draft_model,))
+    return engine.make_scheduler(SchedulerConfig(max_batch=1, tree_room=TREE, row_len=256 + TREE),
+                                 drafts=(engine.draft_model,))
 
 
 def run(engine: Engine, sched: Scheduler, jobs: list[tuple[list[int], int]], method: str,
@@ -102,17 +102,17 @@ def test_what_the_budget_cannot_hold_is_a_one_line_error(tiny_engine):
                                                  r"\(--kv-memory\) holds 133 for each of 2 rows"):
         tiny_engine.new_request(list(range(40, 140)), max_tokens=40, scheduler=sched)
     assert run(tiny_engine, sched, [(list(range(40, 100)), 60)], "ar")  # 120 tokens fit
-    assert sched.cache.free_rows == 2
+    assert sched.executor.cache.free_rows == 2
 
 
 def test_the_server_refuses_a_prompt_over_the_budget_naming_both_numbers(tiny_engine):
     """Over HTTP: a 400 that names the budget's context and the model's own; the server goes on."""
     from test_server import ServerThread
 
-    from specwood.serve.app import create_app, make_scheduler
+    from specwood.serve.app import create_app, server_config
 
     budget = 8 * per_slot(tiny_engine, head=True) * (1025 + 160)  # 8 rows of the server's tree room + ~150 tokens
-    sched = make_scheduler(tiny_engine, max_batch=8, kv_memory=budget)
+    sched = tiny_engine.make_scheduler(server_config(max_batch=8, kv_memory=budget))
     room = sched.executor.max_row_len - sched.tree_room
     assert room == 159
     srv = ServerThread(create_app(tiny_engine, sched, method="ar")).start()

@@ -18,7 +18,7 @@ from test_hf_parity import our_greedy
 pytestmark = pytest.mark.usefixtures("llama_cpp_required", "one_torch_thread")
 
 # qwen2 is test_llamacpp.py's tiny model (its tied random embeddings repeat one token greedily)
-ARCHS = ["qwen3", "gemma3", "phi3", "qwen3moe", "llama"]
+ARCHS = ["qwen3", "gemma3", "phi3", "qwen3moe", "granite", "olmo2", "smollm3", "llama"]
 PROMPT = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(0)).tolist()
 N_NEW = 32  # prompt + tokens: 48 positions, past Gemma 3's window of 8
 # Largest |logit difference| allowed (logits of scale ~4). Both sides run fp32 weights and an fp32

@@ -86,10 +86,10 @@ def test_self_draft_accepts_deep_trees(ggufs: SimpleNamespace, lc_models: Simple
 def test_runner_scheduler_on_torch_equals_the_batched_scheduler(tiny_pair: Any, tiny_tokenizer: Any) -> None:
     """The ModelRunner seam is backend-neutral: the same requests through TorchRunner."""
     from specwood.engine.runner import RunnerExecutor, TorchRunner
-    from specwood.engine.scheduler import Scheduler
+    from specwood.engine.scheduler import Scheduler, SchedulerConfig
 
     engine = _engine(tiny_pair.target, tiny_pair.draft, tiny_tokenizer)
-    serial = Scheduler(RunnerExecutor(TorchRunner(tiny_pair.target, 256)), max_batch=1)
+    serial = Scheduler(RunnerExecutor(TorchRunner(tiny_pair.target, 256)), SchedulerConfig(max_batch=1))
     for method in ("ar", "dyspec", "eagle"):
         ref = engine.generate(PROMPT, max_tokens=30, method=method)
         req = engine.new_request(PROMPT, max_tokens=30, method=method, scheduler=serial)

@@ -571,9 +571,9 @@ def test_end_to_end_against_specwood_server(tiny_engine, one_torch_thread, tmp_p
         from specwood.serve.app import create_app
     except ImportError as e:
         pytest.skip(f"specwood.serve.app.create_app is not available yet ({e})")
-    from specwood.engine.scheduler import Scheduler
+    from specwood.engine.scheduler import SchedulerConfig
 
-    scheduler = Scheduler(tiny_engine.target, max_batch=2)
+    scheduler = tiny_engine.make_scheduler(SchedulerConfig(max_batch=2), drafts=())
     scheduler.start()
     try:
         app = create_app(tiny_engine, scheduler)

@@ -512,11 +512,11 @@ def test_server_on_the_parallel_executor(engine):
     import httpx
     from concurrent.futures import ThreadPoolExecutor
 
-    from specwood.engine.scheduler import Scheduler
+    from specwood.engine.scheduler import Scheduler, SchedulerConfig
     from specwood.serve.app import create_app
     from test_server import ServerThread
 
-    sched = Scheduler(executor(engine), max_batch=4, max_queue=8)
+    sched = Scheduler(executor(engine), SchedulerConfig(max_batch=4, max_queue=8))
     app = create_app(engine, sched, method="duo")
     srv = ServerThread(app).start()
     try:

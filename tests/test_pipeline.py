@@ -419,11 +419,11 @@ def test_serve_on_the_pipeline(pair):
     import httpx
 
     from specwood.serve.app import create_app
-    from specwood.engine.scheduler import Scheduler
+    from specwood.engine.scheduler import Scheduler, SchedulerConfig
     from test_server import ServerThread
 
     ex = PipelineExecutor(pair, 2, width=4, topk=4, threads=1, max_lanes=2)
-    sched = Scheduler(ex, max_batch=2, max_queue=8)
+    sched = Scheduler(ex, SchedulerConfig(max_batch=2, max_queue=8))
     app = create_app(pair, sched)
     srv = ServerThread(app).start()
     jobs = [(PROMPTS[0], None, 30), (PROMPTS[1], "pp", 12), (PROMPTS[2], "specpipe", 25), (DB_PROMPTS[3], None, 18)]
@@ -724,12 +724,12 @@ def test_a_dead_rank_turns_health_503_and_ends_the_server(pair, tiny_folder, tmp
 
     import httpx
 
-    from specwood.engine.scheduler import Scheduler
+    from specwood.engine.scheduler import Scheduler, SchedulerConfig
     from specwood.serve.app import create_app
     from test_server import ServerThread, _alive
 
     ex = PipelineExecutor(pair, 2, width=4, topk=4, threads=1, max_lanes=2)
-    srv = ServerThread(create_app(pair, Scheduler(ex, max_batch=2, max_queue=8))).start()
+    srv = ServerThread(create_app(pair, Scheduler(ex, SchedulerConfig(max_batch=2, max_queue=8)))).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=30, trust_env=False) as c:
             assert c.get("/health").status_code == 200

@@ -151,11 +151,11 @@ def test_a_timing_the_server_paused_is_taken_again(tmp_path, tiny_model_factory,
     (pause_while_busy) while a real scheduler decodes requests: the child sees the pauses and
     takes the rounds they spoilt again, with the server's grace."""
     from specwood.engine.api import Engine
-    from specwood.engine.scheduler import TREE_ROOM
+    from specwood.engine.scheduler import TREE_ROOM, SchedulerConfig
     from specwood.serve.background import PAUSE_POLL_S, Background, pause_while_busy
 
     engine = Engine(tiny_model_factory(max_positions=512), tiny_tokenizer)
-    scheduler = engine.make_scheduler(max_batch=1, row_len=512 + TREE_ROOM)
+    scheduler = engine.make_scheduler(SchedulerConfig(max_batch=1, row_len=512 + TREE_ROOM))
     scheduler.start()
     log = tmp_path / "child.log"
     child = Background([sys.executable, "-c", PROFILER_CHILD], log, "profiler")

@@ -30,3 +30,28 @@ def test_moe_verify_cost_grows_with_the_tree_and_the_plan_drafts_less(tmp_path, 
     for ctx in (128, 2048):
         moe_x, dense_x = moe_plan.choose(ctx)[1], dense_plan.choose(ctx)[1]
         assert moe_x < dense_x, (ctx, moe_x, dense_x)
+
+
+def test_a_measured_union_of_experts_replaces_the_uniform_bound():
+    """Routing measured on trees (profiler.measure_expert_union: distinct experts a layer's x rows
+    wake) feeds the analytic model in place of the uniform bound: a router that sends every row to
+    the same few experts makes a wide tree cost what a narrow one does."""
+    import torch
+
+    from specwood.models.testing import random_state_dict, random_tiny_config
+    from specwood.models.transformer import build_model
+    from specwood.planner.devices import union_curve
+    from specwood.planner.profiler import measure_expert_union
+
+    cfg = random_tiny_config("qwen3moe", n_experts=8, n_experts_used=2)
+    model = build_model(cfg, random_state_dict(cfg, seed=3), torch.float32)
+    union = measure_expert_union(model, (1, 2, 4, 8), ctx=16, trees=2)
+    assert union[1] == 2  # one row wakes its k experts
+    assert all(2 <= union[x] <= min(8, 2 * x) for x in union) and union[8] > union[1]
+    woken = union_curve({1: 2.0, 8: 3.0}, 8, 2)  # a router that concentrates
+    assert woken(1) == 2.0 and woken(4) == pytest.approx(2 + 3 / 7) and woken(64) <= 8
+    device, moe = get_device("a100"), PRESETS["qwen3-30b-a3b"]
+    concentrated = union_curve({1: 8.0, 8: 9.0, 32: 12.0}, 128, 8)
+    spread = [device.predict_tv(moe, x, 512) for x in (1, 32)]
+    narrow = [device.predict_tv(moe, x, 512, woken=concentrated) for x in (1, 32)]
+    assert narrow[0] == pytest.approx(spread[0]) and narrow[1] < spread[1] / 4

@@ -21,7 +21,7 @@ import torch
 import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
 from conftest import exact_first_two_law, g_test
 from specwood.engine.api import Engine
-from specwood.engine.scheduler import TREE_ROOM, Scheduler
+from specwood.engine.scheduler import TREE_ROOM, Scheduler, SchedulerConfig
 from specwood.models.prefix_cache import PrefixCache
 from specwood.sampling import SamplingParams
 
@@ -43,9 +43,8 @@ def _one_thread_and_private_cache(monkeypatch, tmp_path):
 def scheduler(engine: Engine, budget: int | None = 10 ** 8, max_batch: int = 4) -> Scheduler:
     """A scheduler like the server's (draft pools up front), with a prefix cache of `budget` bytes
     (None: none, a fresh scheduler's behaviour)."""
-    prefix = PrefixCache(budget) if budget is not None else None
-    drafts = tuple(m for m in (engine.draft_model, engine.draft_head) if m is not None)
-    return Scheduler(engine.target, max_batch=max_batch, row_len=256 + TREE_ROOM, drafts=drafts, prefix_cache=prefix)
+    return engine.make_scheduler(SchedulerConfig(max_batch=max_batch, row_len=256 + TREE_ROOM, reuse=budget is not None,
+                                                 prefix_bytes=budget))
 
 
 _FACTORIES: dict[tuple[int, str], object] = {}
@@ -108,10 +107,10 @@ def test_multi_turn_with_reuse_equals_a_fresh_scheduler(tiny_engine, method):
         elif turn:
             assert req.cached_tokens >= len(history) - 12, (turn, req.cached_tokens, len(history))
         history = history + req.result.token_ids + words(rnd, 8)
-    stats = sched.reuse.cache.stats
+    stats = sched.executor.reuse.cache.stats
     if method in ("chain", "dyspec", "eagle", "sequoia", "early-exit"):  # a draft model with a pool row
         assert stats.hit_tokens["draft"] > 0
-    assert not sched.running and sched.cache.free_rows == sched.max_batch
+    assert not sched.running and sched.executor.cache.free_rows == sched.max_batch
 
 
 def test_concurrent_requests_sharing_a_prompt_compute_it_once(tiny_engine):
@@ -126,7 +125,7 @@ def test_concurrent_requests_sharing_a_prompt_compute_it_once(tiny_engine):
         for p, r in zip(prompts, reqs):
             assert r.result.token_ids == fresh(tiny_engine, p, method), method
         assert sorted(r.cached_tokens for r in reqs)[1:] == [96] * 3, [r.cached_tokens for r in reqs]
-        stats = sched.reuse.cache.stats
+        stats = sched.executor.reuse.cache.stats
         assert stats.hit_tokens["target"] == 3 * 96
         if method == "chain":
             assert stats.hit_tokens["draft"] >= 3 * 96
@@ -136,8 +135,8 @@ def test_evictions_under_a_tiny_budget_never_exceed_it_nor_change_outputs(tiny_e
     """A budget of about 90 tokens: conversations evict each other (LRU); the entries stay within
     the budget after every request, and every answer equals a fresh scheduler's."""
     sched = scheduler(tiny_engine)
-    per_token = sched.cache.bytes_per_slot + next(iter(sched._draft_pools.values()))[1].bytes_per_slot
-    cache = sched.reuse.cache
+    per_token = sched.executor.cache.bytes_per_slot + next(iter(sched.executor._draft_pools.values()))[1].bytes_per_slot
+    cache = sched.executor.reuse.cache
     cache.budget_bytes = 90 * per_token // 2  # target and draft entries share it
     rnd = random.Random(11)
     histories = [words(rnd, 20 + 7 * i) for i in range(3)]
@@ -165,10 +164,10 @@ def test_an_entry_evicted_while_its_request_runs_does_not_change_it(tiny_engine)
     sched.step()  # admitted: its rows start from the cached entry
     assert req.cached_tokens > 40
     with torch.inference_mode():
-        for entry in list(sched.reuse.cache.entries):  # evicted, and the memory written over
+        for entry in list(sched.executor.reuse.cache.entries):  # evicted, and the memory written over
             entry.k.fill_(1e4)
             entry.v.fill_(-1e4)
-    sched.reuse.cache.clear()
+    sched.executor.reuse.cache.clear()
     sched.run_until_done([req])
     assert req.result.token_ids == fresh(tiny_engine, follow, "chain", max_tokens=24)
 
@@ -202,8 +201,8 @@ def test_a_request_cancelled_mid_prefill_frees_its_rows_and_leaves_nothing_cache
     req.cancel()
     sched.run_until_done([req, other])
     assert req.result.finish_reason == "cancelled"
-    assert [len(e.tokens) for e in sched.reuse.cache.entries] == [len(other.context)]  # only the finished one
-    assert sched.cache.free_rows == sched.max_batch and sched.reuse.running == []
+    assert [len(e.tokens) for e in sched.executor.reuse.cache.entries] == [len(other.context)]  # only the finished one
+    assert sched.executor.cache.free_rows == sched.max_batch and sched.executor.reuse.running == []
 
 
 def test_n_choices_are_each_distributed_as_a_request_alone(tiny_engine):
@@ -232,7 +231,7 @@ def test_n_choices_are_each_distributed_as_a_request_alone(tiny_engine):
             counts[a, b] += 1
             pairs.append(a)
         same += pairs[0] == pairs[1]
-    assert sched.reuse.cache.stats.hit_tokens["target"] > 0  # the choices shared the prompt
+    assert sched.executor.reuse.cache.stats.hit_tokens["target"] > 0  # the choices shared the prompt
     assert g_test(counts, law) > 1e-3
     first = law.sum(axis=1)
     expected_same = float((first ** 2).sum())  # two independent first tokens agree this often

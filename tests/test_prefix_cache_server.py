@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specwood.serve.app import create_app, make_scheduler
+from specwood.serve.app import create_app, server_config
 from test_server import ServerThread
 
 
@@ -22,7 +22,7 @@ def engine(served_tiny_engine):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    sched = make_scheduler(engine, max_batch=4, max_queue=16, kv_memory=64 << 20)
+    sched = engine.make_scheduler(server_config(max_batch=4, max_queue=16, kv_memory=64 << 20))
     srv = ServerThread(create_app(engine, sched, method="ar")).start()
     srv.sched = sched
     yield srv
@@ -127,5 +127,5 @@ def test_a_client_gone_mid_prefill_frees_its_rows_and_caches_nothing(server, htt
     finally:
         del sched.executor.prefill_share
     assert metric(http, "specwood:request_success_total", finished_reason="cancelled") == cancelled + 1
-    assert sched.cache.free_rows == sched.max_batch and sched.reuse.running == []
-    assert not any(e.tokens[:20].tolist() == prompt_ids[:20] for e in sched.reuse.cache.entries)
+    assert sched.executor.cache.free_rows == sched.max_batch and sched.executor.reuse.running == []
+    assert not any(e.tokens[:20].tolist() == prompt_ids[:20] for e in sched.executor.reuse.cache.entries)

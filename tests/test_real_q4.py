@@ -50,15 +50,14 @@ def test_reuse_is_bit_exact_in_the_default_mode(real_default_engine, method):
     the last bit, as a fresh scheduler prefilling the whole prompt in chunks: attention is one
     row-exact kernel for rows of any kind, prompt chunks included (until 2026-11-27 chunks over 32
     rows went to torch's flash attention: log-probabilities then differed by up to 0.14)."""
-    from specwood.engine.scheduler import TREE_ROOM, Scheduler
-    from specwood.models.prefix_cache import PrefixCache
+    from specwood.engine.scheduler import TREE_ROOM, SchedulerConfig
 
     engine = real_default_engine
     drafts = tuple(m for m in (engine.draft_model,) if m is not None)
 
     def sched(budget):
-        return Scheduler(engine.target, max_batch=1, row_len=1024 + TREE_ROOM, drafts=drafts,
-                         prefix_cache=PrefixCache(budget) if budget else None)
+        return engine.make_scheduler(SchedulerConfig(max_batch=1, row_len=1024 + TREE_ROOM, reuse=bool(budget),
+                                                     prefix_bytes=budget or None), drafts=drafts)
 
     def answer(s, prompt):
         r = engine.new_request(prompt, max_tokens=32, method=method, scheduler=s, logprobs=1)

@@ -23,7 +23,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specwood.engine.api import Engine
-from specwood.serve.app import create_app, make_scheduler
+from specwood.serve.app import create_app, server_config
 
 MAX_BATCH = 8
 RAW = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "Once upon a time", "hello"]
@@ -93,7 +93,7 @@ def engine(env, tiny_pair, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    sched = make_scheduler(engine, max_batch=MAX_BATCH, max_queue=64)
+    sched = engine.make_scheduler(server_config(max_batch=MAX_BATCH, max_queue=64))
     app = create_app(engine, sched)  # default method: auto
     assert app.state.methods.default == "auto"
     srv = ServerThread(app).start()
@@ -355,8 +355,9 @@ def test_clients_that_disconnect_cancel_their_requests(server, http, refs):
     sched = server.sched
     pools = [pool for _, pool in getattr(sched, "_draft_pools", {}).values()]
     deadline = time.monotonic() + 15
-    while not (sched.cache.free_rows == MAX_BATCH and sched.idle and all(p.free_rows == MAX_BATCH for p in pools)):
-        assert time.monotonic() < deadline, (sched.cache.free_rows, sched.num_running, sched.num_waiting)
+    while not (sched.executor.cache.free_rows == MAX_BATCH and sched.idle
+               and all(p.free_rows == MAX_BATCH for p in pools)):
+        assert time.monotonic() < deadline, (sched.executor.cache.free_rows, sched.num_running, sched.num_waiting)
         time.sleep(0.05)
     m = metric_values(http)
     cancelled = m.get(("specwood:request_success_total", (("finished_reason", "cancelled"),)), 0) - \
@@ -383,7 +384,7 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_goes(server, http):
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
         deadline = time.monotonic() + 10
-        while not (sched.idle and sched.cache.free_rows == MAX_BATCH):
+        while not (sched.idle and sched.executor.cache.free_rows == MAX_BATCH):
             assert time.monotonic() < deadline
             time.sleep(0.02)
     finally:
@@ -529,7 +530,7 @@ def test_bad_input_through_the_openai_client(client):
 
 def test_full_queue_gives_503_with_retry_after(env, tiny_model_factory, tiny_tokenizer):
     eng = Engine(tiny_model_factory(seed=0), tiny_tokenizer, target_name="tiny")
-    sched = make_scheduler(eng, max_batch=1, max_queue=1)
+    sched = eng.make_scheduler(server_config(max_batch=1, max_queue=1))
     sched.observers.append(lambda rec: time.sleep(0.02))  # slow steps: ~0.6 s a request
     srv = ServerThread(create_app(eng, sched, method="ar")).start()
     try:
@@ -576,7 +577,7 @@ def test_full_queue_gives_503_with_retry_after(env, tiny_model_factory, tiny_tok
 
 def test_a_request_past_the_request_timeout_gets_504_and_the_server_goes_on(env, tiny_model_factory, tiny_tokenizer):
     eng = Engine(tiny_model_factory(seed=0), tiny_tokenizer, target_name="tiny")
-    sched = make_scheduler(eng, max_batch=2, max_queue=4)
+    sched = eng.make_scheduler(server_config(max_batch=2, max_queue=4))
     sched.request_timeout_s = 0.3  # what `serve --request-timeout 0.3` sets
     sched.observers.append(lambda rec: time.sleep(0.05))  # slow steps: 30 tokens take ~1.5 s
     srv = ServerThread(create_app(eng, sched, method="ar")).start()
@@ -598,7 +599,7 @@ def test_queued_clients_that_leave_free_their_places_at_once(env, tiny_model_fac
     """64 clients queue behind a full batch and disconnect: their requests leave the queue within
     a step or two, not when a cache row frees, so a new request is queued instead of getting 503."""
     eng = Engine(tiny_model_factory(seed=0), tiny_tokenizer, target_name="tiny")
-    sched = make_scheduler(eng, max_batch=1, max_queue=64)
+    sched = eng.make_scheduler(server_config(max_batch=1, max_queue=64))
     sched.observers.append(lambda rec: time.sleep(0.05))  # slow steps: the long request holds the batch
     srv = ServerThread(create_app(eng, sched, method="ar")).start()
     host, port = srv.url.removeprefix("http://").split(":")
@@ -804,7 +805,7 @@ GOOD_ORIGIN = "http://localhost:5173"
 def guarded(engine):
     from specwood.serve.guard import LOOPBACK_HOSTS, Access
 
-    sched = make_scheduler(engine, max_batch=2, max_queue=8)
+    sched = engine.make_scheduler(server_config(max_batch=2, max_queue=8))
     app = create_app(engine, sched, method="ar",
                      access=Access(api_key=KEY, allowed_origins=(GOOD_ORIGIN,), allowed_hosts=LOOPBACK_HOSTS))
     srv = ServerThread(app).start()
@@ -867,7 +868,7 @@ def test_browser_origins_and_host_names(guarded):
 def test_a_key_over_every_endpoint(engine):
     from specwood.serve.guard import Access
 
-    sched = make_scheduler(engine, max_batch=1, max_queue=2)
+    sched = engine.make_scheduler(server_config(max_batch=1, max_queue=2))
     srv = ServerThread(create_app(engine, sched, method="ar", access=Access(api_key=KEY, key_scope="all"))).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=30, trust_env=False) as c:

@@ -19,7 +19,7 @@ import torch
 from specwood.constrain import grammars as G
 from specwood.engine.api import Engine
 from specwood.errors import GrammarError
-from specwood.serve.app import create_app, make_scheduler
+from specwood.serve.app import create_app, server_config
 from specwood.serve.structured import ToolCallText
 
 from test_server import CHATS, ServerThread, assert_openai_error, sse_events
@@ -229,7 +229,7 @@ def server(tiny_pair, tiny_tokenizer, tmp_path_factory):
     torch.set_num_threads(1)
     engine = Engine(tiny_pair.target, tiny_tokenizer, draft=tiny_pair.draft, target_name="tiny",
                     draft_name="tiny-draft")
-    sched = make_scheduler(engine, max_batch=4, max_queue=64)
+    sched = engine.make_scheduler(server_config(max_batch=4, max_queue=64))
     srv = ServerThread(create_app(engine, sched, method="ar")).start()
     srv.engine = engine
     yield srv

@@ -192,11 +192,11 @@ def test_auto_with_suffix_under_sampling_runs_and_merges(engine, private_cache):
 
 
 def test_concurrent_requests_under_the_batched_scheduler_keep_the_cache_whole(engine, private_cache):
-    from specwood.engine.scheduler import Scheduler
+    from specwood.engine.scheduler import SchedulerConfig
 
     cache = suffix_cache_for(engine, 4096)
     prepared = engine.prepare("suffix", {"suffix_cache_tokens": 4096})
-    sched = Scheduler(engine.target, max_batch=4)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=4), drafts=())
     prompts = [engine.encode(p, raw=True) for p in PROMPTS] * 3
     for rnd in range(2):
         reqs = [engine.new_request(p, max_tokens=24, method="suffix", scheduler=sched, prepared=prepared)
@@ -226,13 +226,13 @@ def test_the_server_fills_the_cache_from_concurrent_requests_and_reports_it(engi
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from specwood.serve.app import create_app, make_scheduler
+    from specwood.serve.app import create_app, server_config
     from test_server import ServerThread
 
     cache = suffix_cache_for(engine, 4096)
     cache.clear()
     refs = {p: engine.generate(p, max_tokens=24, raw=True).text for p in PROMPTS}
-    sched = make_scheduler(engine, max_batch=4, max_queue=32)
+    sched = engine.make_scheduler(server_config(max_batch=4, max_queue=32))
     srv = ServerThread(create_app(engine, sched, method="suffix", options={"suffix_cache_tokens": 4096})).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as http:

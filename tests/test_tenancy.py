@@ -13,7 +13,7 @@ import pytest
 from specwood.cli import main, read_keys_file
 from specwood.engine.api import Engine
 from specwood.errors import SpecwoodError
-from specwood.serve.app import create_app, make_scheduler
+from specwood.serve.app import create_app, server_config
 from specwood.serve.guard import Access
 from specwood.serve.tenancy import Sharing
 from test_server import ServerThread
@@ -30,7 +30,8 @@ def engine(served_tiny_engine):
 
 def _server(engine: Engine, sharing: Sharing = Sharing(), keys: tuple[str, ...] = (KEY_A, KEY_B, KEY_SALTS, *PROBES)
             ) -> ServerThread:
-    sched = make_scheduler(engine, max_batch=4, max_queue=16, kv_memory=(64 << 20) if sharing.shared_cache else 0)
+    sched = engine.make_scheduler(server_config(max_batch=4, max_queue=16,
+                                                kv_memory=(64 << 20) if sharing.shared_cache else 0))
     access = Access(api_key=keys[0], more_keys=keys[1:]) if keys else Access()
     srv = ServerThread(create_app(engine, sched, method="ar", access=access, sharing=sharing)).start()
     srv.sched = sched
@@ -212,7 +213,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_pair, tiny_tokenizer):
     messages = [{"role": "user", "content": "hi"}]
     plain, off = engine.encode(messages), engine.encode(messages, template_kwargs={"enable_thinking": False})
     assert off[:len(plain)] == plain and tok.decode(off[len(plain):]) == "<think>\n\n</think>\n\n"
-    srv = ServerThread(create_app(engine, make_scheduler(engine, max_batch=2, kv_memory=16 << 20),
+    srv = ServerThread(create_app(engine, engine.make_scheduler(server_config(max_batch=2, kv_memory=16 << 20)),
                                   method="ar")).start()
     try:
         with _client(srv, None) as c:

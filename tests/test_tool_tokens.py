@@ -19,7 +19,7 @@ from specwood.constrain import grammars as G
 from specwood.constrain.matcher import ll_tokenizer
 from specwood.engine.api import Engine
 from specwood.models.testing import make_tiny_tokenizer
-from specwood.serve.app import create_app, make_scheduler
+from specwood.serve.app import create_app, server_config
 from specwood.serve.structured import ToolCallText
 
 from test_server import CHATS, ServerThread, sse_events
@@ -140,7 +140,8 @@ def http(tok, tiny_pair, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine = Engine(tiny_pair.target, tok, draft=tiny_pair.draft, target_name="tiny", draft_name="tiny-draft")
-    srv = ServerThread(create_app(engine, make_scheduler(engine, max_batch=4, max_queue=64), method="ar")).start()
+    srv = ServerThread(create_app(engine, engine.make_scheduler(server_config(max_batch=4, max_queue=64)),
+                                  method="ar")).start()
     with httpx.Client(base_url=srv.url, timeout=120, trust_env=False) as c:
         yield c
     srv.stop()

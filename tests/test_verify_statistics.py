@@ -178,9 +178,12 @@ class Synthetic:
         return target_rows, draft_rows
 
 
-def run_case(case: Case, accept_prob, trials: int = TRIALS) -> tuple[list[float], list[int]]:
-    """G-test p-values of the first 1, 2 and 3 emitted tokens; histogram of accepted lengths."""
-    syn, lay = Synthetic(case), Layout.build(case.layout)
+def run_case(case: Case, accept_prob, trials: int = TRIALS, syn: Synthetic | None = None
+             ) -> tuple[list[float], list[int]]:
+    """G-test p-values of the first 1, 2 and 3 emitted tokens; histogram of accepted lengths.
+    `syn`: the tables to draft and verify with (default: the case's synthetic ones; a real
+    model's in test_arch_statistics)."""
+    syn, lay = syn or Synthetic(case), Layout.build(case.layout)
     V, n = case.vocab, len(lay.parents)
     g_draft = torch.Generator().manual_seed(case.seed)
     g_verify = torch.Generator().manual_seed(10_000 + case.seed)

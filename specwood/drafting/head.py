@@ -79,10 +79,6 @@ class DraftHead(Transformer):
             self.layers[0].attention_norm = nn.Identity()
         self.register_buffer("draft_vocab", torch.zeros(spec.draft_vocab_size, dtype=torch.long), persistent=False)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.layers[0].ffn_norm.weight.dtype  # the input norm may be absent (EAGLE-1)
-
     def pair_inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The head's input rows [n, 2 dim]: each token's embedding beside the feature before it."""
         emb = self.tok_embeddings(tokens.to(self.device))

@@ -4,12 +4,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from specwood.engine.chat import encode_chat
+from specwood.engine.config import SchedulerConfig
 from specwood.engine.executor import executor_name
 from specwood.engine.executors import plugin_for
 from specwood.engine.output import GenerationResult, OutputStream
@@ -17,12 +19,12 @@ from specwood.engine.request import Request
 from specwood.engine.runner import RunnerExecutor
 from specwood.engine.vocab import emit_limit
 from specwood.engine.scheduler import Scheduler
+from specwood.engine.sequential import SequentialExecutor
 from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
 from specwood.models.config import ModelConfig
 from specwood.models.linears import int4_available
-from specwood.models.prefix_cache import PrefixCache
 from specwood.models.transformer import Transformer, build_model, usable_exact, weights_taken_as_stored
-from specwood.sampling import SamplingParams
+from specwood.sampling import SamplingParams, split_sampling
 
 if TYPE_CHECKING:
     from specwood.methods import DrafterFactory
@@ -143,26 +145,25 @@ class Engine:
     def scheduler(self) -> Scheduler:
         """The engine's own scheduler for `generate`: one cache row, grown while idle as needed."""
         if self._scheduler is None:
-            self._scheduler = self.make_scheduler(max_batch=1, row_len=256, growable=True)
+            self._scheduler = self.make_scheduler(SchedulerConfig(max_batch=1, row_len=256, growable=True))
         return self._scheduler
 
-    def make_scheduler(self, *, max_batch: int = 8, row_len: int | None = None, max_queue: int = 64,
-                       growable: bool = False, kv_memory: int | None = None,
-                       kv_budget: int | None = None) -> Scheduler:
-        """A scheduler for this engine's target: continuous batching on torch; on a runner-backed
-        target (llama.cpp: one KV sequence) requests take turns, whatever `max_batch` says (and
-        nothing is reused across requests). `kv_memory`: bytes of finished requests' K/V kept for
-        newcomers that share their prefix (specwood.models.prefix_cache); None keeps none.
-        `kv_budget`: bytes for the rows and those entries together: rows start short and grow
-        with the longest request up to `row_len` (or the model's context) as the budget allows,
-        and the prefix cache keeps what they leave (specwood.engine.sequential)."""
+    def make_scheduler(self, config: SchedulerConfig = SchedulerConfig(),
+                       drafts: tuple[Any, ...] | None = None) -> Scheduler:
+        """A scheduler for this engine's target, as `config` says (specwood.engine.config):
+        continuous batching on torch; on a runner-backed target (llama.cpp: one KV sequence)
+        requests take turns, whatever `config.max_batch` says (and nothing is reused across
+        requests). Under `config.kv_memory` rows grow up to the engine's context (and tree room)
+        unless `config.row_len` says less. `drafts`: the draft models whose cache pools are made
+        now (default: the engine's draft model and draft head; others get theirs on first use)."""
         runner = getattr(self.target, "runner", None)
         if runner is not None:
-            return Scheduler(RunnerExecutor(runner), max_batch=1, max_queue=max_queue)
-        drafts = tuple(m for m in (self.draft_model, self.draft_head) if m is not None)
-        prefix = PrefixCache(kv_memory) if kv_memory is not None else None
-        return Scheduler(self.target, max_batch=max_batch, row_len=row_len, max_queue=max_queue, growable=growable,
-                         drafts=drafts, prefix_cache=prefix, kv_budget=kv_budget)
+            return Scheduler(RunnerExecutor(runner), replace(config, max_batch=1))
+        if drafts is None:
+            drafts = tuple(m for m in (self.draft_model, self.draft_head) if m is not None)
+        if config.budgeted and config.row_len is None:
+            config = replace(config, row_len=int(self.max_context) + config.tree_room)
+        return Scheduler(SequentialExecutor(self.target, config, drafts), config)
 
     def prepare(self, method: str, options: dict[str, Any] | None = None) -> "DrafterFactory":
         """Validate a method and its options once (`auto` loads its plan here)."""
@@ -173,12 +174,9 @@ class Engine:
     def new_request(
         self,
         prompt: str | list[dict[str, str]] | list[int],
+        params: SamplingParams | None = None,
         *,
         max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
         stop: list[str] | str | None = None,
         method: str = "ar",
         raw: bool = False,
@@ -187,34 +185,24 @@ class Engine:
         prepared: "DrafterFactory | None" = None,
         on_finish: Callable[[Request], None] | None = None,
         request_id: str | None = None,
-        grammar: str | None = None,
-        json_schema: dict[str, Any] | None = None,
-        logit_bias: dict[int, float] | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        min_p: float = 0.0,
-        logprobs: int | None = None,
         cache_scope: str | None = "",
-        **method_options: Any,
+        **options: Any,
     ) -> Request:
         """A request ready to `submit` to `scheduler` (default: the engine's own). Raises a
         SpecwoodError for bad input (sampling parameters, lengths, methods and their options).
 
+        `params`: how it samples (specwood.sampling.SamplingParams: temperature, top-k/p, seed, and
+        the constraints and shaping of specwood.constrain, docs/structured.md: a grammar or a JSON
+        schema, logit_bias, the presence/frequency/repetition penalties and min_p, as OpenAI/vLLM
+        define them, logprobs); instead of `params` its fields may come as keyword arguments. The
+        other `options` are the method's.
+
         `cache_scope`: requests reuse each other's work (K/V of a shared prefix, suffix drafts
         from earlier answers) only within one scope ("" by default: all share); None shares
-        nothing with any other request. The server gives each tenant and `cache_salt` its own.
-
-        Constraints and shaping (specwood.constrain, docs/structured.md): `grammar` (an llguidance
-        grammar string) or `json_schema` (a dict, compiled to one), `logit_bias` ({token id: bias}),
-        the presence/frequency/repetition penalties and `min_p`, as OpenAI/vLLM define them;
-        `logprobs` k reports each emitted token's log-probability and its k best alternatives."""
+        nothing with any other request. The server gives each tenant and `cache_salt` its own."""
         scheduler = scheduler or self.scheduler
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                emit_limit=self.emit_limit,
-                                logit_bias=self._logit_bias(logit_bias), presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                                min_p=min_p, grammar=self._grammar(grammar, json_schema), logprobs=logprobs)
+        params, method_options = split_sampling(params, options)
+        params = self.params_for_model(params)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
         if _is_token_ids(prompt):
@@ -248,34 +236,19 @@ class Engine:
 
     # --- constraints and shaping (specwood.constrain) -------------------------------------------
 
-    def _logit_bias(self, bias: Any) -> tuple[tuple[int, float], ...]:
-        """{token id: bias} (ids as ints or numeric strings, as JSON gives them) -> sorted pairs;
-        ids must lie in the target's vocabulary."""
-        if bias is None:
-            return ()
-        if not isinstance(bias, dict):
-            raise SamplingParamsError("logit_bias must map token ids to numbers in [-100, 100]")
-        V, pairs = self.target.config.vocab_size, []
-        for key, value in bias.items():
-            try:
-                token = int(key)
-            except (TypeError, ValueError):
-                raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}") from None
-            if not 0 <= token < V:
-                raise SamplingParamsError(f"logit_bias token id {token} is outside the vocabulary [0, {V})")
-            pairs.append((token, value))
-        return tuple(sorted(pairs))
+    def params_for_model(self, params: SamplingParams) -> SamplingParams:
+        """`params` as this model samples them: its emit limit, the logit biases' ids checked
+        against its vocabulary, a JSON schema compiled to a grammar (limits and one-line errors)."""
+        V = self.target.config.vocab_size
+        bad = next((token for token, _ in params.logit_bias if token >= V), None)
+        if bad is not None:
+            raise SamplingParamsError(f"logit_bias token id {bad} is outside the vocabulary [0, {V})")
+        grammar = params.grammar
+        if params.json_schema is not None:
+            from specwood.constrain.grammars import json_schema_grammar
 
-    def _grammar(self, grammar: str | None, json_schema: dict[str, Any] | None) -> str | None:
-        if json_schema is None:
-            return grammar
-        if grammar is not None:
-            raise SamplingParamsError("pass grammar or json_schema, not both")
-        if not isinstance(json_schema, dict):
-            raise SamplingParamsError("json_schema must be a JSON schema object (a dict)")
-        from specwood.constrain.grammars import json_schema_grammar  # limits and one-line errors
-
-        return json_schema_grammar(json_schema)
+            grammar = json_schema_grammar(dict(params.json_schema))
+        return replace(params, emit_limit=self.emit_limit, grammar=grammar, json_schema=None)
 
     def prepare_grammars(self) -> None:
         """Build llguidance's view of the tokenizer now (~1 s of Python on a 150k vocabulary,
@@ -307,30 +280,22 @@ class Engine:
     def generate(
         self,
         prompt: str | list[dict[str, str]] | list[int],
+        params: SamplingParams | None = None,
         *,
         max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
         stop: list[str] | str | None = None,
         method: str = "ar",
         raw: bool = False,
         on_text: Callable[[str], None] | None = None,
         executor: Any = None,
-        grammar: str | None = None,
-        json_schema: dict[str, Any] | None = None,
-        logit_bias: dict[int, float] | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        min_p: float = 0.0,
-        logprobs: int | None = None,
-        **method_options: Any,
+        **options: Any,
     ) -> GenerationResult:
         """Generate a completion with `method` ("ar" or a speculative method): a batch of one on
         the same step the server batches. Lossless: every method emits exactly what "ar" emits
         under greedy decoding, and samples the same distribution.
+
+        `params`: a SamplingParams (greedy by default), or its fields as keyword arguments
+        (`temperature=0.7, seed=1`); the other `options` are the method's (see new_request).
 
         executor="parallel" (or a ParallelExecutor) runs DuoDecoding instead: method "duo" with
         the draft model in a worker process (options draft_device, draft_threads; see
@@ -338,14 +303,10 @@ class Engine:
         parallel executor where the stored plan measured it fastest, everything else sequentially.
         executor="pipeline" (or a PipelineExecutor) splits the target over pipeline stages (options
         stages, width, topk, threads; specwood.engine.specpipe.launch): method "specpipe" (or auto),
-        "pp" (or ar), "specinfer" (or a tree shape name, with budget/depth).
-
-        grammar / json_schema / logit_bias / the penalties / min_p / logprobs: see new_request
-        (the sequential executor's)."""
-        shaping = dict(grammar=grammar, json_schema=json_schema, logit_bias=logit_bias,
-                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                       repetition_penalty=repetition_penalty, min_p=min_p, logprobs=logprobs)
-        shaped = [k for k, v in shaping.items() if v != _UNSHAPED[k]]
+        "pp" (or ar), "specinfer" (or a tree shape name, with budget/depth). The constraints and
+        shaping (`SamplingParams.shaping`) run on the sequential executor only."""
+        params, method_options = split_sampling(params, options)
+        shaped = params.shaping()
         if executor is None and shaped:
             executor = "sequential"  # where the processors run (auto's plan may pick another)
         if executor is None:
@@ -354,18 +315,16 @@ class Engine:
                 method_options = {}  # auto's own options do not apply to duo
         name = executor_name(executor)
         if name == "sequential":
-            request = self.new_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, seed=seed, stop=stop, method=method, raw=raw, on_text=on_text,
-                                       **shaping, **method_options)
+            request = self.new_request(prompt, params, max_tokens=max_tokens, stop=stop, method=method, raw=raw,
+                                       on_text=on_text, **method_options)
             return self.run(request)
         if shaped:
             raise SpecwoodError(f"{', '.join(shaped)} run on the sequential executor, not '{name}'; drop executor=")
         from specwood.engine.backends import check_backends
 
         check_backends(self.backend, self.draft_backend or "torch", executor=name)
-        return plugin_for(name).generate(self, executor, prompt, max_tokens=max_tokens, temperature=temperature,
-                                         top_p=top_p, top_k=top_k, seed=seed, stop=stop, method=method, raw=raw,
-                                         on_text=on_text, **method_options)
+        return plugin_for(name).generate(self, executor, prompt, params, max_tokens=max_tokens, stop=stop,
+                                         method=method, raw=raw, on_text=on_text, **method_options)
 
     def _executor_for(self, method: str, prompt: Any, raw: bool, options: dict[str, Any]) -> tuple[str, Any]:
         """The executor a method picks for this prompt (sequential unless it chooses: auto follows
@@ -386,11 +345,6 @@ class Engine:
         if request.error is not None:
             raise request.exception
         return request.result
-
-
-# generate's constraint and shaping arguments when unused
-_UNSHAPED: dict[str, Any] = dict(grammar=None, json_schema=None, logit_bias=None, presence_penalty=0.0,
-                                 frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0, logprobs=None)
 
 
 def _is_token_ids(prompt: Any) -> bool:

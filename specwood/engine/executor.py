@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from specwood.engine.output import GenerationResult
     from specwood.engine.request import Request
     from specwood.engine.step import StepRecord
+    from specwood.models.prefix_cache import PrefixCache
+    from specwood.sampling import SamplingParams
 
 FinishCallback = Callable[..., None]  # finish(request, result=None)
 FailCallback = Callable[["Request", BaseException], None]
@@ -58,10 +60,28 @@ class Executor(ABC):
     tree_room: int = 0  # cache slots a request keeps beyond prompt + new tokens for a tree
     row_len: int = 0  # the longest request (in cache slots) it can hold now
 
+    kv_budget: int | None = None  # bytes its cache rows and prefix cache hold together (None: static rows)
+
     @property
     def max_row_len(self) -> int:
         """The longest request (in cache slots) it can ever hold (rows that grow: more than row_len)."""
         return self.row_len
+
+    # --- what it holds, for /health and /metrics ------------------------------------------------
+
+    @property
+    def free_rows(self) -> int | None:
+        """Cache rows free now; None where it holds none in this process (the pipeline's ranks)."""
+        return None
+
+    def rows_bytes(self) -> int:
+        """Bytes its K/V cache rows take now (0 where they live elsewhere)."""
+        return 0
+
+    @property
+    def prefix_cache(self) -> "PrefixCache | None":
+        """The finished requests' K/V it keeps for reuse (specwood.models.prefix_cache), if any."""
+        return None
 
     # steps in the scheduler's own thread (the server's main thread): False for an executor whose
     # work runs in other processes and whose step mostly waits (signals reach only the main thread)
@@ -108,10 +128,11 @@ class Executor(ABC):
     def add_draft_pool(self, model: Any) -> None:
         """Allocate `model`'s KV pool, within the executor's memory budget (stepping thread only)."""
 
-    def make_request(self, engine: Any, prompt: Any, *, scheduler: Any, **kwargs: Any) -> "Request":
+    def make_request(self, engine: Any, prompt: Any, params: "SamplingParams | None" = None, *, scheduler: Any,
+                     **kwargs: Any) -> "Request":
         """A request for this executor (Engine.new_request's arguments); an executor that keeps
         state per request makes it here."""
-        return engine.new_request(prompt, scheduler=scheduler, **kwargs)
+        return engine.new_request(prompt, params, scheduler=scheduler, **kwargs)
 
     # --- the lifecycle ----------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from specwood.engine.specpipe.args import cmd_generate_pipeline, pipeline_cli_op
 from specwood.engine.specpipe.launch import PipelineExecutor, generate_on_pipeline, pipeline_mode
 from specwood.errors import SpecwoodError
 from specwood.methods import get_method, method_on
+from specwood.sampling import SamplingParams
 
 
 # --- Engine.generate(..., executor="parallel" | a ParallelExecutor) ------------------------------
@@ -37,7 +38,8 @@ def engine_executor(engine: Any, **options: Any) -> ParallelExecutor:
     return ex
 
 
-def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) -> Any:
+def generate_parallel(engine: Any, executor: Any, prompt: Any, params: SamplingParams | None = None,
+                      **kwargs: Any) -> Any:
     """Engine.generate with executor="parallel" (or a ParallelExecutor): DuoDecoding."""
     options = {k: kwargs.pop(k) for k in EXECUTOR_OPTIONS if k in kwargs}
     if isinstance(executor, ParallelExecutor):
@@ -48,7 +50,7 @@ def generate_parallel(engine: Any, executor: Any, prompt: Any, **kwargs: Any) ->
         ex = engine_executor(engine, **options)
     else:
         raise SpecwoodError(f"unknown executor {executor!r} (use 'sequential', 'parallel' or 'pipeline')")
-    return ex.generate(prompt, **kwargs)
+    return ex.generate(prompt, params, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class ExecutorPlugin:
     build: Callable[[Any, dict[str, Any]], Executor | None]
     # `specwood generate` on it, where one request needs more than Engine.generate (the pipeline's ranks)
     generate_cli: Callable[[argparse.Namespace, Callable[..., Any]], int] | None = None
-    # Engine.generate on it: (engine, executor or its name, prompt, **generate's arguments) -> result
+    # Engine.generate on it: (engine, executor or its name, prompt, params, **generate's arguments) -> result
     generate: Callable[..., Any] | None = None
     # (method, args) -> the method as it runs here, or one line saying why it cannot (a bench row)
     check_method: Callable[[str, argparse.Namespace], str] | None = None

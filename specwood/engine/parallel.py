@@ -53,6 +53,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from specwood.drafting.multi_sequence import MultiSequenceShape, make_multi_sequence
+from specwood.engine.config import SchedulerConfig
 from specwood.engine.executor import Executor
 from specwood.engine.parallel_args import available_cores, check_draft_device, check_draft_threads, parallel_method
 from specwood.engine.parallel_process import WorkerFailure, _Inline, _Remote
@@ -60,6 +61,7 @@ from specwood.engine.parallel_worker import draft_spec, time_forward, tree_from_
 from specwood.engine.request import Drafter, Request, State
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import ContextLengthError, SpecwoodError
+from specwood.sampling import SamplingParams, split_sampling
 from specwood.tree.token_tree import TokenTree
 
 
@@ -280,16 +282,18 @@ class ParallelExecutor(Executor):
             raise ContextLengthError(f"the request needs {needed - self.tree_room} context tokens but the models hold "
                                      f"{self.limit_positions}; shorten the prompt or lower max_tokens")
 
-    def make_request(self, engine: Any, prompt: Any, *, scheduler: Any = None, method: str | None = "duo",
-                     prepared: Any = None, **kwargs: Any) -> Request:
+    def make_request(self, engine: Any, prompt: Any, params: SamplingParams | None = None, *, scheduler: Any = None,
+                     method: str | None = "duo", prepared: Any = None, **kwargs: Any) -> Request:
         """A request for this executor (Engine.new_request's arguments; method options: budget =
         a fixed gamma instead of the hardware-aware one, depth, max_sequences). A server's
-        prepared drafter is not used: the worker drafts."""
+        prepared drafter is not used: the worker drafts. Sampling: temperature, top-k/p and seed
+        (the worker drafts without the sequential executor's processors)."""
         method = parallel_method(method)
+        params, kwargs = split_sampling(params, kwargs)
         options = {k: kwargs.pop(k) for k in ("budget", "depth", "max_sequences") if k in kwargs}
         options = {k: v for k, v in options.items() if v is not None}
-        unknown = sorted(set(kwargs) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "raw",
-                                        "on_text", "on_finish", "request_id", "cache_scope"})
+        unknown = sorted([*params.shaping(), *(set(kwargs) - {"max_tokens", "stop", "raw", "on_text", "on_finish",
+                                                              "request_id", "cache_scope"})])
         if unknown:
             raise SpecwoodError(f"method 'duo' does not use option(s) {', '.join(unknown)} "
                                 "(it takes budget, depth, max_sequences)")
@@ -299,21 +303,24 @@ class ParallelExecutor(Executor):
         def factory(sources: Any, prompt_len: int, max_tokens: int, load: int = 1, scope: str | None = "") -> Drafter:
             return Drafter(None, shape)
 
-        req = self.engine.new_request(prompt, method=method, scheduler=scheduler or self, prepared=factory, **kwargs)
+        req = self.engine.new_request(prompt, params, method=method, scheduler=scheduler or self, prepared=factory,
+                                      **kwargs)
         self._duo[req] = state
         req.extra_stats = lambda: self._stats(state)
         return req
 
-    def new_request(self, prompt: Any, *, method: str = "duo", **kwargs: Any) -> Request:
+    def new_request(self, prompt: Any, params: SamplingParams | None = None, *, method: str = "duo",
+                    **kwargs: Any) -> Request:
         """A request for `run` (same arguments as Engine.new_request)."""
-        return self.make_request(self.engine, prompt, method=method, **kwargs)
+        return self.make_request(self.engine, prompt, params, method=method, **kwargs)
 
     def state_of(self, req: Request) -> _Duo:
         """A request's DuoDecoding state (its pending chain, guesses and hits, gammas)."""
         return self._duo[req]
 
-    def generate(self, prompt: Any, *, method: str = "duo", **kwargs: Any) -> Any:
-        request = self.new_request(prompt, method=method, **kwargs)
+    def generate(self, prompt: Any, params: SamplingParams | None = None, *, method: str = "duo",
+                 **kwargs: Any) -> Any:
+        request = self.new_request(prompt, params, method=method, **kwargs)
         self.run([request])
         if request.error is not None:
             raise request.exception
@@ -353,7 +360,8 @@ class ParallelExecutor(Executor):
         for r in requests:
             if r not in self._duo:
                 raise SpecwoodError("requests for the parallel executor come from ParallelExecutor.new_request")
-        scheduler = Scheduler(self, max_batch=max(1, len(requests)), max_queue=max(1, len(requests)))
+        n = max(1, len(requests))
+        scheduler = Scheduler(self, SchedulerConfig(max_batch=n, max_queue=n))
         for r in requests:
             scheduler.submit(r)
         scheduler.run_until_done(requests)
@@ -414,6 +422,10 @@ class ParallelExecutor(Executor):
             self._stale -= 1
         payloads, timing = self._remote.expect("drafts", self.reply_timeout, "drafting")
         return payloads, timing
+
+    @property
+    def free_rows(self) -> int | None:
+        return self.cache.free_rows if self.cache is not None else None
 
     def _ensure_cache(self, rows: int, row_len: int) -> None:
         c = self.cache

@@ -6,8 +6,8 @@ root-to-node path (the rest of the tree is forgotten), `rollback` to a shorter p
 llama.cpp backend's LlamaCppModel implements it, and so does TorchRunner over our own runtime.
 
 RunnerExecutor runs a runner for the engine and the server (under the one Scheduler): requests
-one at a time (a runner has one sequence), with the sequential executor's drafting, verification
-and commit.
+one at a time (a runner has one sequence), composing the sequential executor's step
+(`SequentialStep`) with the runner as its rows (`TargetRows`).
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from specwood.drafting.model_source import ModelDraftSource
+from specwood.engine.executor import Executor
 from specwood.engine.request import Request
-from specwood.engine.sequential import SequentialExecutor
+from specwood.engine.sequential import Chunk, SequentialStep, TargetRows
 from specwood.engine.step import StepRecord, advance, tree_row
 from specwood.errors import ContextLengthError
 from specwood.models.batch import forward_rows
@@ -82,24 +83,23 @@ class TorchRunner:
         self.cache.lengths[0] = 0
 
 
-class RunnerExecutor(SequentialExecutor):
-    """The sequential executor's step on a ModelRunner: one request at a time (the others wait),
-    each step one tree forward, the same drafting (draft_trees), verification (verify_requests) and
-    bookkeeping (advance) as the batched step."""
+class RunnerExecutor(Executor, TargetRows):
+    """The sequential step (`SequentialStep`: the same drafting, verification and bookkeeping as the
+    batched one) on a ModelRunner's one sequence: one request at a time (the others wait), its
+    prompt at once, each step one tree forward."""
 
-    def __init__(self, runner: Any) -> None:
+    name = "sequential"
+    records_steps = True
+
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.max_batch = 1
         self.tree_room = 0  # a tree that does not fit next to the context is decoded plainly
         self.row_len = runner.n_ctx
-        self.growable = False
+        self.steps = SequentialStep(self, self)
 
     def draft_source(self, model: Any) -> Any:
         # one request at a time: a torch draft gets a one-row cache of its own
         return ModelDraftSource(model) if isinstance(model, Transformer) else model.new_source()
-
-    def lacks_draft_pool(self, model: Any) -> bool:
-        return False  # no pools: each draft source brings its own one-row cache
 
     def ensure_room(self, needed: int, idle: bool = True) -> None:
         if needed > self.runner.n_ctx:
@@ -116,27 +116,45 @@ class RunnerExecutor(SequentialExecutor):
             req.attach_draft()
         req.row = 0
 
-    def _prefill(self, requests: list[Request]) -> None:
-        """The whole prompt at once (nobody else is decoding), then the draft's."""
+    def step(self, running: list[Request]) -> StepRecord | None:
+        return self.steps.step(running)
+
+    def release(self, req: Request) -> None:
+        req.row = None
+        req.drafter.close()
+
+    # --- the rows of its step (TargetRows): the runner's one sequence ----------------------------
+
+    def prefill_chunks(self, requests: list[Request], decoding: bool) -> list[Chunk]:
+        """Each prompt whole (nobody else is decoding); the draft's first, by its own source."""
+        chunks = []
         for req in requests:
+            n = len(req.prompt_ids)
             try:
-                with torch.inference_mode():
-                    req.prefill_logits = self.runner.prefill(req.prompt_ids)
-                    req.prefilled = len(req.prompt_ids)
-                    if req.uses_draft_model and req.draft_prefilled < len(req.prompt_ids):
-                        req.drafter.source.prefill_part(req.prompt_ids, 0, len(req.prompt_ids))
-                        req.draft_prefilled = len(req.prompt_ids)
+                if req.uses_draft_model and req.draft_prefilled < n:
+                    req.drafter.source.prefill_part(req.prompt_ids, 0, n)
+                    req.draft_prefilled = n
             except Exception as e:  # noqa: BLE001
                 self.fail(req, e)
                 continue
-            self._first_token(req)
+            chunks.append((req, 0, n))
+        return chunks
 
-    def _fits(self, req: Request, tree: TokenTree) -> bool:
+    def prefill(self, chunks: list[Chunk]) -> None:
+        for req, _, end in chunks:
+            try:
+                req.prefill_logits = self.runner.prefill(req.prompt_ids)
+                req.prefilled = end
+            except Exception as e:  # noqa: BLE001
+                self.fail(req, e)
+
+    def fits(self, req: Request, tree: TokenTree) -> bool:
         return self.runner.n_past + len(tree) <= self.runner.n_ctx
 
-    def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
+    def forward(self, live: list[Request], trees: dict[Request, TokenTree], failed: dict[Request, BaseException],
+                chunks: list[Chunk]) -> list[torch.Tensor | None]:
         outs: list[torch.Tensor | None] = []
-        for req in live:
+        for req in live:  # (no chunks ride: a newcomer waits until the request before it ends)
             try:
                 outs.append(self.runner.forward_tree(trees[req]))
             except Exception as e:  # noqa: BLE001
@@ -144,10 +162,6 @@ class RunnerExecutor(SequentialExecutor):
                 outs.append(None)
         return outs
 
-    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
+    def commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
         self.runner.commit([0] + verdict.accepted)
         return advance(req, tree, verdict, cost, forced)
-
-    def release(self, req: Request) -> None:
-        req.row = None
-        req.drafter.close()

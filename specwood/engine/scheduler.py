@@ -16,40 +16,31 @@ import threading
 import time
 from typing import Any, Callable
 
+from specwood.engine.config import TREE_ROOM, SchedulerConfig
 from specwood.engine.executor import Executor, QueueFullError
 from specwood.engine.output import GenerationResult
 from specwood.engine.request import Request, State
-from specwood.engine.sequential import TREE_ROOM, SequentialExecutor
 from specwood.engine.step import StepRecord
 from specwood.errors import DeadlineExceeded, SpecwoodError
-from specwood.models.transformer import Transformer
+from specwood.sampling import SamplingParams
 
 RECOVERY_POLL_S = 1.0  # how often an idle loop looks at its executor's workers
 
-__all__ = ["QueueFullError", "Scheduler", "TREE_ROOM"]
+__all__ = ["QueueFullError", "Scheduler", "SchedulerConfig", "TREE_ROOM"]
 
 
 class Scheduler:
-    """Requests' lifecycle on one executor. `Scheduler(target, ...)` builds the sequential
-    executor on `target` (its options: row_len, prefill_chunk_tokens, growable, tree_room,
-    cuda_graphs, drafts); `Scheduler(executor)` drives any other. The executor's own parts (a
-    sequential executor's cache and pools) read through the scheduler."""
+    """Requests' lifecycle on one executor: `config` gives its batch, queue and request timeout
+    (the executor was built from the same config: `Engine.make_scheduler`). What the executor
+    holds (a sequential executor's cache and pools) is the executor's: `scheduler.executor`."""
 
-    def __init__(self, executor: Executor | Transformer, *, max_batch: int = 8, max_queue: int = 64,
-                 request_timeout_s: float | None = None, **sequential_options: Any):
-        if max_batch < 1:
-            raise SpecwoodError(f"max_batch must be >= 1, got {max_batch}")
-        if not isinstance(executor, Executor):
-            executor = SequentialExecutor(executor, max_batch=max_batch, **sequential_options)
-        elif sequential_options:
-            raise TypeError(f"options {sorted(sequential_options)} are the sequential executor's")
+    def __init__(self, executor: Executor, config: SchedulerConfig = SchedulerConfig()):
         self.executor = executor
+        self.config = config
         executor.bind(self._finish, self._fail)
-        self.max_batch = max_batch
-        self.max_queue = max_queue
-        if request_timeout_s is not None and not request_timeout_s > 0:
-            raise SpecwoodError(f"the request timeout must be > 0 seconds, got {request_timeout_s}")
-        self.request_timeout_s = request_timeout_s  # every request's deadline unless submit names one
+        self.max_batch = config.max_batch
+        self.max_queue = config.max_queue
+        self.request_timeout_s = config.request_timeout_s  # every request's deadline unless submit names one
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.observers: list[Callable[[StepRecord], None]] = []
@@ -63,12 +54,6 @@ class Scheduler:
         self._held: list[Request] | None = None
         self._stepping_thread: int | None = None
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []  # run_on_loop's
-
-    def __getattr__(self, name: str) -> Any:
-        executor = self.__dict__.get("executor")
-        if executor is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(executor, name)
 
     # --- what the executor holds ----------------------------------------------------------------
 
@@ -120,13 +105,19 @@ class Scheduler:
                 call.set_exception(e)
 
     @property
+    def loop_died(self) -> bool:
+        """Whether the thread that stepped it ended without `stop()` (/health answers 503)."""
+        thread = self._thread
+        return thread is not None and not thread.is_alive()
+
+    @property
     def failure(self) -> str | None:
         """Why the executor is down for good, or None while it serves (the server's /health)."""
         return self.executor.failure
 
-    def make_request(self, engine: Any, prompt: Any, **kwargs: Any) -> Request:
+    def make_request(self, engine: Any, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> Request:
         """A request for this scheduler's executor (Engine.new_request's arguments)."""
-        return self.executor.make_request(engine, prompt, scheduler=self, **kwargs)
+        return self.executor.make_request(engine, prompt, params, scheduler=self, **kwargs)
 
     # --- queue counts ---------------------------------------------------------------------------
 

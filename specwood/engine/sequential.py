@@ -1,21 +1,29 @@
 """The sequential executor: continuous batching in this process; every step advances all running
 requests with one target forward.
 
-It owns the KV cache pools (one for the target, one per draft model), allocated once with
-`max_batch` rows. A request joins at the next step: its prompt is prefilled in chunks,
-interleaved with the running requests' decode steps, so a long newcomer stalls them for one
-chunk at a time, not for its whole prompt (`prefill_share`); the chunks ride in the decode
-step's target forward (one pass over the weights for both). The request's lifecycle (queue,
-admission, cancellation, its end) is the Scheduler's (specwood.engine.scheduler).
+The step itself (`SequentialStep`: prefill, first token, draft, one target forward, verify, commit)
+runs over a small interface to where the target's K/V rows live (`TargetRows`): the
+`SequentialExecutor`'s KV cache pools here, or a one-sequence runner (the llama.cpp backend:
+specwood.engine.runner.RunnerExecutor), each composing the same step.
+
+`SequentialExecutor` owns the KV cache pools (one for the target, one per draft model) of
+`max_batch` rows, configured once (specwood.engine.config.SchedulerConfig). A request joins at the
+next step: its prompt is prefilled in chunks, interleaved with the running requests' decode steps,
+so a long newcomer stalls them for one chunk at a time, not for its whole prompt
+(`prefill_share`); the chunks ride in the decode step's target forward (one pass over the weights
+for both). The request's lifecycle (queue, admission, cancellation, its end) is the Scheduler's
+(specwood.engine.scheduler).
 """
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 
 from specwood.drafting.model_source import ModelDraftSource
+from specwood.engine.config import AUTO, BASE_ROW_LEN, STATIC_ROW_LEN, TREE_ROOM, SchedulerConfig, default_kv_memory
 from specwood.engine.executor import Executor
 from specwood.engine.output import GenerationResult
 from specwood.engine.prefix_reuse import PrefixReuse
@@ -32,37 +40,153 @@ from specwood.models.transformer import Transformer
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
 
-TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
-BASE_ROW_LEN = 4096 + TREE_ROOM  # rows under a KV budget start at this length (or the budget's cap)
+__all__ = ["BASE_ROW_LEN", "TREE_ROOM", "SequentialExecutor", "SequentialStep", "TargetRows", "budget_row_cap"]
+
 GROW_AHEAD = 512  # a row grown for a newcomer also holds this many of its new tokens
 
 
-class SequentialExecutor(Executor):
-    """Batched steps in this process: `max_batch` cache rows, continuous batching (see the module)."""
+Chunk = tuple[Request, int, int]  # a prompt's tokens [start, end) of one request
+
+
+class TargetRows(ABC):
+    """What `SequentialStep` needs from where the target's K/V rows live: the prompt chunks of a
+    step, the target's forwards over them and over each request's tree, and the commit of what was
+    accepted. A request that fails in one of them fails alone (its executor's `fail`)."""
+
+    @abstractmethod
+    def prefill_chunks(self, requests: list[Request], decoding: bool) -> list[Chunk]:
+        """Split the newcomers' prompts into this step's chunks (`decoding`: others decode in it),
+        run the draft models' side of them, and return the target's."""
+
+    @abstractmethod
+    def prefill(self, chunks: list[Chunk]) -> None:
+        """The target's forward over prompt chunks alone (nobody decodes); a prompt's last chunk
+        leaves its last token's logits in `req.prefill_logits`."""
+
+    @abstractmethod
+    def fits(self, req: Request, tree: TokenTree) -> bool:
+        """Whether `tree` fits beside the request's context (else the step decodes it plainly)."""
+
+    @abstractmethod
+    def forward(self, live: list[Request], trees: dict[Request, TokenTree], failed: dict[Request, BaseException],
+                chunks: list[Chunk]) -> list[torch.Tensor | None]:
+        """The target's logits after every node of each live request's tree (None for one that
+        failed, noted in `failed`), with the newcomers' prompt `chunks` riding in the same forward."""
+
+    @abstractmethod
+    def commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
+        """Keep the accepted path's K/V as committed context; the tokens the step emits."""
+
+
+class SequentialStep:
+    """One step of the sequential executor over `rows`: the newcomers' prompt chunks, the first
+    token of each prompt done, one decode step (draft, one target forward, verify, commit) for
+    the others. Each request that ends goes through `executor.finish` / `executor.fail`."""
+
+    def __init__(self, rows: TargetRows, executor: Executor):
+        self.rows = rows
+        self.executor = executor
+
+    def step(self, running: list[Request]) -> StepRecord | None:
+        """Prefill a chunk of the newcomers' prompts and decode one step of the others (the
+        chunks ride in its target forward); a prefill-only step when nobody decodes."""
+        decoding = [r for r in running if r.state is State.DECODE]
+        prefilling = [r for r in running if r.state is State.PREFILL]
+        if prefilling and not decoding:
+            self._prefill(prefilling)
+            return None
+        return self._decode(decoding, prefilling) if decoding else None
+
+    def _prefill(self, requests: list[Request]) -> None:
+        """Advance the newcomers' prompts by their share in a step with nobody decoding: one
+        forward per model for all the chunks."""
+        with torch.inference_mode():
+            self.rows.prefill(self.rows.prefill_chunks(requests, decoding=False))
+            self._first_tokens(requests)
+
+    def _first_tokens(self, requests: list[Request]) -> None:
+        for req in requests:
+            n = len(req.prompt_ids)
+            draft_done = req.draft_prefilled >= n or not req.uses_draft_model
+            if req.state is State.PREFILL and req.prefilled >= n and draft_done:
+                self._first_token(req)
+
+    def _first_token(self, req: Request) -> None:
+        try:
+            req.root = first_token(req, req.prefill_logits)
+            del req.prefill_logits
+            req.state = State.DECODE
+            if req.out.push_step([req.root]):
+                self.executor.finish(req)
+        except Exception as e:  # noqa: BLE001
+            self.executor.fail(req, e)
+
+    def _decode(self, batch: list[Request], newcomers: list[Request] = ()) -> StepRecord:
+        """One decode step of `batch`; the newcomers' prefill chunks ride in its target forward."""
+        rows = self.rows
+        failed: dict[Request, BaseException] = {}
+        with torch.inference_mode():
+            chunks = rows.prefill_chunks(newcomers, decoding=True) if newcomers else []
+            riding = sum(b - a for _, a, b in chunks)
+            t0 = time.perf_counter()
+            trees, forced = draft_trees(batch, len(batch), failed, riding)
+            for req, tree in trees.items():  # no room to speculate: a plain step
+                if not rows.fits(req, tree):
+                    trees[req] = plain_tree(req)
+                    forced.pop(req, None)
+            live = [r for r in batch if r in trees]
+            t1 = time.perf_counter()
+            outs = rows.forward(live, trees, failed, chunks)
+            t2 = time.perf_counter()
+            self._first_tokens(newcomers)
+            record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1,
+                                drafting=sum(len(trees[r]) > 1 for r in live),
+                                prefill_tokens=riding)
+            done = [(req, logits) for req, logits in zip(live, outs) if logits is not None]
+            verdicts = verify_requests([r for r, _ in done], [trees[r] for r, _ in done], [lg for _, lg in done])
+            for (req, _), verdict in zip(done, verdicts):
+                tree = trees[req]
+                try:
+                    if isinstance(verdict, Exception):
+                        raise verdict
+                    tokens = rows.commit(req, tree, verdict, record, forced.get(req, 0))
+                    record.drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
+                    if req.out.push_step(tokens):
+                        self.executor.finish(req)
+                except Exception as e:  # noqa: BLE001
+                    failed[req] = e
+        for req, e in failed.items():
+            self.executor.fail(req, e)
+        return record
+
+
+class SequentialExecutor(Executor, TargetRows):
+    """Batched steps in this process: `config.max_batch` cache rows per pool, continuous batching
+    (see the module); its pools are the rows of its `SequentialStep`."""
 
     name = "sequential"
     records_steps = True
     reuse: PrefixReuse | None = None  # prefix reuse across requests (specwood.engine.prefix_reuse)
-    kv_budget: int | None = None  # bytes for the rows and the prefix cache (None: static rows)
 
-    def __init__(self, target: Transformer, *, max_batch: int = 8, row_len: int | None = None,
-                 prefill_chunk_tokens: int = 64, growable: bool = False, tree_room: int = TREE_ROOM,
-                 cuda_graphs: bool | None = None, drafts: tuple[Any, ...] = (),
-                 prefix_cache: PrefixCache | None = None, kv_budget: int | None = None,
-                 base_row_len: int = BASE_ROW_LEN):
-        if max_batch < 1:
-            raise SpecwoodError(f"max_batch must be >= 1, got {max_batch}")
+    def __init__(self, target: Transformer, config: SchedulerConfig = SchedulerConfig(),
+                 drafts: tuple[Any, ...] = ()):
+        """`drafts`: the draft models whose pools are made now (others get theirs on first use).
+        Under `config.kv_memory` ("auto": DEFAULT_SHARE of the memory available now) rows start
+        short and grow up to what the budget holds."""
+        max_batch, tree_room, row_len = config.max_batch, config.tree_room, config.row_len
+        kv_budget = default_kv_memory(target.device) if config.kv_memory == AUTO else config.kv_memory
         row_cap = None
         if kv_budget is not None:  # rows start short and grow on demand up to what the budget holds
             row_cap = budget_row_cap(target, drafts, max_batch, kv_budget, tree_room, row_len)
-            row_len = min(row_cap, base_row_len)
+            row_len = min(row_cap, config.base_row_len)
+        self.config = config
         self.max_batch = max_batch
         self.target = target
-        self.cuda_graphs = cuda_graphs_wanted() if cuda_graphs is None else cuda_graphs
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.growable = growable  # a private scheduler may re-allocate its pools while idle
+        self.cuda_graphs = cuda_graphs_wanted() if config.cuda_graphs is None else config.cuda_graphs
+        self.prefill_chunk_tokens = config.prefill_chunk_tokens
+        self.growable = config.growable  # a private scheduler may re-allocate its pools while idle
         self.tree_room = tree_room  # slots a row keeps beyond prompt + new tokens for a tree
-        self.row_len = row_len or min(target.max_positions + tree_room, 4096)
+        self.row_len = row_len or min(target.max_positions + tree_room, STATIC_ROW_LEN)
         self.cache = self._pool(target)
         # The draft models' pools are allocated here, on the thread that builds the scheduler (the
         # one that steps it, in a server), not on first use by a request: a large torch op on any
@@ -71,14 +195,24 @@ class SequentialExecutor(Executor):
         self._draft_pools: dict[int, tuple[Transformer, KVCache]] = {
             id(m): (m, self._pool(m)) for m in drafts if isinstance(m, Transformer)}
         # finished requests' committed K/V, and running ones' prefixes, for newcomers to start from
-        self.reuse = PrefixReuse(prefix_cache) if prefix_cache is not None else None
+        if config.reuse:
+            self.reuse = PrefixReuse(PrefixCache(kv_budget if kv_budget is not None else config.prefix_bytes))
         # under a KV budget: rows start short and grow (all together: one tensor) to the longest
         # request running, up to `_row_cap`; the prefix cache holds what the rows leave
         self.kv_budget = kv_budget
         self._row_cap = row_cap or self.row_len
-        self._base_row_len = min(self._row_cap, base_row_len)
+        self._base_row_len = min(self._row_cap, config.base_row_len)
         if kv_budget is not None and self.reuse is not None:
             self.reuse.cache.set_budget(kv_budget - self.rows_bytes())
+        self.steps = SequentialStep(self, self)
+
+    @property
+    def free_rows(self) -> int:
+        return self.cache.free_rows
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.reuse.cache if self.reuse is not None else None
 
     # --- rows under a KV budget -----------------------------------------------------------------
 
@@ -210,16 +344,9 @@ class SequentialExecutor(Executor):
     # --- the step -----------------------------------------------------------------------------
 
     def step(self, running: list[Request]) -> StepRecord | None:
-        """Prefill a chunk of the newcomers' prompts and decode one step of the others (the
-        chunks ride in its target forward); a prefill-only step when nobody decodes."""
         if self.kv_budget is not None:  # every row holds its context and a whole tree
             self._fit_rows(max(len(r.context) + 1 + self.tree_room for r in running), idle=False)
-        decoding = [r for r in running if r.state is State.DECODE]
-        prefilling = [r for r in running if r.state is State.PREFILL]
-        if prefilling and not decoding:
-            self._prefill(prefilling)
-            return None
-        return self._decode(decoding, prefilling) if decoding else None
+        return self.steps.step(running)
 
     def prefill_share(self, newcomers: int, decoding: bool) -> tuple[int, int]:
         """(tokens each newcomer's prompt advances this step, tokens in all), per model.
@@ -235,15 +362,12 @@ class SequentialExecutor(Executor):
             each = max(each, PREFILL_CHUNK // max(1, newcomers))
         return each, max(PREFILL_CHUNK, each)
 
-    def _prefill(self, requests: list[Request]) -> None:
-        """Advance the newcomers' prompts by their share (`prefill_share`) in a step with nobody
-        decoding: one forward per model for all the chunks."""
-        with torch.inference_mode():
-            target_chunks = self._draft_prefill(requests, decoding=False)
-            self._prefill_forward(self.target, self.cache, target_chunks, draft=False)
-            self._first_tokens(requests)
+    # --- the rows of its step (TargetRows) --------------------------------------------------------
 
-    def _draft_prefill(self, requests: list[Request], decoding: bool) -> list[tuple[Request, int, int]]:
+    def prefill(self, chunks: list[Chunk]) -> None:
+        self._prefill_forward(self.target, self.cache, chunks, draft=False)
+
+    def prefill_chunks(self, requests: list[Request], decoding: bool) -> list[Chunk]:
         """Split the step's prefill into chunks (request, start, end) per model, the target's and
         the draft's side by side (the draft's prefill is part of the time to first token); run
         the draft models' chunks (one forward per draft pool) and return the target's."""
@@ -274,13 +398,6 @@ class SequentialExecutor(Executor):
             src = chunks[0][0].drafter.source
             self._prefill_forward(src.model, src.cache, chunks, draft=True)
         return [c for c in target_chunks if c[0].state is State.PREFILL]  # not failed in its draft chunk
-
-    def _first_tokens(self, requests: list[Request]) -> None:
-        for req in requests:
-            n = len(req.prompt_ids)
-            draft_done = req.draft_prefilled >= n or not req.uses_draft_model
-            if req.state is State.PREFILL and req.prefilled >= n and draft_done:
-                self._first_token(req)
 
     def _prefill_own_source(self, req: Request, start: int, end: int) -> None:
         """A draft source that runs its own model (llama.cpp) takes its prompt chunk itself."""
@@ -327,58 +444,11 @@ class SequentialExecutor(Executor):
                 if end == len(req.prompt_ids):
                     req.prefill_logits = row_logits
 
-    def _first_token(self, req: Request) -> None:
-        try:
-            req.root = first_token(req, req.prefill_logits)
-            del req.prefill_logits
-            req.state = State.DECODE
-            if req.out.push_step([req.root]):
-                self.finish(req)
-        except Exception as e:  # noqa: BLE001
-            self.fail(req, e)
-
-    def _decode(self, batch: list[Request], newcomers: list[Request] = ()) -> StepRecord:
-        """One decode step of `batch`; the newcomers' prefill chunks ride in its target forward."""
-        failed: dict[Request, BaseException] = {}
-        with torch.inference_mode():
-            chunks = self._draft_prefill(newcomers, decoding=True) if newcomers else []
-            riding = sum(b - a for _, a, b in chunks)
-            t0 = time.perf_counter()
-            trees, forced = draft_trees(batch, len(batch), failed, riding)
-            for req, tree in trees.items():  # no room to speculate: a plain step
-                if not self._fits(req, tree):
-                    trees[req] = plain_tree(req)
-                    forced.pop(req, None)
-            live = [r for r in batch if r in trees]
-            t1 = time.perf_counter()
-            outs = self._forward_with_prefill(live, trees, failed, chunks)
-            t2 = time.perf_counter()
-            self._first_tokens(newcomers)
-            record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1,
-                                drafting=sum(len(trees[r]) > 1 for r in live),
-                                prefill_tokens=riding)
-            done = [(req, logits) for req, logits in zip(live, outs) if logits is not None]
-            verdicts = verify_requests([r for r, _ in done], [trees[r] for r, _ in done], [lg for _, lg in done])
-            for (req, _), verdict in zip(done, verdicts):
-                tree = trees[req]
-                try:
-                    if isinstance(verdict, Exception):
-                        raise verdict
-                    tokens = self._commit(req, tree, verdict, record, forced.get(req, 0))
-                    record.drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
-                    if req.out.push_step(tokens):
-                        self.finish(req)
-                except Exception as e:  # noqa: BLE001
-                    failed[req] = e
-        for req, e in failed.items():
-            self.fail(req, e)
-        return record
-
-    def _fits(self, req: Request, tree: TokenTree) -> bool:
+    def fits(self, req: Request, tree: TokenTree) -> bool:
         L = self.cache.lengths[req.row]
         return L + tree.max_depth < self.target.max_positions and L + len(tree) <= self.cache.max_len
 
-    def _commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
+    def commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
         return commit(self.cache, req, tree, verdict, cost, forced)
 
     def _forward(self, live: list[Request], trees, failed) -> list[torch.Tensor | None]:
@@ -399,8 +469,8 @@ class SequentialExecutor(Executor):
                 outs.append(None)
         return outs
 
-    def _forward_with_prefill(self, live: list[Request], trees, failed,
-                              chunks: list[tuple[Request, int, int]]) -> list[torch.Tensor | None]:
+    def forward(self, live: list[Request], trees: dict[Request, TokenTree], failed: dict[Request, BaseException],
+                chunks: list[Chunk]) -> list[torch.Tensor | None]:
         """The step's target forward with the newcomers' prefill chunks packed in: the weights
         are read once for both. If it raises, each part runs again on its own to find the
         request at fault (whatever it wrote to the cache is rewritten)."""

@@ -16,12 +16,14 @@ dequantised, q/k in the Hugging Face "rotate-half" RoPE layout):
     norm.weight                                [dim]
     output.weight                              [V, dim]       (absent when tie_embeddings)
 
-and what an architecture adds to the Llama layer (optional_layer_weights):
+and what an architecture adds to the Llama layer's norms, or takes away (layer_norm_weights):
 
-    layers.{i}.attention.q_norm.weight         [hd]   (qk_norm: Qwen3, Gemma 3)
-    layers.{i}.attention.k_norm.weight         [hd]
-    layers.{i}.attention_post_norm.weight      [dim]  (sandwich_norms: Gemma 3)
+    layers.{i}.attention.q_norm.weight         [hd]   (qk_norm: Qwen3, Gemma 3; [n_heads*hd] with
+    layers.{i}.attention.k_norm.weight         [hd]    qk_norm_whole, OLMo 2: [n_kv*hd])
+    layers.{i}.attention_post_norm.weight      [dim]  (sandwich_norms: Gemma 3, OLMo 2)
     layers.{i}.ffn_post_norm.weight            [dim]
+
+(OLMo 2 has no attention_norm and ffn_norm: pre_norms False.)
 
 and in a Mixture-of-Experts layer (n_experts: Qwen3-MoE), in place of the feed_forward weights:
 
@@ -39,6 +41,7 @@ the non-layer tensors are always returned.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,9 +57,12 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (c.vocab_size, c.dim), "norm.weight": (c.dim,)}
     if not c.tie_embeddings:
         shapes["output.weight"] = (c.vocab_size, c.dim)
+    norms = layer_norm_weights(c)
     for i in (range(c.n_layers) if layers is None else layers):
         p = f"layers.{i}."
-        shapes[p + "attention_norm.weight"] = (c.dim,)
+        # the input norms first in their places (the order random_state_dict draws tensors in)
+        if c.pre_norms:
+            shapes[p + "attention_norm.weight"] = (c.dim,)
         shapes[p + "attention.wq.weight"] = (q, c.dim)
         shapes[p + "attention.wk.weight"] = (kv, c.dim)
         shapes[p + "attention.wv.weight"] = (kv, c.dim)
@@ -65,7 +71,8 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
             shapes[p + "attention.wq.bias"] = (q,)
             shapes[p + "attention.wk.bias"] = (kv,)
             shapes[p + "attention.wv.bias"] = (kv,)
-        shapes[p + "ffn_norm.weight"] = (c.dim,)
+        if c.pre_norms:
+            shapes[p + "ffn_norm.weight"] = (c.dim,)
         if c.n_experts:
             e, inter = c.n_experts, c.moe_intermediate_size
             shapes[p + "feed_forward.router.weight"] = (e, c.dim)
@@ -76,16 +83,25 @@ def canonical_shapes(config: ModelConfig, layers: range | None = None) -> dict[s
             shapes[p + "feed_forward.w1.weight"] = (c.intermediate_size, c.dim)
             shapes[p + "feed_forward.w3.weight"] = (c.intermediate_size, c.dim)
             shapes[p + "feed_forward.w2.weight"] = (c.dim, c.intermediate_size)
-        for name in optional_layer_weights(c):
-            shapes[p + name] = (c.head_dim,) if name.startswith("attention.") else (c.dim,)
+        for name, shape in norms.items():
+            shapes[p + name] = shape
     return shapes
 
 
-def optional_layer_weights(config: ModelConfig) -> list[str]:
-    """The canonical layer weights (after `layers.{i}.`) beyond the Llama layer's that the config's
-    architecture has: its q/k norms and sandwich norms."""
-    names = ["attention.q_norm.weight", "attention.k_norm.weight"] if config.qk_norm else []
-    return names + (["attention_post_norm.weight", "ffn_post_norm.weight"] if config.sandwich_norms else [])
+def layer_norm_weights(config: ModelConfig) -> dict[str, tuple[int]]:
+    """The canonical norm weights of a layer (after `layers.{i}.`) the config's architecture has,
+    with their shapes: the input norms of attention and MLP (not OLMo 2's), q/k norms, the
+    norms of their outputs."""
+    c, names = config, {}
+    if c.pre_norms:
+        names.update({"attention_norm.weight": (c.dim,), "ffn_norm.weight": (c.dim,)})
+    if c.qk_norm:
+        whole = c.qk_norm_whole
+        names.update({"attention.q_norm.weight": (c.n_heads * c.head_dim if whole else c.head_dim,),
+                      "attention.k_norm.weight": (c.n_kv_heads * c.head_dim if whole else c.head_dim,)})
+    if c.sandwich_norms:
+        names.update({"attention_post_norm.weight": (c.dim,), "ffn_post_norm.weight": (c.dim,)})
+    return names
 
 
 def split_fused(config: ModelConfig, sd: dict[str, Any]) -> None:
@@ -111,9 +127,12 @@ def split_fused(config: ModelConfig, sd: dict[str, Any]) -> None:
             start += rows
 
 
-def stack_experts(config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
+def stack_experts(config: ModelConfig, sd: dict[str, torch.Tensor], source: str | os.PathLike[str] = "",
+                  file_name: Callable[[str], str] | None = None) -> None:
     """Stack, in place, one tensor per expert (`feed_forward.experts.{e}.w1.weight`, as Hugging
-    Face checkpoints store them) into the canonical [E, ...] tensor of each layer."""
+    Face checkpoints store them) into the canonical [E, ...] tensor of each layer. An expert
+    missing or beyond the config's count is one line naming its tensor as the file does."""
+    show = file_name or (lambda name: name)
     singles: dict[str, dict[int, torch.Tensor]] = {}
     for name in [n for n in sd if ".feed_forward.experts." in n]:
         head, rest = name.split(".feed_forward.experts.", 1)
@@ -122,9 +141,13 @@ def stack_experts(config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
             singles.setdefault(f"{head}.feed_forward.experts.{part}", {})[int(expert)] = sd.pop(name)
     for name, experts in singles.items():
         if sorted(experts) != list(range(config.n_experts)):
+            head, part = name.split(".feed_forward.experts.", 1)
             missing = sorted(set(range(config.n_experts)) - set(experts))
-            raise ModelFileError(f"{name}: the checkpoint has experts {min(experts)}..{max(experts)} "
-                                 f"(missing {missing[:3]}), the config says {config.n_experts}")
+            odd = missing[0] if missing else min(set(experts) - set(range(config.n_experts)))
+            what = "is missing" if missing else "is an expert too many"
+            raise ModelFileError(f"{source}: tensor {show(f'{head}.feed_forward.experts.{odd}.{part}')} {what}: the "
+                                 f"config says {config.n_experts} experts, the checkpoint has {len(experts)} "
+                                 f"(numbered {min(experts)}..{max(experts)})")
         sd[name] = torch.stack([experts[e] for e in range(config.n_experts)])
 
 
@@ -146,11 +169,14 @@ def layer_index(canonical_name: str) -> int | None:
 
 
 def validate_state_dict(
-    config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str], layers: range | None = None
+    config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str],
+    layers: range | None = None, file_name: Callable[[str], str] | None = None,
 ) -> None:
-    """Raise ModelFileError if a tensor the config needs is missing or has the wrong shape."""
+    """Raise ModelFileError if a tensor the config needs is missing or has the wrong shape; the
+    message names it as the file does (`file_name`: canonical name -> the file's; default: as is)."""
+    show = file_name or (lambda name: name)
     expected = canonical_shapes(config, layers)
-    missing = [k for k in expected if k not in state_dict]
+    missing = list(dict.fromkeys(show(k) for k in expected if k not in state_dict))  # fused parts: one file tensor
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelFileError(
@@ -160,6 +186,6 @@ def validate_state_dict(
     for name, shape in expected.items():
         if tuple(state_dict[name].shape) != shape:
             raise ModelFileError(
-                f"{source}: tensor {name} has shape {tuple(state_dict[name].shape)}, the model config implies "
+                f"{source}: tensor {show(name)} has shape {tuple(state_dict[name].shape)}, the model config implies "
                 f"{shape}; the file's metadata does not match its weights (corrupt or unsupported variant)"
             )

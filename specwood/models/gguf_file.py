@@ -34,7 +34,7 @@ _NP_DTYPE = {
 }
 
 # llama.cpp's converter interleaves q/k rows (Meta's original RoPE layout) for these archs only.
-_PERMUTED_QK_ARCHS = ("llama", "mistral")
+_PERMUTED_QK_ARCHS = ("llama", "mistral", "granite", "smollm3")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "attention_norm.weight",
@@ -88,6 +88,28 @@ def canonical_name(gguf_name: str, arch: str = "llama") -> str | None:
         if rest in _LAYER_NAMES and idx.isdigit():
             return f"layers.{idx}.{_LAYER_NAMES[rest]}"
     return None
+
+
+_FILE_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+_FILE_GLOBAL_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
+# what a fused architecture's file holds a canonical part in
+_FUSED_PARTS = {"attention.wq.weight": "attn_qkv.weight", "attention.wk.weight": "attn_qkv.weight",
+                "attention.wv.weight": "attn_qkv.weight", "feed_forward.w1.weight": "ffn_up.weight",
+                "feed_forward.w3.weight": "ffn_up.weight", "feed_forward.w13.weight": "ffn_up.weight"}
+
+
+def gguf_name(canonical: str, arch: str = "llama") -> str:
+    """Canonical name -> the GGUF tensor (llama.cpp's name) that holds it, for messages: Phi-3's
+    q, k, v and gate, up live in its fused tensors. A name with no GGUF counterpart stays as is."""
+    if canonical in _FILE_GLOBAL_NAMES:
+        return _FILE_GLOBAL_NAMES[canonical]
+    if canonical.startswith("layers."):
+        _, idx, rest = canonical.split(".", 2)
+        if arch in _FUSED_FFN_ARCHS and rest in _FUSED_PARTS:
+            return f"blk.{idx}.{_FUSED_PARTS[rest]}"
+        if rest in _FILE_LAYER_NAMES:
+            return f"blk.{idx}.{_FILE_LAYER_NAMES[rest]}"
+    return canonical
 
 
 @dataclass
@@ -250,7 +272,8 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     if arch not in SUPPORTED_ARCHS:
         raise ModelFileError(
             f"{path}: unsupported GGUF architecture {_show(arch)} (specwood runs {', '.join(SUPPORTED_ARCHS)}); "
-            "use a Llama, SmolLM2, Qwen2/Qwen2.5, Mistral, Qwen3, Qwen3-MoE, Gemma 3 or Phi-3 GGUF"
+            "use a Llama, SmolLM2, Qwen2/Qwen2.5, Mistral, Qwen3, Qwen3-MoE, Gemma 3, Phi-3, Granite 3, OLMo 2 or "
+            "SmolLM3 GGUF"
         )
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
@@ -344,10 +367,14 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
         if v is not None and int(v) not in eos_ids:
             eos_ids.append(int(v))
     bos = md.get("tokenizer.ggml.bos_token_id")
-    window = get("attention.sliding_window")
-    pattern = md.get(f"{arch}.attention.sliding_window_pattern")  # a period, or per layer: sliding or not
-    arch_fields = _gemma3_fields(arch, get, pattern, n_layers, head_dim or dim // n_heads, dim, n_heads, path) \
-        if arch == "gemma3" else {}
+    window = count("attention.sliding_window", None, low=0) or None
+    layer_types = _layer_types(arch, md.get(f"{arch}.attention.sliding_window_pattern"), window, n_layers, path)
+    arch_fields = _gemma3_fields(get, real, n_layers, head_dim or dim // n_heads, dim, n_heads) \
+        if arch == "gemma3" else _granite_fields(real) if arch == "granite" else {}
+    if arch == "olmo2":  # norms on the sublayers' outputs only, q and k each normed as a whole
+        arch_fields = dict(pre_norms=False, sandwich_norms=True, qk_norm_whole=True)
+    if arch == "smollm3":  # llama.cpp skips RoPE on every 4th layer (no key says so; SmolLM3's own default)
+        arch_fields = dict(nope_layers=[i for i in range(n_layers) if (i + 1) % 4 == 0])
 
     try:
         return ModelConfig(
@@ -365,8 +392,9 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
             max_position_embeddings=count("context_length", 4096, high=1 << 24),
             tie_embeddings="output.weight" not in tensors,
             qkv_bias="blk.0.attn_q.bias" in tensors,
-            sliding_window=int(window) if window else None,
-            qk_norm="blk.0.attn_q_norm.weight" in tensors or arch in ("qwen3", "gemma3", "qwen3moe"),
+            sliding_window=window,
+            layer_types=layer_types,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors or arch in ("qwen3", "gemma3", "qwen3moe", "olmo2"),
             **arch_fields,
             **moe,
             bos_token_id=int(bos) if bos is not None else None,
@@ -377,26 +405,48 @@ def config_from_gguf(header: GGUFHeader) -> ModelConfig:
         raise ModelFileError(f"{path}: {e}") from None
 
 
-def _gemma3_fields(arch: str, get: Any, pattern: Any, n_layers: int, head_dim: int, dim: int, n_heads: int,
-                   path: Path) -> dict[str, Any]:
-    """What a Gemma 3 GGUF says (or llama.cpp assumes) beyond the Llama fields: every 6th layer
-    global unless `sliding_window_pattern` says otherwise (a period, or a per-layer array),
-    sliding layers on their own RoPE base (`rope.freq_base_swa`, 10000 by default), Gemma's
-    sandwich norms, GELU-tanh MLP, sqrt(dim) embedding scale, and q.k scaled by 1/sqrt(head_dim)
-    (1/sqrt(dim / heads) for the 62-layer 27B, whose query_pre_attn_scalar llama.cpp hard-codes)."""
-    window = get("attention.sliding_window")
+def _layer_types(arch: str, pattern: Any, window: int | None, n_layers: int, path: Path) -> list[str] | None:
+    """Which layers slide, from `{arch}.attention.sliding_window_pattern` (llama.cpp's key for
+    every architecture): per layer, sliding or not, or a period (every n-th layer global). Without
+    it a window applies to every layer, except Gemma 3's default period of 6 (llama.cpp's)."""
     if not window:
-        types = None
-    elif isinstance(pattern, np.ndarray):
-        if len(pattern) != n_layers:
-            raise ModelFileError(f"{path}: {arch}.attention.sliding_window_pattern names {len(pattern)} layers, "
-                                 f"the file has {n_layers}")
-        types = [SLIDING_ATTENTION if swa else FULL_ATTENTION for swa in pattern.tolist()]
-    else:
-        types = sliding_types(n_layers, int(pattern or 6))
+        return None
+    key = f"{arch}.attention.sliding_window_pattern"
+    if isinstance(pattern, np.ndarray):
+        if len(pattern) != n_layers or pattern.dtype.kind not in "biu":
+            raise ModelFileError(f"{path}: {key} is {_show(pattern.tolist())}, not one sliding flag for each of "
+                                 f"the file's {n_layers} layers; {_TRUNCATED_FIX}")
+        return [SLIDING_ATTENTION if swa else FULL_ATTENTION for swa in pattern.tolist()]
+    if pattern is None and arch != "gemma3":
+        return None
+    if pattern is not None and (isinstance(pattern, (bool, str, bytes)) or not float(pattern).is_integer()
+                                or pattern < 0):
+        raise ModelFileError(f"{path}: {key} is {_show(pattern)}, neither a period (a whole number) nor a flag per "
+                             f"layer; {_TRUNCATED_FIX}")
+    return sliding_types(n_layers, int(pattern or 6))
+
+
+def _granite_fields(real: Any) -> dict[str, Any]:
+    """Granite's multipliers, under the keys llama.cpp's converter writes them; one that is absent
+    or 1 is left out (no operation), as llama.cpp's graph skips it."""
+    fields = {}
+    for key, field in (("embedding_scale", "embed_scale"), ("attention.scale", "attention_scale"),
+                       ("residual_scale", "residual_scale"), ("logit_scale", "logit_scale")):
+        value = real(key, 1.0)
+        if value != 1.0:
+            fields[field] = value
+    return fields
+
+
+def _gemma3_fields(get: Any, real: Any, n_layers: int, head_dim: int, dim: int, n_heads: int) -> dict[str, Any]:
+    """What a Gemma 3 GGUF says (or llama.cpp assumes) beyond the Llama fields (its sliding layers:
+    `_layer_types`): sliding layers on their own RoPE base (`rope.freq_base_swa`, 10000 by
+    default), Gemma's sandwich norms, GELU-tanh MLP, sqrt(dim) embedding scale, and q.k scaled
+    by 1/sqrt(head_dim) (1/sqrt(dim / heads) for the 62-layer 27B, whose query_pre_attn_scalar
+    llama.cpp hard-codes)."""
     scalar = dim // n_heads if n_layers == 62 else head_dim
-    cap = get("final_logit_softcapping")
-    return dict(layer_types=types, rope_local_theta=float(get("rope.freq_base_swa", 10000.0)), sandwich_norms=True,
+    cap = real("final_logit_softcapping", 1.0) if get("final_logit_softcapping") else None
+    return dict(rope_local_theta=real("rope.freq_base_swa", 10000.0), sandwich_norms=True,
                 hidden_act="gelu_tanh", embed_scale=dim ** 0.5, attention_scale=scalar ** -0.5,
-                final_logit_softcap=float(cap) if cap else None)
+                final_logit_softcap=cap)
 

@@ -22,7 +22,7 @@ from specwood.models.config import ModelConfig
 from specwood.models.canonical import check_layers, layer_index, split_fused, validate_state_dict
 from specwood.models.gguf_dequant import dequantize_tensor, unpermute_qk
 from specwood.models.gguf_file import (_PERMUTED_QK_ARCHS, _TRUNCATED_FIX, GGUFTensorInfo, canonical_name,
-                                       config_from_gguf, read_gguf_header)
+                                       config_from_gguf, gguf_name, read_gguf_header)
 
 
 _threads_lock = threading.Lock()
@@ -85,6 +85,7 @@ def load_gguf(
         sd[cname] = placeholder(info)
     wanted = [w for w in wanted if w[0] not in left]
     permute = config.arch in _PERMUTED_QK_ARCHS
+    file_names = lambda name: gguf_name(name, config.arch)  # noqa: E731 - errors name tensors as the file does
     if progress is None:
         progress = header.file_size > (256 << 20) and sys.stderr.isatty()
 
@@ -113,7 +114,8 @@ def load_gguf(
     if lazy:
         for cname, info in wanted:
             sd[cname] = placeholder(info)
-        validate_state_dict(config, _split(config, dict(sd)), path, layers)  # on a copy: checking decodes nothing
+        # on a copy: checking decodes nothing
+        validate_state_dict(config, _split(config, dict(sd)), path, layers, file_names)
         infos = dict(wanted)
 
         def decode(cname: str) -> torch.Tensor:
@@ -150,7 +152,7 @@ def load_gguf(
             bar.close()
         mm = None  # drops the mapping; not `del`, which pyflakes misreads in convert()'s closure
     split_fused(config, sd)
-    validate_state_dict(config, sd, path, layers)
+    validate_state_dict(config, sd, path, layers, file_names)
     return config, sd
 
 

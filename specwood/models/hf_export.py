@@ -19,9 +19,10 @@ __all__ = ["hf_config", "hf_state_dict", "to_hf_model"]
 
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrides: Any):
     """A transformers config (LlamaConfig, Qwen2Config, MistralConfig, Qwen3Config,
-    Gemma3TextConfig, Phi3Config) equivalent to ``config``."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    Gemma3TextConfig, Phi3Config, Qwen3MoeConfig, GraniteConfig, Olmo2Config, SmolLM3Config)
+    equivalent to ``config``."""
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     c = config
     rope: dict[str, Any] = {"rope_type": "default"}
@@ -70,6 +71,23 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float32, **overrid
         if "original_max_position_embeddings" in scaling:
             common["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
         cfg = Phi3Config(**common, sliding_window=c.sliding_window, pad_token_id=None, **overrides)
+    elif c.arch in ("granite", "olmo2", "smollm3"):
+        if c.head_dim != c.dim // c.n_heads or (c.qkv_bias and c.arch != "smollm3"):
+            raise ValueError(f"transformers' {c.arch} has head_dim = hidden_size / heads (and o_proj a bias "
+                             "with attention_bias)")
+        if c.arch == "granite":
+            cfg = GraniteConfig(**common, attention_bias=False, mlp_bias=False,
+                                embedding_multiplier=c.embed_scale or 1.0,
+                                attention_multiplier=c.attention_scale or c.head_dim ** -0.5,
+                                residual_multiplier=c.residual_scale or 1.0, logits_scaling=c.logit_scale or 1.0,
+                                **overrides)
+        elif c.arch == "olmo2":
+            cfg = Olmo2Config(**common, attention_bias=False, **overrides)
+        else:
+            nope = set(c.nope_layers or ())
+            cfg = SmolLM3Config(**common, attention_bias=c.qkv_bias, mlp_bias=False, use_sliding_window=False,
+                                pad_token_id=None, no_rope_layers=[int(i not in nope) for i in range(c.n_layers)],
+                                **overrides)
     elif c.arch == "qwen2":
         if not c.qkv_bias or c.head_dim != c.dim // c.n_heads:
             raise ValueError("transformers' Qwen2 always has q/k/v biases and head_dim = hidden_size / heads")
@@ -136,7 +154,9 @@ def to_hf_model(
     validate_state_dict(config, state_dict, config.name or "state_dict")
     cls = getattr(transformers, {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                                 "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}[config.arch])
+                                 "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                                 "smollm3": "SmolLM3ForCausalLM"}[config.arch])
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     cfg = hf_config(config, dtype, **kwargs)
     # Build on the meta device (no memory, no random init), then adopt our tensors with assign=True.

@@ -36,11 +36,18 @@ _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm.weight": "attent
 # Phi-3 stores q, k, v in one tensor and gate, up in another: split on loading (canonical.split_fused)
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "self_attn.qkv_proj.weight": "attention.wqkv.weight",
                      "mlp.gate_up_proj.weight": "feed_forward.w13.weight"}
+_PHI3_FUSED_PARTS = {**{f"attention.w{p}.weight": "attention.wqkv.weight" for p in "qkv"},
+                     **{f"feed_forward.w{p}.weight": "feed_forward.w13.weight" for p in "13"}}
 # Qwen3-MoE: the router, and one tensor per expert and projection (canonical.stack_experts stacks them)
 _MOE_LAYER_NAMES = {**_LAYER_NAMES, "mlp.gate.weight": "feed_forward.router.weight"}
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _EXPERT_PARTS = {"gate": "w1", "up": "w3", "down": "w2"}
-_ARCH_LAYER_NAMES = {"gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES}
+# OLMo 2 norms the outputs of attention and MLP only: its post_attention_layernorm too
+_OLMO2_LAYER_NAMES = {**{k: v for k, v in _LAYER_NAMES.items() if v not in ("attention_norm.weight", "ffn_norm.weight")},
+                      "post_attention_layernorm.weight": "attention_post_norm.weight",
+                      "post_feedforward_layernorm.weight": "ffn_post_norm.weight"}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES,
+                     "olmo2": _OLMO2_LAYER_NAMES}
 # Gemma's RMSNorm multiplies by (1 + w): canonical norms hold the factor (see canonical)
 NORM_SHIFT = {"gemma3": 1.0}
 _GLOBAL_NAMES = {
@@ -57,6 +64,25 @@ HF_GLOBAL_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
 def hf_layer_names(arch: str) -> dict[str, str]:
     """Canonical layer name (after `layers.{i}.`) -> the architecture's transformers name."""
     return {v: k for k, v in _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES).items()}
+
+
+def hf_tensor_name(canonical: str, arch: str = "llama") -> str:
+    """Canonical name -> the transformers tensor name, for messages (one expert's, `...experts.{e}.w1...`,
+    too; a stacked expert tensor, whose checkpoint holds one tensor per expert, stays as is)."""
+    if canonical in HF_GLOBAL_NAMES:
+        return HF_GLOBAL_NAMES[canonical]
+    if canonical.startswith("layers."):
+        _, idx, rest = canonical.split(".", 2)
+        names = hf_layer_names(arch)
+        if arch == "phi3" and rest in _PHI3_FUSED_PARTS:
+            rest = _PHI3_FUSED_PARTS[rest]
+        if rest in names:
+            return f"model.layers.{idx}.{names[rest]}"
+        expert = re.match(r"^feed_forward\.experts\.(\d+)\.(w[123])\.weight$", rest)
+        if expert:
+            part = {v: k for k, v in _EXPERT_PARTS.items()}[expert.group(2)]
+            return f"model.layers.{idx}.mlp.experts.{expert.group(1)}.{part}_proj.weight"
+    return canonical
 
 
 def canonical_name(hf_name: str, arch: str = "llama") -> str | None:
@@ -154,8 +180,9 @@ def load_hf_folder(
         except Exception as e:
             raise ModelFileError(f"{f}: cannot read tensors ({e}); the file is truncated or corrupt, re-download it") from None
     split_fused(config, sd)
-    stack_experts(config, sd)
-    validate_state_dict(config, sd, path, layers)
+    file_names = lambda name: hf_tensor_name(name, config.arch)  # noqa: E731 - errors name tensors as the file does
+    stack_experts(config, sd, path, file_names)
+    validate_state_dict(config, sd, path, layers, file_names)
     return config, sd
 
 

@@ -2,8 +2,8 @@
 transformer builds one mask and one set of rotary tables per kind and hands each layer its own.
 
 Two kinds today: global attention (over the whole context) and sliding-window attention (over the
-last `window` tokens of the query's own context, counting itself), each with its rotary tables. A
-new kind (linear attention, say) is a new value here and a layer that reads its own block; nothing
+last `window` tokens of the query's own context, counting itself), each with its rotary tables or
+none (SmolLM3's NoPE layers: q and k unrotated). A new kind (linear attention, say) is a new value here and a layer that reads its own block; nothing
 is threaded through the forward.
 
 A sliding layer's KV cache keeps every slot, as a global layer's does: the cache stays one shape
@@ -32,10 +32,11 @@ GLOBAL_ROPE, LOCAL_ROPE = 0, 1  # indices of a model's rotary tables (see rope.r
 @dataclass(frozen=True)
 class LayerKind:
     """How a layer attends. `window`: None for the whole context, else the number of most recent
-    tokens of the query's own context it sees (itself included); `rope`: which rotary tables."""
+    tokens of the query's own context it sees (itself included); `rope`: which rotary tables, None
+    for none (a NoPE layer)."""
 
     window: int | None = None
-    rope: int = GLOBAL_ROPE
+    rope: int | None = GLOBAL_ROPE
 
 
 def check_layer_types(layer_types: list[str], n_layers: int) -> None:
@@ -49,12 +50,15 @@ def check_layer_types(layer_types: list[str], n_layers: int) -> None:
 
 def layer_kinds(config: ModelConfig) -> list[LayerKind]:
     """Each layer's kind: from `layer_types` where the config has them, else every layer sliding
-    where a window is set (Mistral v0.1), else every layer global."""
+    where a window is set (Mistral v0.1), else every layer global; the layers of `nope_layers`
+    without rotary tables."""
     c = config
     types = c.layer_types or [SLIDING_ATTENTION if c.sliding_window else FULL_ATTENTION] * c.n_layers
     local_rope = LOCAL_ROPE if c.rope_local_theta is not None else GLOBAL_ROPE
-    return [LayerKind(c.sliding_window, local_rope) if t == SLIDING_ATTENTION else LayerKind()
-            for t in types[:c.n_layers]]
+    nope = set(c.nope_layers or ())
+    return [LayerKind(c.sliding_window if t == SLIDING_ATTENTION else None,
+                      None if i in nope else local_rope if t == SLIDING_ATTENTION else GLOBAL_ROPE)
+            for i, t in enumerate(types[:c.n_layers])]
 
 
 def sliding_types(n_layers: int, pattern: int) -> list[str]:

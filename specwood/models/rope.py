@@ -11,9 +11,7 @@ from typing import Any
 import torch
 
 from specwood.errors import ModelFileError
-from specwood.models.config import ModelConfig
-
-ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
+from specwood.models.config import ROPE_TYPES, ModelConfig, rope_type
 
 
 def rope_settings(config: ModelConfig) -> list[tuple[float, dict[str, Any] | None]]:
@@ -35,8 +33,8 @@ def inverse_frequencies(config: ModelConfig, theta: float | None = None, scaling
         theta, scaling = config.rope_theta, config.rope_scaling
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", None):
+    kind = rope_type(scaling)
+    if kind == "default":
         return inv, 1.0
     if kind == "linear":
         return inv / scaling["factor"], 1.0

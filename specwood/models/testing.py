@@ -10,6 +10,7 @@ import torch
 
 from specwood.models.config import ModelConfig
 from specwood.models.canonical import canonical_shapes
+from specwood.models.gguf_file import _PERMUTED_QK_ARCHS
 from specwood.models.gguf_dequant import permute_qk
 from specwood.models.hf_export import to_hf_model
 from specwood.models.rope import longrope_attention_factor
@@ -61,6 +62,11 @@ _TINY_ARCH_FIELDS: dict[str, dict[str, object]] = {
     "phi3": dict(rope_scaling=longrope_scaling(8)),
     "qwen3moe": dict(head_dim=32, qk_norm=True, n_experts=4, n_experts_used=2, moe_intermediate_size=32,
                      norm_topk_prob=True),
+    # Granite's four multipliers; OLMo 2's norms after attention and MLP only, q and k normed whole;
+    # SmolLM3's RoPE skipped on every 4th layer
+    "granite": dict(embed_scale=4.0, attention_scale=0.2, residual_scale=0.5, logit_scale=2.0, tie_embeddings=True),
+    "olmo2": dict(qk_norm=True, qk_norm_whole=True, pre_norms=False, sandwich_norms=True, norm_eps=1e-5),
+    "smollm3": dict(n_layers=4, nope_layers=[3], tie_embeddings=True),
 }
 
 
@@ -139,7 +145,7 @@ def write_gguf(
 
     arch = arch or config.arch
     if permute is None:
-        permute = arch in ("llama", "mistral")
+        permute = arch in _PERMUTED_QK_ARCHS
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(config.name or "tiny")
     w.add_block_count(config.n_layers)
@@ -199,7 +205,8 @@ def write_gguf(
 
 
 def _add_arch_metadata(w, config: ModelConfig, arch: str) -> None:
-    """The keys llama.cpp's converter writes for Gemma 3's local layers and Phi-3's LongRoPE."""
+    """The keys llama.cpp's converter writes for Gemma 3's local layers, Phi-3's LongRoPE, Granite's
+    multipliers and the experts."""
     if config.sliding_window:
         w.add_sliding_window(config.sliding_window)
     if config.layer_types is not None and config.sliding_window:
@@ -220,6 +227,11 @@ def _add_arch_metadata(w, config: ModelConfig, arch: str) -> None:
         w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
     if arch == "phi3":
         w.add_rope_dimension_count(config.head_dim)
+    if arch == "granite":  # llama.cpp's converter writes all four
+        w.add_embedding_scale(config.embed_scale or 1.0)
+        w.add_attention_scale(config.attention_scale or config.head_dim ** -0.5)
+        w.add_residual_scale(config.residual_scale or 1.0)
+        w.add_logit_scale(config.logit_scale or 1.0)
     if config.n_experts:
         w.add_expert_count(config.n_experts)
         w.add_expert_used_count(config.n_experts_used)
@@ -261,7 +273,7 @@ def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
     kind = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[kind]
     raw = np.random.default_rng(seed).integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    at = {"Q6_K": [size - 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])  # d (and dmin)
+    at = {"Q6_K": [size - 2], "Q3_K": [size - 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}.get(qtype, [0])  # d (and dmin)
     factors = (np.random.default_rng(seed + 1).random((raw.shape[0], len(at))) * 0.02 - 0.005).astype(np.float16)
     for i, pos in enumerate(at):
         raw[:, pos:pos + 2] = factors[:, i:i + 1].view(np.uint8)
@@ -269,17 +281,21 @@ def kquant_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
 
 
 def write_q4_k_m_gguf(path: str | os.PathLike[str], config: ModelConfig, seed: int = 0,
-                      tokens: list[str] | None = None) -> Path:
+                      tokens: list[str] | None = None, types: dict[str, str] | None = None) -> Path:
     """A random model laid out as a Q4_K_M file: the layers' linears in Q4_K, their v and down
     projections in Q6_K (so each fused qkv mixes two types; Phi-3's one qkv tensor is all Q4_K),
-    every other tensor in F32. The layers' widths must be multiples of 256 (a k-quant superblock)."""
+    a MoE layer's experts likewise (gate and up Q4_K, down Q6_K, [E, N, K] each), every other
+    tensor in F32. The layers' widths must be multiples of 256 (a k-quant superblock). `types`
+    maps canonical names' endings to other types (e.g. {"experts.w3.weight": "Q5_K"})."""
     sd = random_state_dict(config, seed)
     raw = {}
-    six = ("feed_forward.w2.weight",) if config.arch == "phi3" else ("attention.wv.weight", "feed_forward.w2.weight")
+    six = ("feed_forward.w2.weight",) if config.arch == "phi3" else ("attention.wv.weight", "w2.weight")
     for i, (name, t) in enumerate(sd.items()):
-        if name.startswith("layers.") and t.dim() == 2 and "router" not in name:  # llama.cpp keeps routers in F32
-            kind = "Q6_K" if name.endswith(six) else "Q4_K"
-            raw[name] = (kind, kquant_blocks(kind, *t.shape, seed=seed * 1000 + i))
+        if name.startswith("layers.") and t.dim() >= 2 and "router" not in name:  # llama.cpp keeps routers in F32
+            kind = next((k for end, k in (types or {}).items() if name.endswith(end)),
+                        "Q6_K" if name.endswith(six) else "Q4_K")
+            blocks = kquant_blocks(kind, t.shape[:-1].numel(), t.shape[-1], seed=seed * 1000 + i)
+            raw[name] = (kind, blocks.reshape(*t.shape[:-1], -1))
     return write_gguf(path, config, sd, "F32", tokens=tokens, raw_blocks=raw)
 
 

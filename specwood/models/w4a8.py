@@ -240,12 +240,19 @@ class KQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        tiles = self.tiles
-        kernel = tiles.kernel if tiles is not None and flat.shape[0] >= tiles.min_rows else self.kernel
-        out = getattr(kernel, self.op)(flat, self.packed, self.bias)
+        out = kquant_matmul(self.kernel, self.tiles, self.op, flat, self.packed, self.bias)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+
+def kquant_matmul(kernel: Any, tiles: Any, op: str, x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times the packed weights of `op`'s type: on the AMX tiles (`tiles`, a TilePath or
+    None) from their row count on, else on the VNNI `kernel`; the bits are the same either way."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if tiles is not None and x.shape[0] >= tiles.min_rows:
+        kernel = tiles.kernel
+    return getattr(kernel, op)(x, packed, bias)
 
 
 class Q4Linear(KQuantLinear):

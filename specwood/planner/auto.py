@@ -6,6 +6,7 @@ used before a measured one in specwood.planner.starter.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import time
 import warnings
@@ -21,7 +22,10 @@ from specwood.engine.step import StepRecord
 from specwood.errors import SpecwoodError
 from specwood.methods import Method, get_method, prepare_method, register
 from specwood.planner.build import get_plan, measure_draft_prefill, measure_draft_rows
+from specwood.planner.batch_choice import BatchChoice
 from specwood.planner.decision import Decision
+from specwood.planner.online import OnlineCosts
+from specwood.planner.probes import Probes
 from specwood.planner.prior_tree import PriorScores, analytic_scores, maximal_layout, prior_shape
 from specwood.planner.starter import describe_starter_plan, starter_plan, starter_plan_ready
 from specwood.planner.suffix_choice import CHOICES as SUFFIX_CHOICES
@@ -57,12 +61,15 @@ class PlannedShape(ShapePolicy):
     """A per-request tree-shape policy that follows a plan as the context grows, as acceptance is
     observed and as the load changes.
 
-    Before each step (`for_batch`) it takes the plan's measured T_v and T_d at the current
-    context length, the plan's AAT(x) for that context corrected for this request
-    (AcceptanceTracker), and the number of requests sharing the step, and picks the argmax x of
-    P_eff (budget x - 1) -- or None (a plain step) where AR wins. After each step (`on_step`) it
-    credits the tracker with what the tree it chose really got accepted. With `adapt=False` it
-    uses the plan's per-bucket choices as stored (batch of one).
+    Before each step (`for_batch`) it takes T_v and T_d at the current context length and load
+    as this server measures them (`costs`, OnlineCosts: the plan corrected by the server's own
+    steps), the plan's AAT(x) for that context corrected for this request (AcceptanceTracker),
+    and picks the argmax x of P_eff (budget x - 1) -- or None (a plain step) where AR wins. In a
+    step shared with other requests the batch decides as a whole (`batch`, BatchChoice). Where
+    the decision is plain but the model could draft, `probes` (Probes) drafts the best tree now
+    and then, so a draft that starts to pay is found. After each step (`on_step`) it credits
+    the tracker with what the tree it chose really got accepted, and the costs with what the
+    step took. With `adapt=False` it uses the plan's per-bucket choices as stored (batch of one).
 
     With `lookup`, a step the request has to itself copies from the context instead when an
     n-gram recurs and the copy's expected tokens per T_v(1 + chain), at the best chain length,
@@ -74,14 +81,19 @@ class PlannedShape(ShapePolicy):
     steps do not copy: measured under load, the wider forward cost more than the copies earned.
     With `model=False` the draft model is not used (its prefill did not pay): the request
     copies or decodes plainly -- unless `late` (LateDraft) finds the target sure enough of its
-    tokens that the draft, reading the context in its first forward, now pays.
+    tokens that the draft, reading the context in its first forward, now pays. `planned_model`:
+    what the plan alone decided about the draft (a seeded sampled request follows it, not the
+    measured costs; None: the same as `model`).
     """
 
     watches_root_logits = True  # LateDraft learns from the target's confidence
+    RELAX_WITH_PROBES = 0.95  # a plain step's drift of the acceptance evidence back to the plan, where probes run
 
     def __init__(self, plan: Plan, make_shape: Callable[[int], Any], adapt: bool = True, lookup: bool = False,
                  model: bool = True, draft_costs: DraftCostTracker | None = None, late: LateDraft | None = None,
-                 suffix: SuffixSource | None = None, suffix_trust: SuffixTrust | None = None):
+                 suffix: SuffixSource | None = None, suffix_trust: SuffixTrust | None = None,
+                 costs: OnlineCosts | None = None, probes: Probes | None = None, batch: BatchChoice | None = None,
+                 planned_model: bool | None = None):
         self.plan = plan
         # with a suffix source, every step weighs model, suffix, both or none (SuffixOrModelShape)
         # in place of the n-gram lookup
@@ -94,15 +106,21 @@ class PlannedShape(ShapePolicy):
         self.adapt = adapt
         self.lookup = lookup
         self.model = model
+        self.planned_model = model if planned_model is None else planned_model
         self._make_shape = make_shape
         self._shapes: dict[int, Any] = {}
         self.tracker = AcceptanceTracker()
         self.lookup_tracker = LookupTracker()
-        # measured against predicted verify time, this request's copy steps and its plain steps
+        # measured against predicted verify time, this request's copy steps and its plain steps (lookup)
         self.copy_cost, self.plain_cost = CostRatio(decay=0.7), CostRatio(decay=0.7)
         self.draft_costs = draft_costs or DraftCostTracker()
-        self._predicted_draft_s = 0.0  # the plan's price of this step's drafting (DraftCostTracker)
-        self.timed_alone = True  # alone, T_d scaled by the server's learnt price (repeatable() turns it off)
+        self.costs = costs or OnlineCosts(plan)
+        self.probes = probes
+        self.batch = batch or BatchChoice()
+        self._predicted_draft_s = 0.0  # this step's drafting price (OnlineCosts.draft_price)
+        self._probing = False  # this step is a probe's
+        self._behind = 1  # tokens the draft has not read: the root, and what steps without it emitted
+        self.timed_alone = True  # alone, costs as measured (repeatable() turns it off)
         self._context_len = 0
         self._step: LookupOrModelShape | None = None
         self._step_x = 1  # the model's x behind self._step
@@ -111,17 +129,34 @@ class PlannedShape(ShapePolicy):
 
     def repeatable(self) -> None:
         """A seeded sampled request: alone, its trees follow the plan and its own verdicts only, not
-        the server's learnt price of drafting (measured time), so the same seed repeats its answer."""
+        the server's measured costs, and it uses the draft as the plan decided, so the same seed
+        repeats its answer."""
         self.timed_alone = False
+        if self.probes is not None:
+            self.probes.reseed(0)
+        if self.model != self.planned_model:
+            self.model = self.planned_model
+            if self.model:
+                self.late = None
 
     def _draft_scale(self, batch_size: int) -> float:
         return self.draft_costs.scale(batch_size) if batch_size > 1 or self.timed_alone else 1.0
 
+    def _costs(self, batch_size: int, riding: int = 0) -> OnlineCosts:
+        """The server's measured costs; alone, for a seeded sampled request, the plan's."""
+        return self.costs if batch_size > 1 or riding or self.timed_alone else self.costs.prior_only()
+
+    def request_aat(self, context_len: int) -> Callable[[float], float]:
+        """The plan's AAT(x) at this context as this request accepts (BatchChoice asks it)."""
+        return self.tracker.scale(self.plan.aat_for(context_len))
+
     def _decision(self, context_len: int, batch_size: int, riding: int = 0, free: int = 0) -> Decision:
-        return self.plan.decide(context_len, self.tracker.scale(self.plan.aat_for(context_len)), batch=batch_size,
-                                draft_scale=self._draft_scale(batch_size), riding=riding, free=free)
+        return self._costs(batch_size, riding).decide(context_len, self.request_aat(context_len), batch=batch_size,
+                                                      draft_scale=self._draft_scale(batch_size), riding=riding,
+                                                      free=free)
 
     def choose_x(self, context_len: int, batch_size: int = 1, riding: int = 0, free: int = 0) -> int:
+        """The model's tree size for a step (1: plain), as decided (no probe)."""
         if not self.model:
             return 1
         if not self.adapt:
@@ -129,6 +164,23 @@ class PlannedShape(ShapePolicy):
             return 1 if method == "ar" else x
         d = self._decision(context_len, batch_size, riding, free)
         return 1 if d.method == "ar" else d.x
+
+    def _tree_size(self, context_len: int, batch_size: int, riding: int, free: int) -> tuple[int, Decision | None]:
+        """This step's tree size: the batch's choice in a shared step, else this request's own
+        decision or, where that is plain, a probe's tree (and the decision, None where the batch
+        or the stored plan chose)."""
+        if not self.adapt:
+            return self.choose_x(context_len), None
+        if batch_size > 1 or riding:  # a request without its draft counts in the batch's choice too
+            return self.batch.x_for(self, context_len, batch_size, riding, self._costs(batch_size, riding),
+                                    self._draft_scale(batch_size)), None
+        if not self.model:
+            return 1, None
+        d = self._decision(context_len, batch_size, free=free)
+        self._probing = self.probes is not None and d.x_best_sd >= 2 and self.probes.step(d.method == "sd")
+        if self._probing:
+            return d.x_best_sd, d
+        return (d.x if d.method == "sd" else 1), d
 
     def _model_shape(self, x: int) -> Any | None:
         if x <= 1:
@@ -148,16 +200,16 @@ class PlannedShape(ShapePolicy):
 
     def _bring_in_draft(self, context_len: int) -> None:
         """LateDraft's question, asked before a step of this request alone."""
-        late = self.late
-        left, catch_up = late.tokens_left(context_len), context_len * (self.plan.draft_prefill_s or 0.0)
-        if left * float(self.plan.t_v(context_len, 1)) <= catch_up:  # even free tokens would not earn it
+        late, costs = self.late, self._costs(1)
+        left, catch_up = late.tokens_left(context_len), costs.prefill_s(context_len)
+        if left * costs.t_v(context_len, 1) <= catch_up:  # even free tokens would not earn it
             late.hopeless = True
             return
         ratio = late.ratio(self.plan, context_len)
         if ratio is None:
             return
-        d = self.plan.decide(context_len, scaled_aat(self.plan.aat_for(context_len), ratio))
-        if self.plan.prefill_is_earned(d, left, context_len):
+        d = costs.decide(context_len, scaled_aat(self.plan.aat_for(context_len), ratio))
+        if costs.prefill_is_earned(d, left, context_len):
             self.model = True
             self.tracker.assume(ratio)
             late.joined_at = context_len - late.prompt_len
@@ -174,77 +226,105 @@ class PlannedShape(ShapePolicy):
         self._context_len = context_len
         self._step = None
         self._predicted_draft_s = 0.0
+        self._probing = False
         self._load = batch_size if not riding else batch_size + 1  # requests sharing this step
         if self.suffix is not None:
             return self._suffix_step(batch_size, context_len, riding, free)
         if not self.lookup or batch_size > 1 or riding:  # under load the batch fills the forward already (§4f)
-            x = self.choose_x(context_len, batch_size, riding, free)
+            x, _ = self._tree_size(context_len, batch_size, riding, free)
             self.x_used[x] = self.x_used.get(x, 0) + 1
+            self._step_x = x
             if x > 1:
-                self._predicted_draft_s = float(self.plan.step_costs(context_len, batch_size)[1](x))
+                self._predicted_draft_s = self._costs(batch_size, riding).draft_price(context_len, x, batch_size)
             return self._model_shape(x)
-        if self.model:
-            d = self._decision(context_len, batch_size, free=free)
-            x = d.x if d.method == "sd" else 1
-            model_rate = d.p_eff if x > 1 else d.p_ar
-        else:  # copying or plain steps only: no need to weigh every tree size each step
-            x, model_rate = 1, (1.0 + free) / float(self.plan.t_v(context_len, 1 + free))
+        # rates relative to this context's plain step, so the model's measured costs and the
+        # copies' plan prices (corrected by what this request's copies measured) compare
+        plain_s = float(self.plan.t_v(context_len, 1 + free)) / (1.0 + free)
+        x, d = self._tree_size(context_len, batch_size, 0, free)
+        model_rate = (d.p_eff / d.p_ar if d is not None and x > 1 and d.p_eff > 0 and x == d.x
+                      else 1.0)
         lt = self.lookup_tracker
         copy_price = self.copy_cost.ratio / self.plain_cost.ratio
 
         def chain_length(longest: int) -> int:
             """The copy length with the best expected rate, if that beats the model's (else 0)."""
-            rates = [((free + lt.expected_tokens(c)) / (float(self.plan.t_v(context_len, 1 + free + c)) * copy_price), c)
+            rates = [((free + lt.expected_tokens(c)) * plain_s / (float(self.plan.t_v(context_len, 1 + free + c))
+                                                                   * copy_price), c)
                      for c in range(1, longest + 1)]
             rate, best = max(rates)
             return best if rate > model_rate else 0
 
         self._step = LookupOrModelShape(self._model_shape(x), LOOKUP_K, chain_length)
         self._step_x = x
+        if x > 1:
+            self._predicted_draft_s = self._costs(1).draft_price(context_len, x, 1)
         return self._step
 
     def _suffix_step(self, batch_size: int, context_len: int, riding: int, free: int = 0) -> SuffixOrModelShape:
-        """This step's options priced at this context and load: the model's tree of the size the
-        plan picks (none if it decodes plainly or has no draft), the suffix's, both, or none."""
-        x = self.choose_x(context_len, batch_size, riding, free) if self.model else 1
-        aat = float(self.tracker.scale(self.plan.aat_for(context_len))(x)) if x > 1 else 1.0
+        """This step's options priced at this context and load: the model's tree of the size
+        decided (none if it decodes plainly or has no draft), the suffix's, both, or none. A
+        probe's tree is drafted (model or both) whatever the weighing says."""
+        x, d = self._tree_size(context_len, batch_size, riding, free)
+        probe = d is not None and x > 1 and (d.method == "ar" or x != d.x)
+        aat = float(self.request_aat(context_len)(x)) if x > 1 else 1.0
         scale = self._draft_scale(batch_size)
-        t_v, t_d = self.plan.step_costs(context_len, batch_size, scale, riding)
-        if x > 1:  # the plan's own price, before the learnt scale
-            self._predicted_draft_s = float(t_d(x)) / scale
-        price = self.copy_cost.ratio / self.plain_cost.ratio if batch_size == 1 and not riding else 1.0
+        t_v, t_d = self._costs(batch_size, riding).step_costs(context_len, batch_size, scale, riding)
+        if x > 1:
+            self._predicted_draft_s = self._costs(batch_size, riding).draft_price(context_len, x, batch_size)
         self._step_x = x
         self._step = SuffixOrModelShape(self.suffix, self._model_shape(x), x, aat, t_v, t_d,
-                                        lambda match, source: self.suffix_trust.ratio(self._load, match, source), price, free)
+                                        lambda match, source: self.suffix_trust.ratio(self._load, match, source),
+                                        free=free, probe=probe)
         return self._step
+
+    def _observe(self, drafted: bool, x: int, emitted: int, cost: StepRecord | None) -> None:
+        """What the step cost, for the server's costs and its drafting price: the target forward
+        (unless newcomers' prompt rode in it) and the drafting of a model's tree, less the draft's
+        catch-up on the tokens steps without it emitted (priced as its prefill: the steps that
+        follow do not pay it). A step without the draft relaxes the server's price of drafting
+        towards the plan's where this request cannot probe (without probes, or without the
+        model): a request that probes measures the price instead. A probe hears whether it
+        emitted tokens faster than a plain step would have."""
+        if cost is not None and not cost.prefill_tokens and cost.verify_s > 0:
+            self.costs.observe_verify(self._context_len, cost.tokens, cost.batch_size, cost.verify_s,
+                                      weight=1.0 / max(cost.batch_size, 1))
+        drafting = 0.0
+        if drafted and cost is not None:
+            catch_up = self.costs.prefill_s(self._context_len) * (self._behind - 1) / max(self._context_len, 1)
+            drafting = max(cost.draft_share_s - catch_up, 0.25 * cost.draft_share_s)
+            if self._predicted_draft_s:
+                self.draft_costs.record(self._predicted_draft_s, drafting, self._load)
+                self.costs.observe_draft(self._context_len, x, cost.batch_size, drafting)
+        elif not drafted and (self.probes is None or not self.model):
+            self.draft_costs.relax(self._load)
+        self._behind = 1 if drafted else self._behind + emitted
+        if self._probing and self.probes is not None:
+            took = cost.verify_s + drafting if cost is not None else 0.0
+            self.probes.result(took > 0 and emitted / took > 1.0 / self._costs(1).t_v(self._context_len, 1))
+
+    def _relax_acceptance(self) -> None:
+        self.tracker.relax(self.RELAX_WITH_PROBES if self.probes is not None else None)
 
     def _on_suffix_step(self, step: SuffixOrModelShape, tree: TokenTree, verdict: Verdict,
                         cost: StepRecord | None) -> None:
         self.suffix.observe(verdict.next_token, [tree.tokens[i] for i in verdict.accepted])
         self.sources_used[step.choice] += 1
-        alone = self._load == 1 and cost is not None
-        if step.choice in ("model", "both"):
+        drafted = step.choice in ("model", "both")
+        if drafted:
             self.x_used[self._step_x] = self.x_used.get(self._step_x, 0) + 1
-            if cost is not None and self._predicted_draft_s:
-                self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._load)
-        else:
-            self.draft_costs.relax(self._load)
+        self._observe(drafted, self._step_x, len(verdict.accepted) + 1, cost)
         if step.choice == "suffix":
             self.suffix_trust.record(self._load, tested_weight(step.part, verdict.accepted), len(verdict.accepted),
                                      step.part.match, step.part.source)
-            if alone:
-                self.copy_cost.record(float(self.plan.t_v(self._context_len, len(tree))), cost.verify_s)
         else:
             self.suffix_trust.relax(self._load)
-            if step.choice == "none" and alone:
-                self.plain_cost.record(float(self.plan.t_v(self._context_len, 1)), cost.verify_s)
         if step.choice == "model":
             self.tracker.record(float(self.plan.aat_for(self._context_len)(len(tree))), len(verdict.accepted) + 1)
-        else:
-            self.tracker.relax()
-            self.copy_cost.relax(self.lookup_tracker.relax_decay)
+        else:  # "both": whose the accepted tokens were is not known
+            self._relax_acceptance()
 
     def close(self) -> None:
+        self.batch.forget(self)
         if self.suffix is not None:
             self.suffix.close()
 
@@ -253,11 +333,9 @@ class PlannedShape(ShapePolicy):
         if isinstance(step, SuffixOrModelShape):
             self._on_suffix_step(step, tree, verdict, cost)
             return
-        if cost is not None and self._predicted_draft_s and len(tree) > 1:
-            self.draft_costs.record(self._predicted_draft_s, cost.draft_share_s, self._load)
-        elif len(tree) <= 1 or (step is not None and step.copied):  # no draft forward this step
-            self.draft_costs.relax(self._load)
-        if step is not None and step.copied:
+        copied = step is not None and step.copied
+        self._observe(len(tree) > 1 and not copied, self._step_x, len(verdict.accepted) + 1, cost)
+        if copied:
             self.lookup_steps += 1
             self.lookup_tracker.record(step.copied, len(verdict.accepted))
             if cost is not None:
@@ -270,7 +348,7 @@ class PlannedShape(ShapePolicy):
             self.lookup_tracker.relax()
             self.copy_cost.relax(self.lookup_tracker.relax_decay)
         if len(tree) <= 1:
-            self.tracker.relax()
+            self._relax_acceptance()
         else:
             self.tracker.record(float(self.plan.aat_for(self._context_len)(len(tree))), len(verdict.accepted) + 1)
 
@@ -339,6 +417,8 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     told = []
     # one per server: every request's shared steps teach it, and it is kept for the next one
     draft_costs = DraftCostTracker(path=drafting_costs_path(plan_key_for(engine, base)))
+    batch = BatchChoice(Probes(seed=1))  # one decision for the requests that share a step
+    requests = itertools.count()  # each request's probes get their own seed: 0, 1, 2, ...
 
     def latest_plan() -> Plan:
         """The starter plan until a measured one appears in the store (built in the background by
@@ -364,10 +444,13 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
     def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1,
                     scope: str | None = "") -> Drafter:
         plan = latest_plan()
-        # alone, the prefill decision follows the plan: a seeded request must make it the same every run
-        scale = draft_costs.scale(load) if load > 1 else 1.0
-        model = not no_draft and plan.speculation_pays(prompt_len, max_tokens, load, scale) and not (
-            all(c.method == "ar" for c in plan.choices) and plan.source == "measured")
+        costs = online_costs(engine, plan)
+        # the draft's prefill against what its trees save over max_tokens, at the costs measured
+        # here; alone, a seeded sampled request follows the plan's own answer (`planned`)
+        scale = draft_costs.scale(load)
+        never = no_draft or (all(c.method == "ar" for c in plan.choices) and plan.source == "measured")
+        planned = not never and plan.speculation_pays(prompt_len, max_tokens, load, scale if load > 1 else 1.0)
+        model = not never and costs.speculation_pays(prompt_len, max_tokens, load, scale) if adapt else planned
         if not model and not no_draft:
             if progress and not told:  # once: a server would print it for every short request
                 told.append(True)
@@ -377,18 +460,22 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
                 print(f"[plan] method auto: no draft model for a {prompt_len}-token prompt with {max_tokens} "
                       f"new tokens -- {why}; " + ("copying from the context where it pays, else decoding plainly"
                                                    if lookup else "decoding autoregressively"), file=sys.stderr)
-            if not lookup:
+            if not lookup and not (planned and load == 1):
                 return Drafter(extra_stats=lambda: {"auto": "ar"})
-        # alone on the machine, a request without the draft may still bring it in (LateDraft)
+        # alone on the machine, a request without the draft may still bring it in (LateDraft), and
+        # a seeded sampled one uses it where the plan says so: the draft reads the context in its
+        # first forward (no prefill unless it drafts)
         late = (LateDraft(prompt_len, max_tokens, threshold=late_threshold, announce=announce_late)
                 if not model and late_draft and load == 1 and draft_model is not None else None)
-        source = sources(draft_model) if ((model or late) and draft_model is not None) else None
-        if late is not None and (source is None or not source.defers_prefill):  # e.g. a llama.cpp draft: it prefills itself
-            late, source = None, None
+        deferred = not model and (late is not None or (planned and load == 1)) and draft_model is not None
+        source = sources(draft_model) if ((model or deferred) and draft_model is not None) else None
+        if deferred and (source is None or not source.defers_prefill):  # e.g. a llama.cpp draft: it prefills itself
+            late, source, deferred = None, None, False
         suffix = (SuffixSource(suffix_cache if scope is not None else None, prompt_len, max_tokens, eos_ids=eos,
                                scope=scope or "") if suffix_cache is not None else None)
         shape = PlannedShape(plan, make_shape, adapt=adapt, lookup=lookup, model=model, draft_costs=draft_costs,
-                             late=late, suffix=suffix)
+                             late=late, suffix=suffix, costs=costs, probes=Probes(seed=next(requests)), batch=batch,
+                             planned_model=planned and (model or deferred))
 
         def stats() -> dict[str, Any]:
             out: dict[str, Any] = {"auto": "sd" if shape.model else "ar", "auto_admission_load": load,
@@ -401,11 +488,32 @@ def _prepare_auto(engine: Any, options: dict[str, Any]) -> Callable[..., Drafter
             if late is not None:
                 out["auto_target_confidence"] = round(late.confidence, 4)
                 out["auto_draft_from_token"] = late.joined_at
+            if shape.probes is not None and shape.probes.probes:
+                out["auto_probes"] = shape.probes.probes
             return out
 
-        return Drafter(source, shape, extra_stats=stats, defer_draft_prefill=late is not None)
+        return Drafter(source, shape, extra_stats=stats, defer_draft_prefill=deferred)
 
     return new_drafter
+
+
+_ONLINE: dict[tuple[PlanKey, Path], OnlineCosts] = {}
+
+
+def online_costs(engine: Any, plan: Plan) -> OnlineCosts:
+    """The costs this process has measured for the plan's key, kept across prepared `auto`s (each
+    in-process `generate` prepares its own): what earlier requests measured is not learnt again.
+    Another plan (a measured one replacing the starter plan) starts afresh: the corrections were
+    against the old one's times. (Keyed by the plan's place too: another cache is another server.)"""
+    key = (plan_key_for(engine, plan.key.method), plan_path(plan.key))
+    known = _ONLINE.get(key)
+    if known is None or (known.plan is not plan and _plan_times(known.plan) != _plan_times(plan)):
+        known = _ONLINE[key] = OnlineCosts(plan)
+    return known
+
+
+def _plan_times(plan: Plan) -> tuple:
+    return (plan.source, plan.created, repr(plan.verify_times), repr(plan.draft_times), plan.draft_prefill_s)
 
 
 def _auto_executor(engine: Any, options: dict[str, Any], prompt_len: int) -> str:

@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specwood.errors import SpecwoodError
 from specwood.models.config import ModelConfig
@@ -75,16 +75,18 @@ class DeviceModel:
     # --- model forwards ------------------------------------------------------------------------
 
     def forward_time(self, cfg: ModelConfig, x: int, ctx: int, weight_bytes: float = 2.0,
-                     kv_bytes: float = 2.0) -> float:
+                     kv_bytes: float = 2.0, woken: Callable[[int], float] | None = None) -> float:
         """One forward over x tokens after ctx cached tokens (tree attention: every token reads
-        the whole prefix plus at most x tree slots)."""
+        the whole prefix plus at most x tree slots). `woken`: a MoE layer's distinct experts for x
+        rows, measured (profiler.measure_expert_union, union_curve); None: the uniform-routing bound."""
         total = self.overhead_s
-        for m, k, n, count, kind in forward_ops(cfg, x, ctx):
+        for m, k, n, count, kind in forward_ops(cfg, x, ctx, woken):
             total += self.matmul_time(m, k, n, count, weight_bytes if kind == "w" else kv_bytes)
         return total
 
-    def predict_tv(self, cfg: ModelConfig, x: int, ctx: int, weight_bytes: float = 2.0) -> float:
-        return self.forward_time(cfg, x, ctx, weight_bytes)
+    def predict_tv(self, cfg: ModelConfig, x: int, ctx: int, weight_bytes: float = 2.0,
+                   woken: Callable[[int], float] | None = None) -> float:
+        return self.forward_time(cfg, x, ctx, weight_bytes, woken=woken)
 
     def predict_td(self, draft: ModelConfig | None, x: int, ctx: int, method: str = "dyspec",
                    weight_bytes: float = 2.0) -> float:
@@ -95,7 +97,8 @@ class DeviceModel:
                    for n, tokens in draft_forwards(method, x))
 
 
-def forward_ops(cfg: ModelConfig, x: int, ctx: int) -> list[tuple[float, int, int, float, str]]:
+def forward_ops(cfg: ModelConfig, x: int, ctx: int, woken: Callable[[int], float] | None = None
+                ) -> list[tuple[float, int, int, float, str]]:
     """(M, K, N, count, operand) for every matmul of a forward; operand "w" = weights, "kv" = cache.
     Attention groups the query heads that share a KV head (GQA), so M = x * group. A sliding
     layer's queries read at most its window. MoE layers (`moe_ops`) read only the experts routed to."""
@@ -103,7 +106,7 @@ def forward_ops(cfg: ModelConfig, x: int, ctx: int) -> list[tuple[float, int, in
     group = nh // nkv
     spans = [ctx + x if kind == "full_attention" or not cfg.sliding_window else min(ctx, cfg.sliding_window) + x
              for kind in (cfg.layer_types or ["full_attention"] * layers)]
-    mlp = moe_ops(cfg, x) if cfg.n_experts else [
+    mlp = moe_ops(cfg, x, woken) if cfg.n_experts else [
         (x, d, 2 * inter, layers, "w"),  # gate + up
         (x, inter, d, layers, "w"),  # down
     ]
@@ -126,17 +129,40 @@ def expected_experts(n_experts: int, used: int, tokens: int) -> float:
     return n_experts * (1.0 - (1.0 - used / n_experts) ** tokens)
 
 
-def moe_ops(cfg: ModelConfig, x: int) -> list[tuple[float, int, int, float, str]]:
+def union_curve(points: dict[int, float], n_experts: int, used: int) -> Callable[[int], float]:
+    """A union of experts measured at some x (profiler.measure_expert_union) as the analytic model's
+    `woken`: linear between measured x, and past the last one growing as the uniform bound grows."""
+    xs = sorted(points)
+
+    def woken(x: int) -> float:
+        if x <= xs[0]:
+            return points[xs[0]] * x / xs[0]
+        if x >= xs[-1]:
+            return min(n_experts, points[xs[-1]] * expected_experts(n_experts, used, x)
+                       / expected_experts(n_experts, used, xs[-1]))
+        hi = next(i for i, v in enumerate(xs) if v >= x)
+        a, b = xs[hi - 1], xs[hi]
+        return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
+
+    return woken
+
+
+def moe_ops(cfg: ModelConfig, x: int, woken: Callable[[int], float] | None = None
+            ) -> list[tuple[float, int, int, float, str]]:
     """A MoE layer's matmuls over x rows: the router, then each woken expert once over the rows
-    routed to it (grouped, as the model runs them): the weights of the expected union of experts
-    are read, and x * k rows of expert work are done in all."""
+    routed to it (grouped, as the model runs them): the weights of the union of experts are read
+    (`woken(x)` experts a layer, measured on the workload, else the uniform-routing bound), and
+    x * k rows of expert work are done in all. Each woken expert also pays call_s twice (a float
+    expert's two matmul calls on a CPU; the k-quant experts run in one call a projection but pay
+    about as much per expert beyond their bytes for their few rows: BENCHMARKS history, models §32b)."""
     d, inter, layers = cfg.dim, cfg.moe_intermediate_size, cfg.n_layers
-    woken = expected_experts(cfg.n_experts, cfg.n_experts_used, x)
-    rows = x * cfg.n_experts_used / woken  # rows per woken expert, on average
+    union = (min(woken(x), float(cfg.n_experts)) if woken is not None
+             else expected_experts(cfg.n_experts, cfg.n_experts_used, x))
+    rows = x * cfg.n_experts_used / union  # rows per woken expert, on average
     return [
         (x, d, cfg.n_experts, layers, "w"),  # the router
-        (rows, d, 2 * inter, layers * woken, "w"),  # each woken expert's gate + up
-        (rows, inter, d, layers * woken, "w"),  # and down
+        (rows, d, 2 * inter, layers * union, "w"),  # each woken expert's gate + up
+        (rows, inter, d, layers * union, "w"),  # and down
     ]
 
 

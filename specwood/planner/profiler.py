@@ -186,6 +186,38 @@ def measure_verify_times(
     return table
 
 
+def measure_expert_union(model: Transformer, xs: Sequence[int], ctx: int, trees: int = 4, seed: int = 1,
+                         mask: str = "tree") -> dict[int, float]:
+    """A MoE target's routing on verify trees: per x, the mean number of distinct experts one layer's
+    x rows route to, over every layer and `trees` random trees of x tokens after ctx cached tokens
+    (set up as measure_verify_times sets them up). The analytic model's `woken`
+    (devices.union_curve), where it would otherwise take the uniform-routing bound."""
+    cfg = model.config
+    counts: list[int] = []
+
+    def routed(module: Any, args: Any, logits: torch.Tensor) -> None:
+        counts.append(len(torch.unique(logits.topk(cfg.n_experts_used).indices)))
+
+    hooks = [block.feed_forward.router.register_forward_hook(routed) for block in model.layers]
+    gen = torch.Generator().manual_seed(seed)
+    union: dict[int, float] = {}
+    try:
+        with torch.inference_mode():
+            cache = model.new_cache(ctx + max(xs) + 1)
+            cache.k.normal_(generator=gen)
+            cache.v.normal_(generator=gen)
+            cache.length = ctx
+            for x in xs:
+                counts.clear()
+                for _ in range(trees):
+                    _verify_callable(model, cache, ctx, random_tree(x, gen, cfg.vocab_size, mask))()
+                union[x] = statistics.mean(counts)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return union
+
+
 # ---------------------------------------------------------------------------------------------
 # draft cost
 

@@ -118,16 +118,18 @@ class SuffixOrModelShape(TreeShape):
     `model_x`: the model tree's size the plan chose (1: none), `model_aat`: its expected tokens;
     `trust`: SuffixTrust's factor for a proposal of a given match length and source;
     `price`: this request's measured cost of a wide verify against the plan's; `free`: tokens of
-    the grammar's forced run ahead of the root, in every option's forward and gain."""
+    the grammar's forced run ahead of the root, in every option's forward and gain; `probe`: the
+    model drafts this step whatever the weighing says (auto's Probes), alone or with suffix nodes."""
 
     def __init__(self, source: SuffixSource, model_shape: Any | None, model_x: int, model_aat: float,
                  t_v: Callable[[float], float], t_d: Callable[[float], float], trust: Callable[[int, str], float],
                  price: float = 1.0,
-                 free: int = 0):
+                 free: int = 0, probe: bool = False):
         self.source = source
         self.model_shape = model_shape if model_x > 1 else None
         self.model_x, self.model_aat = model_x, model_aat
         self.t_v, self.t_d, self.trust, self.price, self.free = t_v, t_d, trust, price, free
+        self.probe = probe and self.model_shape is not None
         self.name = "suffix-or-model"
         self.choice = "none"
         self.part: SuffixDraft | None = None  # the suffix nodes in the tree drafted
@@ -145,7 +147,8 @@ class SuffixOrModelShape(TreeShape):
         has_model = self.model_shape is not None
         if has_model:
             m_cost = float(t_v(self.model_x)) + float(self.t_d(self.model_x))
-            best = max(best, ("model", 0, (f + self.model_aat) / max(m_cost, 1e-9)), key=lambda o: o[2])
+            model = ("model", 0, (f + self.model_aat) / max(m_cost, 1e-9))
+            best = model if self.probe else max(best, model, key=lambda o: o[2])
             alpha = 1.0 - 1.0 / max(self.model_aat, 1.0)
         n = draft.tree.size
         if n:
@@ -162,7 +165,8 @@ class SuffixOrModelShape(TreeShape):
                     if has_model:
                         both += (1.0 - alpha ** depths[k]) * reach
                 rate = (f + 1.0 + solo) / max(float(t_v(1 + k)) * price, 1e-9)
-                best = max(best, ("suffix", k, rate), key=lambda o: o[2])
+                if not self.probe:
+                    best = max(best, ("suffix", k, rate), key=lambda o: o[2])
                 if has_model:
                     cost = float(t_v(self.model_x + k)) * price + float(self.t_d(self.model_x))
                     best = max(best, ("both", k, (f + self.model_aat + both) / max(cost, 1e-9)), key=lambda o: o[2])

@@ -45,10 +45,12 @@ class AcceptanceTracker:
         self.observed = self.decay * self.observed + max(0, emitted - 1)
         self.predicted = self.decay * self.predicted + max(predicted_aat - 1.0, 1e-3)
 
-    def relax(self) -> None:
-        """A plain step: no evidence, drift back towards the plan."""
-        self.observed = self.decay * self.observed + (1 - self.decay) * self.unit
-        self.predicted = self.decay * self.predicted + (1 - self.decay) * self.unit
+    def relax(self, decay: float | None = None) -> None:
+        """A plain step: no evidence, drift back towards the plan (by `decay`, default the
+        tracker's own; auto with probes drifts slower: its probes bring the evidence)."""
+        d = self.decay if decay is None else decay
+        self.observed = d * self.observed + (1 - d) * self.unit
+        self.predicted = d * self.predicted + (1 - d) * self.unit
 
     def scale(self, aat: Callable[[float], float]) -> Callable[[float], float]:
         """The curve corrected for this request."""

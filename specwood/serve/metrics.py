@@ -220,8 +220,7 @@ class PrefixCacheCollector:
         self.scheduler = scheduler
 
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
-        reuse = getattr(self.scheduler.executor, "reuse", None)
-        cache = reuse.cache if reuse is not None else None
+        cache = self.scheduler.executor.prefix_cache
         queries = CounterMetricFamily(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels=["model"])
         hits = CounterMetricFamily(P + "prefix_cache_hits", "Prompt tokens whose K/V came from the prefix cache "
@@ -245,6 +244,6 @@ class PrefixCacheCollector:
         budget.add_metric([], cache.budget_bytes if cache is not None else 0)
         tokens.add_metric([], cache.cached_tokens if cache is not None else 0)
         executor = self.scheduler.executor
-        rows.add_metric([], executor.rows_bytes() if hasattr(executor, "rows_bytes") else 0)
+        rows.add_metric([], executor.rows_bytes())
         row_len.add_metric([], executor.row_len)
         return [queries, hits, evictions, held, budget, tokens, rows, row_len]

@@ -5,8 +5,9 @@ OpenAI error shape and the name of the offending parameter, never a 422 or a 500
 engine cannot honour (echo, best_of, ...) are rejected when set to anything but their neutral value;
 harmless ones (user, metadata, store, ...) and unknown ones are ignored. Structured output
 (response_format, tools, tool_choice) becomes a grammar (specwood.constrain.grammars), and
-logprobs, logit_bias, the penalties and min_p go to the engine's sampling parameters; `n` choices
-are requests of their own.
+logprobs, logit_bias, the penalties and min_p go with temperature, top_p, top_k and seed into one
+SamplingParams (specwood.sampling: its defaults are the neutral values, its validation the last
+word); `n` choices are requests of their own.
 """
 from __future__ import annotations
 
@@ -15,18 +16,19 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from specwood.constrain import grammars
-from specwood.errors import GrammarError
-from specwood.sampling import SEED_LIMIT
+from specwood.errors import ContextLengthError, GrammarError, SamplingParamsError, SpecwoodError
+from specwood.sampling import SEED_LIMIT, SamplingParams
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                500: "server_error", 503: "service_unavailable_error"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI (and vLLM) default of the legacy endpoint
 MAX_CHOICES = 8  # the most choices (`n`) one request may ask for
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the engine's own is greedy)
 
 
 MAX_STOP_STRINGS = 16
@@ -96,23 +98,13 @@ class GenerationRequest:
     prompt: list[dict[str, Any]] | str | list[int]  # chat messages, raw text or token ids
     model: str | None = None
     max_tokens: int | None = None  # None: the endpoint's default
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    # how it samples, built once from the body (the tools' grammar joins it once the tokenizer's tags are known)
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=DEFAULT_TEMPERATURE))
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     method: str | None = None
-    # processors and structured output (the engine's SamplingParams fields of the same names)
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logprobs: int | None = None  # None: no logprobs; k: the emitted tokens' and k alternatives each
-    grammar: str | None = None  # from response_format; tools' grammar is built with the tokenizer
     json_schema: dict[str, Any] | None = None  # response_format's prepared schema (json_object's too), for tools + JSON
     tools: list[grammars.Tool] | None = None
     tool_specs: list[dict[str, Any]] | None = None  # the request's tools as sent, for the chat template
@@ -131,18 +123,10 @@ class GenerationRequest:
         """Whether the answer may hold tool calls (parsed into tool_calls)."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def sampling_options(self) -> dict[str, Any]:
-        """The processors' options that differ from their neutral values (Engine.new_request's keywords)."""
-        opts: dict[str, Any] = {}
-        if self.logit_bias:
-            opts["logit_bias"] = dict(self.logit_bias)
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                              ("min_p", 0.0)):
-            if getattr(self, name) != neutral:
-                opts[name] = getattr(self, name)
-        if self.logprobs is not None:
-            opts["logprobs"] = self.logprobs
-        return opts
+    def choice_params(self, index: int) -> SamplingParams:
+        """The sampling parameters of choice `index` of the `n`: seeded seed + index."""
+        seed = self.params.seed
+        return self.params if seed is None or index == 0 else replace(self.params, seed=(seed + index) % SEED_LIMIT)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -186,14 +170,15 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
-def parse_chat_request(body: dict[str, Any]) -> GenerationRequest:
+def parse_chat_request(body: dict[str, Any], vocab: int | None = None) -> GenerationRequest:
+    """A chat completion's body (`vocab`: the model's, for the token ids of logit_bias)."""
     if "messages" not in body or body["messages"] is None:
         raise ProtocolError("'messages' is a required property", param="messages", code="missing_required_parameter")
     messages = _parse_messages(body["messages"])
     _check_unsupported(body, CHAT_UNSUPPORTED)
     req = GenerationRequest("chat", messages)
-    _parse_chat_logprobs(body, req)
-    _parse_structured(body, req)
+    sampling = {"logprobs": _parse_chat_logprobs(body)}
+    _parse_structured(body, req, sampling)
     req.template_kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
     max_tokens = _opt_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
@@ -201,39 +186,43 @@ def parse_chat_request(body: dict[str, Any]) -> GenerationRequest:
     else:
         _opt_int(body, "max_tokens", minimum=1)  # still type-checked when both are given
     req.max_tokens = max_tokens
-    return _common(body, req)
+    return _common(body, req, sampling, vocab)
 
 
-def parse_completion_request(body: dict[str, Any]) -> GenerationRequest:
+def parse_completion_request(body: dict[str, Any], vocab: int | None = None) -> GenerationRequest:
+    """A (legacy) completion's body (`vocab`: the model's, for the token ids of logit_bias)."""
     if "prompt" not in body or body["prompt"] is None:
         raise ProtocolError("'prompt' is a required property", param="prompt", code="missing_required_parameter")
     prompt = _parse_prompt(body["prompt"])
     _check_unsupported(body, COMPLETION_UNSUPPORTED)
     max_tokens = _opt_int(body, "max_tokens", minimum=1)
     req = GenerationRequest("completion", prompt, max_tokens=max_tokens)
-    req.logprobs = _opt_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
-    _parse_response_format(body, req)
-    return _common(body, req)
+    sampling = {"logprobs": _opt_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)}
+    _parse_response_format(body, req, sampling)
+    return _common(body, req, sampling, vocab)
 
 
-def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
+def _common(body: dict[str, Any], req: GenerationRequest, sampling: dict[str, Any],
+            vocab: int | None) -> GenerationRequest:
+    """The fields both endpoints take; the sampling ones (with `sampling`, what the endpoint's own
+    fields gave) become the request's SamplingParams."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _type_error("model", "a string", model)
     req.model = None if model is None else check_text(model, "model")
     t = _opt_number(body, "temperature")
-    if t is not None:
-        if t < 0:
-            raise ProtocolError(f"temperature must be >= 0 (0 = greedy), got {t}", param="temperature")
-        req.temperature = t
+    if t is not None and t < 0:
+        raise ProtocolError(f"temperature must be >= 0 (0 = greedy), got {t}", param="temperature")
+    sampling["temperature"] = DEFAULT_TEMPERATURE if t is None else t
     p = _opt_number(body, "top_p")
     if p is not None:
         if not 0 < p <= 1:
             raise ProtocolError(f"top_p must be in (0, 1], got {p}", param="top_p")
-        req.top_p = p
+        sampling["top_p"] = p
     k = _opt_int(body, "top_k", minimum=-1)  # vLLM's extension; -1 (or 0) = off
-    req.top_k = 0 if k is None or k < 0 else k
-    req.seed = _opt_int(body, "seed", minimum=0, maximum=SEED_LIMIT - 1)
+    if k is not None and k > 0:
+        sampling["top_k"] = k
+    sampling["seed"] = _opt_int(body, "seed", minimum=0, maximum=SEED_LIMIT - 1)
     req.stop = _parse_stop(body.get("stop"))
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -261,8 +250,37 @@ def _common(body: dict[str, Any], req: GenerationRequest) -> GenerationRequest:
         raise ProtocolError(f"n must be <= {MAX_CHOICES} (choices per request), got {n}", param="n")
     req.n = n or 1
     req.cache_salt = _parse_cache_salt(body.get("cache_salt"))
-    _parse_processors(body, req)
+    _parse_processors(body, sampling, vocab)
+    try:
+        req.params = SamplingParams(**sampling)
+    except SamplingParamsError as e:  # what the engine refuses beyond the wire's own checks
+        raise ProtocolError(str(e), param=param_of(e), code=code_of(e)) from None
     return req
+
+
+# the request fields an engine error may name, by the start of its message
+_ERROR_PARAMS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "messages", "logit_bias",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+
+
+def param_of(e: SpecwoodError) -> str | None:
+    """The request field an engine error is about (OpenAI's error.param), from its message."""
+    msg = str(e)
+    for p in _ERROR_PARAMS:
+        if msg.startswith(p):
+            return p
+    if isinstance(e, ContextLengthError):
+        return "max_tokens"
+    return "method" if msg.startswith("method") else None
+
+
+def code_of(e: SpecwoodError) -> str | None:
+    """OpenAI's error.code of an engine error."""
+    if isinstance(e, ContextLengthError):
+        return "context_length_exceeded"
+    if isinstance(e, SamplingParamsError):
+        return "invalid_value"
+    return None
 
 
 MAX_CACHE_SALT_CHARS = 256
@@ -280,26 +298,26 @@ def _parse_cache_salt(salt: Any) -> str | None:
     return check_text(salt, "cache_salt")
 
 
-def _parse_processors(body: dict[str, Any], req: GenerationRequest) -> None:
-    """logit_bias, the penalties and min_p (token ids are checked against the vocabulary later,
-    by the server, which knows it)."""
+def _parse_processors(body: dict[str, Any], sampling: dict[str, Any], vocab: int | None) -> None:
+    """logit_bias, the penalties and min_p into `sampling` (token ids checked against `vocab`
+    where given)."""
     for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
         v = _opt_number(body, name)
         if v is not None:
             if not lo <= v <= hi:
                 raise ProtocolError(f"{name} must be in [{lo:g}, {hi:g}] (0 = off), got {v:g}", param=name)
-            setattr(req, name, v)
+            sampling[name] = v
     v = _opt_number(body, "repetition_penalty")
     if v is not None:
         if not 0 < v <= 100:
             raise ProtocolError(f"repetition_penalty must be in (0, 100] (1 = off), got {v:g}",
                                 param="repetition_penalty")
-        req.repetition_penalty = v
+        sampling["repetition_penalty"] = v
     v = _opt_number(body, "min_p")
     if v is not None:
         if not 0 <= v <= 1:
             raise ProtocolError(f"min_p must be in [0, 1] (0 = off), got {v:g}", param="min_p")
-        req.min_p = v
+        sampling["min_p"] = v
     bias = body.get("logit_bias")
     if bias is None:
         return
@@ -315,20 +333,26 @@ def _parse_processors(body: dict[str, Any], req: GenerationRequest) -> None:
                 or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
             raise ProtocolError(f"logit_bias values must be numbers in [-100, 100], got {_short(value)} for token "
                                 f"{key}", param="logit_bias")
-        req.logit_bias[int(key)] = float(value)
+    ids = {int(key): float(value) for key, value in bias.items()}
+    bad = [t for t in ids if vocab is not None and not 0 <= t < vocab]
+    if bad:
+        raise ProtocolError(f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{vocab - 1})",
+                            param="logit_bias")
+    sampling["logit_bias"] = ids
 
 
-def _parse_chat_logprobs(body: dict[str, Any], req: GenerationRequest) -> None:
+def _parse_chat_logprobs(body: dict[str, Any]) -> int | None:
+    """logprobs and top_logprobs: None (off) or the alternatives each token reports."""
     lp = body.get("logprobs")
     if lp is not None and not isinstance(lp, bool):
         raise _type_error("logprobs", "a boolean", lp)
     top = _opt_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
     if top is not None and top > 0 and not lp:
         raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
-    req.logprobs = (top or 0) if lp else None
+    return (top or 0) if lp else None
 
 
-def _parse_response_format(body: dict[str, Any], req: GenerationRequest) -> None:
+def _parse_response_format(body: dict[str, Any], req: GenerationRequest, sampling: dict[str, Any]) -> None:
     """response_format (chat, and completions as vLLM takes it): the answer's grammar."""
     rf = body.get("response_format")
     if rf is not None:
@@ -337,7 +361,7 @@ def _parse_response_format(body: dict[str, Any], req: GenerationRequest) -> None
         kind = rf.get("type")
         if kind == "json_object":
             req.json_schema = grammars.json_object_schema()
-            req.grammar = grammars.json_object_grammar()
+            sampling["grammar"] = grammars.json_object_grammar()
         elif kind == "json_schema":
             spec = rf.get("json_schema")
             where = "response_format.json_schema"
@@ -353,7 +377,7 @@ def _parse_response_format(body: dict[str, Any], req: GenerationRequest) -> None
             schema = spec.get("schema", {"type": "object"})  # OpenAI: absent = any JSON object
             try:
                 req.json_schema = grammars.prepare_schema(schema, bool(strict))
-                req.grammar = grammars.json_schema_grammar(schema, bool(strict))
+                sampling["grammar"] = grammars.json_schema_grammar(schema, bool(strict))
             except GrammarError as e:
                 raise ProtocolError(f"{where}.schema: {e}", param=f"{where}.schema", code="invalid_schema") from None
         elif kind != "text":
@@ -387,9 +411,9 @@ def parse_template_kwargs(kwargs: Any) -> dict[str, Any] | None:
     return dict(kwargs)
 
 
-def _parse_structured(body: dict[str, Any], req: GenerationRequest) -> None:
+def _parse_structured(body: dict[str, Any], req: GenerationRequest, sampling: dict[str, Any]) -> None:
     """response_format, tools, tool_choice and parallel_tool_calls (chat)."""
-    _parse_response_format(body, req)
+    _parse_response_format(body, req, sampling)
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is not None and not (isinstance(tools, list) and not tools):  # [] = no tools
         try:

@@ -11,6 +11,7 @@ from specwood.drafting.shapes import MODEL_SHAPES
 from specwood.engine.specpipe.jobs import DRAFTED_MODES, check_pipeline_args, tree_nodes
 from specwood.engine.specpipe.launch import generate_pipeline
 from specwood.errors import SpecwoodError
+from specwood.sampling import params_from_flags
 
 
 def cli_mode(args: Any) -> tuple[str, dict[str, Any] | None, int]:
@@ -67,10 +68,9 @@ def cmd_generate_pipeline(args: Any, load_engine: Callable[..., Any]) -> int:
     if args.system and not args.raw:
         prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = generate_pipeline(engine, prompt, stages=args.stages, width=cli_width(args, mode), topk=topk, mode=mode,
-                               max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                               top_k=args.top_k, seed=args.seed, stop=args.stop, raw=args.raw, on_text=stream,
-                               tree=tree)
+    result = generate_pipeline(engine, prompt, params_from_flags(args), stages=args.stages, width=cli_width(args, mode),
+                               topk=topk, mode=mode, max_tokens=args.max_tokens, stop=args.stop, raw=args.raw,
+                               on_text=stream, tree=tree)
     s = result.stats
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,

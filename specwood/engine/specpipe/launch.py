@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import weakref
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -34,7 +35,7 @@ from specwood.engine.processes import ChildLost, NoAnswer, describe_exit, receiv
 from specwood.engine.request import Drafter, Request, State
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.methods import EXECUTOR_ALIASES
-from specwood.sampling import SamplingParams
+from specwood.sampling import SamplingParams, split_sampling
 
 # `--width auto`: the planner (a higher layer) registers its search for w here when it is imported,
 # as it registers its methods in specwood.methods.
@@ -269,12 +270,12 @@ class PipelineExecutor(Executor):
             raise ContextLengthError(f"the request needs {needed - self.tree_room} context tokens but the model holds "
                                      f"{self.engine.max_context}; shorten the prompt or lower max_tokens")
 
-    def make_request(self, engine: Any, prompt: Any, *, scheduler: Any, method: str | None = None,
-                     prepared: Any = None, **kwargs: Any) -> Request:
+    def make_request(self, engine: Any, prompt: Any, params: SamplingParams | None = None, *, scheduler: Any,
+                     method: str | None = None, prepared: Any = None, **kwargs: Any) -> Request:
         """A request in `method`'s pipeline mode; `prepared`: the server's (mode, specinfer tree)
         for it (serve.pipeline_methods), else the mode `pipeline_mode` gives the name."""
         mode, tree = prepared if prepared is not None else pipeline_mode(method or "specpipe")
-        req = engine.new_request(prompt, method=mode, scheduler=scheduler,
+        req = engine.new_request(prompt, params, method=mode, scheduler=scheduler,
                                  prepared=lambda sources, prompt_len, max_tokens, load=1, scope="": Drafter(), **kwargs)
         self._modes[req] = (mode, tree)
         return req
@@ -284,10 +285,9 @@ class PipelineExecutor(Executor):
             raise SpecwoodError("requests for the pipeline executor come from its make_request")
         mode, tree = self._modes[req]
         req.state = State.DECODE  # rank 0 prefills and decodes
-        p = req.params
-        self._lanes[req] = self.submit(
-            req.prompt_ids, max_tokens=req.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-            seed=p.seed, stop=req.out.stop or None, on_text=req.out.on_text, mode=mode, tree=tree,
+        self._lanes[req] = self.submit(  # the ranks sample without the sequential executor's processors
+            req.prompt_ids, req.params.unshaped(), max_tokens=req.max_tokens, stop=req.out.stop or None,
+            on_text=req.out.on_text, mode=mode, tree=tree,
             on_finish=lambda lane, req=req: self._ended.put((req, lane)))
 
     def step(self, running: list[Request]) -> None:
@@ -332,13 +332,14 @@ class PipelineExecutor(Executor):
 
     # --- requests ---
 
-    def submit(self, prompt: Any, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, raw: bool = False,
+    def submit(self, prompt: Any, params: SamplingParams | None = None, *, max_tokens: int = 128,
+               stop: list[str] | str | None = None, raw: bool = False,
                on_text: Callable[[str], None] | None = None, mode: str = "specpipe", width: int | None = None,
                topk: int | None = None, tree: dict[str, Any] | None = None, trace: bool = False,
-               on_finish: Callable[[PipelineRequest], None] | None = None) -> PipelineRequest:
+               on_finish: Callable[[PipelineRequest], None] | None = None, **sampling: Any) -> PipelineRequest:
         """Put one request in flight (it joins the pipeline at its next step, or when a lane frees
-        up); bad input raises here. Greedy output is token-identical to `ar`."""
+        up); bad input raises here. `params` (or its fields as keyword arguments): temperature,
+        top-k/p and seed. Greedy output is token-identical to `ar`."""
         if self.failed:
             raise PipelineFailure(f"the pipeline is down ({self.failed}); start a new PipelineExecutor")
         if mode not in MODES:
@@ -348,8 +349,12 @@ class PipelineExecutor(Executor):
         if mode in DRAFTED_MODES and self.engine.draft_model is None:
             raise SpecwoodError(f"mode '{mode}' needs a draft model; load one (--draft NAME|PATH) or use mode 'pp'")
         n_tree = tree_nodes(tree) if mode == "specinfer" else 0
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                emit_limit=getattr(self.engine, "emit_limit", None))
+        params, unknown = split_sampling(params, sampling)
+        if unknown:
+            raise TypeError(f"submit() got unexpected keyword arguments {', '.join(sorted(unknown))}")
+        if params.shaping():
+            raise SpecwoodError(f"{', '.join(params.shaping())} run on the sequential executor, not 'pipeline'")
+        params = replace(params, emit_limit=getattr(self.engine, "emit_limit", None))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SpecwoodError(f"max_tokens must be a positive integer, got {max_tokens}")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -369,9 +374,10 @@ class PipelineExecutor(Executor):
         self._send(("submit", req.id, job, stop))
         return req
 
-    def generate(self, prompt: Any, *, timeout_s: float = 3600.0, **kwargs: Any) -> GenerationResult:
+    def generate(self, prompt: Any, params: SamplingParams | None = None, *, timeout_s: float = 3600.0,
+                 **kwargs: Any) -> GenerationResult:
         """One request on the pipeline (the arguments of `submit`)."""
-        return self._wait(self.submit(prompt, **kwargs), timeout_s)
+        return self._wait(self.submit(prompt, params, **kwargs), timeout_s)
 
     def generate_many(self, prompts: list[Any], *, timeout_s: float = 3600.0, **kwargs: Any) -> list[GenerationResult]:
         """Several requests in flight at once (SpecPipe-DB); each prompt may be a dict of its own
@@ -521,11 +527,12 @@ def _kill_all(procs: list[Any], store_dir: str | None = None) -> None:
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def generate_pipeline(engine: Any, prompt: Any, *, stages: int = 2, width: int | str | None = 8, topk: int = 4,
-                      threads: int | None = None, **kwargs: Any) -> GenerationResult:
+def generate_pipeline(engine: Any, prompt: Any, params: SamplingParams | None = None, *, stages: int = 2,
+                      width: int | str | None = 8, topk: int = 4, threads: int | None = None,
+                      **kwargs: Any) -> GenerationResult:
     """One request on a pipeline started for it (and stopped after): `specwood generate --executor pipeline`."""
     with PipelineExecutor(engine, stages, width=width, topk=topk, threads=threads) as ex:
-        return ex.generate(prompt, **kwargs)
+        return ex.generate(prompt, params, **kwargs)
 
 
 def draft_load(engine: Any) -> float:
@@ -569,7 +576,8 @@ def pipeline_mode(method: str, budget: int | None = None, depth: int | None = No
     return mode, tree
 
 
-def generate_on_pipeline(engine: Any, executor: Any, prompt: Any, *, method: str = "specpipe", stages: int = 2,
+def generate_on_pipeline(engine: Any, executor: Any, prompt: Any, params: SamplingParams | None = None, *,
+                         method: str = "specpipe", stages: int = 2,
                          width: int | None = None, topk: int | None = None, threads: int | None = None,
                          budget: int | None = None, depth: int | None = None, threshold: float | None = None,
                          **kwargs: Any) -> GenerationResult:
@@ -577,6 +585,6 @@ def generate_on_pipeline(engine: Any, executor: Any, prompt: Any, *, method: str
     (a string starts one for the call with `stages`, `width`, `topk`, `threads`, and stops it after)."""
     mode, tree = pipeline_mode(method, budget, depth, threshold)
     if isinstance(executor, PipelineExecutor):
-        return executor.generate(prompt, mode=mode, width=width, topk=topk, tree=tree, **kwargs)
-    return generate_pipeline(engine, prompt, stages=stages, width=width or 8, topk=topk or 4, threads=threads,
+        return executor.generate(prompt, params, mode=mode, width=width, topk=topk, tree=tree, **kwargs)
+    return generate_pipeline(engine, prompt, params, stages=stages, width=width or 8, topk=topk or 4, threads=threads,
                              mode=mode, tree=tree, **kwargs)

@@ -26,7 +26,7 @@ from specwood.models.linears import int4_available
 from specwood.models.registry import DEFAULT_TARGET, default_draft_for
 from specwood.models.transformer import build_model
 from specwood.engine.vocab import emit_limit
-from specwood.sampling import SamplingParams
+from specwood.sampling import params_from_flags
 
 
 
@@ -119,8 +119,7 @@ def _rank0_parts(args: Any, target: str, cfg: Any, path: Any, device: str, dtype
     max_tokens = min(args.max_tokens, positions - len(prompt))
     if max_tokens < 1:
         raise SpecwoodError(f"prompt has {len(prompt)} tokens but the context holds {positions}; shorten the prompt")
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            emit_limit=emit_limit(tokenizer, cfg.vocab_size))  # never a padding id
+    params = params_from_flags(args, emit_limit=emit_limit(tokenizer, cfg.vocab_size))  # never a padding id
     tree = {"name": args.shape}
     parts["job"] = (Job(prompt, max_tokens, params, args.mode, args.width, args.topk, tree, tree_nodes(tree)), None)
     return parts

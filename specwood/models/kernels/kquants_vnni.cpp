@@ -306,6 +306,46 @@ torch::Tensor run_linear(const TileFn* tiles, int64_t (*block_bytes)(int64_t), c
   return finish_linear(y, x, bias);
 }
 
+// Routed experts, one call for all (a MoE layer's projection): x [R, K] holds each expert's rows one
+// expert after another (counts[e] of them for expert e, in expert order), packed [E, N/32,
+// block_bytes] every expert's weights; y [R, N]: each row times its own expert's weights. The rows
+// are quantised once and the work items are (expert, block of 32 channels): each expert's weights are
+// read once for all its rows, as one run_linear call per expert would read them, with the same tile
+// functions on the same rows, so the bits are those calls' bits (row-exact).
+torch::Tensor run_experts(const TileFn* tiles, int64_t (*block_bytes)(int64_t), const char* name, torch::Tensor x,
+                          torch::Tensor packed, const std::vector<int64_t>& counts) {
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(0) == static_cast<int64_t>(counts.size()),
+              name, ": packed must be [E, N/32, block_bytes] with one count per expert");
+  const LinearShape s = check_linear(name, x, packed[0], block_bytes);
+  std::vector<int64_t> experts, starts;  // the experts with rows, and where their rows start
+  int64_t rows = 0;
+  for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
+    TORCH_CHECK(counts[e] >= 0, name, ": a negative row count");
+    if (counts[e] > 0) {
+      experts.push_back(e);
+      starts.push_back(rows);
+    }
+    rows += counts[e];
+  }
+  TORCH_CHECK(rows == s.m, name, ": the counts add up to ", rows, " rows, x has ", s.m);
+  const Activations a = quantize(x);
+  auto y = torch::empty({s.m, s.n}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t expert_bytes = s.blocks * s.stride;
+  at::parallel_for(0, static_cast<int64_t>(experts.size()) * s.blocks, 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = experts[i / s.blocks], b = i % s.blocks, first = starts[i / s.blocks];
+      for (int64_t r = first; r < first + counts[e]; r += MAX_TILE) {
+        const int tile = static_cast<int>(std::min<int64_t>(MAX_TILE, first + counts[e] - r));
+        tiles[tile](wp + e * expert_bytes + b * s.stride, a, a.scale.data() + r * s.groups,
+                    a.sums16.data() + r * 2 * s.groups, a.q.data() + r * s.k, yp + r * s.n, s.n, b);
+      }
+    }
+  });
+  return finish_linear(y, x, torch::Tensor());
+}
+
 }  // namespace
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
@@ -324,11 +364,31 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bia
   return run_linear(Q8_TILES, Q8Layout::block_bytes, "q8_linear", x, packed, bias);
 }
 
+torch::Tensor q4_experts(torch::Tensor x, torch::Tensor packed, std::vector<int64_t> counts) {
+  return run_experts(Q4_TILES, Q4Layout::block_bytes, "q4_experts", x, packed, counts);
+}
+
+torch::Tensor q5_experts(torch::Tensor x, torch::Tensor packed, std::vector<int64_t> counts) {
+  return run_experts(Q5_TILES, Q5Layout::block_bytes, "q5_experts", x, packed, counts);
+}
+
+torch::Tensor q6_experts(torch::Tensor x, torch::Tensor packed, std::vector<int64_t> counts) {
+  return run_experts(Q6_TILES, Q6Layout::block_bytes, "q6_experts", x, packed, counts);
+}
+
+torch::Tensor q8_experts(torch::Tensor x, torch::Tensor packed, std::vector<int64_t> counts) {
+  return run_experts(Q8_TILES, Q8Layout::block_bytes, "q8_experts", x, packed, counts);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_linear", &q4_linear, "Q4_K weights x int8 activations (AVX512-VNNI)");
   mod.def("q5_linear", &q5_linear, "Q5_K weights x int8 activations (AVX512-VNNI)");
   mod.def("q6_linear", &q6_linear, "Q6_K weights x int8 activations (AVX512-VNNI)");
   mod.def("q8_linear", &q8_linear, "Q8_0 weights x int8 activations (AVX512-VNNI)");
+  mod.def("q4_experts", &q4_experts, "routed experts' Q4_K weights x int8 activations, grouped rows (AVX512-VNNI)");
+  mod.def("q5_experts", &q5_experts, "routed experts' Q5_K weights x int8 activations, grouped rows (AVX512-VNNI)");
+  mod.def("q6_experts", &q6_experts, "routed experts' Q6_K weights x int8 activations, grouped rows (AVX512-VNNI)");
+  mod.def("q8_experts", &q8_experts, "routed experts' Q8_0 weights x int8 activations, grouped rows (AVX512-VNNI)");
   mod.def("q4_block_bytes", &Q4Layout::block_bytes, "bytes of one Q4_K block of 32 output channels for K/32 groups");
   mod.def("q5_block_bytes", &Q5Layout::block_bytes, "bytes of one Q5_K block of 32 output channels for K/32 groups");
   mod.def("q6_block_bytes", &Q6Layout::block_bytes, "bytes of one Q6_K block of 32 output channels for K/32 groups");
