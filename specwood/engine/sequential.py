@@ -29,7 +29,7 @@ from specwood.engine.output import GenerationResult
 from specwood.engine.prefix_reuse import PrefixReuse
 from specwood.engine.request import Request, State
 from specwood.engine.step import (StepRecord, commit, draft_trees, first_token, hand_prompt_features, hand_tree_features,
-                                  plain_tree, target_forward, tree_rows, verify_tree, wants_features)
+                                  plain_tree, target_forward, tree_rows, verify_requests, wants_features)
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
@@ -156,12 +156,13 @@ class SequentialStep:
             record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1,
                                 drafting=sum(len(trees[r]) > 1 for r in live),
                                 prefill_tokens=riding)
-            for req, logits in zip(live, outs):
-                if logits is None:
-                    continue
+            done = [(req, logits) for req, logits in zip(live, outs) if logits is not None]
+            verdicts = verify_requests([r for r, _ in done], [trees[r] for r, _ in done], [lg for _, lg in done])
+            for (req, _), verdict in zip(done, verdicts):
                 tree = trees[req]
                 try:
-                    verdict = verify_tree(req, tree, logits)
+                    if isinstance(verdict, Exception):
+                        raise verdict
                     tokens = rows.commit(req, tree, verdict, record, forced.get(req, 0))
                     record.drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
                     if req.out.push_step(tokens):
