@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -68,7 +69,7 @@ from specwood.bench.load_requests import (WARMUP_MESSAGES, _require_httpx, parse
                                           stream_request)
 from specwood.bench.load_stats import summarize_level
 from specwood.bench.server_process import ServerProcess, free_port, serve_command
-from specwood.bench.workload import load_workload
+from specwood.bench.workload import Prompt, load_workload
 from specwood.errors import SpecwoodError
 
 LLAMA = "llama.cpp"
@@ -165,14 +166,23 @@ async def _get_json(base: str, path: str) -> Any:
         return None
 
 
-def warm_up(base: str, method: str | None, timeout: float, label: str) -> None:
+def as_raw(prompt: Prompt) -> Prompt:
+    """The prompt's messages as one plain text (/v1/completions), for a model without a chat template."""
+    if prompt.raw:
+        return prompt
+    text = "\n\n".join(m["content"] for m in prompt.messages or ())
+    return dataclasses.replace(prompt, messages=None, prompt=text)
+
+
+def warm_up(base: str, method: str | None, timeout: float, label: str, raw: bool = False) -> None:
     t0 = time.perf_counter()
+    prompt = as_raw(Prompt("warm-up", "warm-up", messages=tuple(WARMUP_MESSAGES))) if raw else None
 
     async def go() -> dict[str, Any]:
         httpx = _require_httpx()
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), trust_env=False) as client:
-            return await stream_request(client, base, None, method, WARMUP_TOKENS, timeout, None,
-                                        messages=WARMUP_MESSAGES, continuous_usage=True)
+            return await stream_request(client, base, prompt, method, WARMUP_TOKENS, timeout, None,
+                                        messages=None if raw else WARMUP_MESSAGES, continuous_usage=True)
 
     r = asyncio.run(go())
     if r.get("error"):
@@ -291,6 +301,8 @@ class Run:
         self.out = Path(a.out)
         self.out.mkdir(parents=True, exist_ok=True)
         wl = load_workload(a.prompts, limit=a.limit, categories=a.categories.split(",") if a.categories else None)
+        if a.raw:  # a base model without a chat template: the messages' text as one plain prompt
+            wl = dataclasses.replace(wl, prompts=[as_raw(p) for p in wl.prompts])
         self.workload = wl
         self.levels = parse_concurrency(a.concurrency)
         self.requests = {c: plan_requests(wl.prompts, [c], None) for c in self.levels}
@@ -302,8 +314,12 @@ class Run:
         self.plan: dict[str, Any] | None = None
         from specwood.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
 
-        self.target = Path(a.target) if a.target else resolve_model(DEFAULT_TARGET)
-        self.draft = Path(a.draft) if a.draft else resolve_model(DEFAULT_DRAFT)
+        self.target = resolve_model(a.target or DEFAULT_TARGET)  # a known name or a path
+        # --draft none: specwood runs without a draft model (llama.cpp+draft then has none to use)
+        no_draft = a.draft is not None and a.draft.lower() == "none"
+        if no_draft and a.llama_spec:
+            raise SystemExit("--llama-spec needs a draft model: drop it or give --draft")
+        self.draft = None if no_draft else resolve_model(a.draft or DEFAULT_DRAFT)
         self.binary = Path(a.llama_server) if a.llama_server else LS.ensure(build_if_missing=not a.no_build, log=log)
         self.kinds = [LLAMA] + ([LLAMA_SPEC] if a.llama_spec else []) + ([SPECWOOD] if self.methods else [])
         if a.require_plan and SPECWOOD in self.kinds:  # fail fast: specwood first
@@ -363,7 +379,7 @@ class Run:
                 props = asyncio.run(_get_json(base, "/props")) or {}
                 info["props"] = {k: v for k, v in props.items() if k not in ("chat_template", "chat_template_tool_use")}
                 info["models"] = asyncio.run(_get_json(base, "/v1/models"))
-            warm_up(base, None, self.a.request_timeout, f"{kind} c={c}")
+            warm_up(base, None, self.a.request_timeout, f"{kind} c={c}", self.a.raw)
             return self._level(srv, base, kind, None, c, rnd, final=attempt == self.a.retry_noisy)
 
     def _specwood(self, rnd: int) -> None:
@@ -385,7 +401,7 @@ class Run:
             self.servers.setdefault(SPECWOOD, {"command": shlex.join(cmd),
                                                "models": asyncio.run(_get_json(base, "/v1/models"))})
             for m in self.methods:
-                warm_up(base, m, self.a.request_timeout, f"specwood {m}")
+                warm_up(base, m, self.a.request_timeout, f"specwood {m}", self.a.raw)
             for c in self.levels:
                 for m in self.methods:
                     for attempt in range(self.a.retry_noisy + 1):
@@ -699,6 +715,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="repeat everything, alternating the server order")
     ap.add_argument("--threads", type=int, default=None, help="llama-server -t/-tb (default: torch's thread count)")
     ap.add_argument("--ctx", type=int, default=4096, help="context per request slot (both servers)")
+    ap.add_argument("--raw", action="store_true",
+                    help="send each prompt's messages as one plain text to /v1/completions (a base model without "
+                         "a chat template, such as gemma3-270m)")
     ap.add_argument("--target", default=None, help="target GGUF (default: the package's default target)")
     ap.add_argument("--draft", default=None, help="draft GGUF (default: the package's default draft)")
     ap.add_argument("--dtype", default=None, help="specwood serve --dtype (default: its own, auto)")

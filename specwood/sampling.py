@@ -197,6 +197,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def law_key(params: SamplingParams) -> tuple:
+    """What `target_probs` reads of `params`: rows whose keys are equal share one call."""
+    return (params.greedy, params.temperature, params.top_k, params.top_p, params.min_p, params.emit_limit)
+
+
 def without_padding(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Float32 logits with -inf at the padding ids past `params.emit_limit` (never the caller's tensor
     when it masks)."""
@@ -233,12 +238,19 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> torc
 
     Inverse CDF in float64: exact, and far cheaper than torch.multinomial on a 150k vocabulary.
     """
+    rows = probs.numel() // max(probs.shape[-1], 1)
+    return draw_token(probs, torch.rand(rows, dtype=torch.float64, generator=generator, device=probs.device))
+
+
+def draw_token(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample_token` on given uniforms: `u` holds one float64 in [0, 1) per row of `probs`
+    (a batch of rows whose draws come from different generators)."""
     flat = probs.reshape(-1, probs.shape[-1]).double()
     cdf = flat.cumsum(-1)
     total = cdf[:, -1]
     if not bool((torch.isfinite(total) & (total > 0)).all()):  # a caller's bug, never a token
         raise RuntimeError("sampling from a distribution that is empty or not finite (an all-zero or NaN row)")
-    u = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device) * cdf[:, -1:]
+    u = u.reshape(-1, 1).to(torch.float64) * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).clamp_(max=flat.shape[-1] - 1)
     stray = flat.gather(1, idx).squeeze(1) <= 0  # u rounded onto the very end of the cdf
     for r in stray.nonzero().flatten().tolist():

@@ -16,6 +16,9 @@ from specwood.models.testing import make_tiny_tokenizer  # noqa: F401 - the test
 # compiled kernels stay in one place for the whole run: tests (and the processes they start) that
 # point SPECWOOD_CACHE at a private folder must not compile them again there
 os.environ.setdefault("SPECWOOD_KERNEL_DIR", str(build_directory()))
+# tests measure plans beside each other (xdist) and other jobs: their plans are stored whatever the
+# machine's load (tests/test_plan_sanity.py checks that a busy machine's plan is not)
+os.environ.setdefault("SPECWOOD_PLAN_BUSY_CORES", "inf")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -63,19 +66,31 @@ def llama_cpp_required() -> None:
 
 class BiasedVerify:
     """A deliberately wrong sampling verifier: accepts drafted tokens `bias` too often. It counts
-    its calls, so a refactor that stops routing through specwood.engine.step.verify cannot make a
-    power test vacuous. Patch it in with monkeypatch.setattr(step_mod, "verify", BiasedVerify(b))."""
+    the drafted trees it verifies, so a refactor that stops routing through the patched name
+    cannot make a power test vacuous. The engine's step and the pipeline's last stage verify a
+    step's sampled trees in one call: monkeypatch.setattr(step_mod, "verify_trees", b.trees);
+    one tree: b(tree, logits, params, generator)."""
 
     def __init__(self, bias: float) -> None:
         self.bias = bias
         self.calls = 0
 
+    def accept(self, p_x, q_x):
+        from specwood.verify import min_ratio
+
+        return min_ratio(p_x, q_x) + self.bias
+
     def __call__(self, tree, logits, params, generator):
-        from specwood.verify import min_ratio, verify_sampling
+        from specwood.verify import verify_sampling
 
         self.calls += 1
-        return verify_sampling(tree, logits, params, generator,
-                               accept_prob=lambda p_x, q_x: min_ratio(p_x, q_x) + self.bias)
+        return verify_sampling(tree, logits, params, generator, accept_prob=self.accept)
+
+    def trees(self, trees, logits, params, uniforms):
+        from specwood.verify import verify_trees
+
+        self.calls += sum(len(t) > 1 for t in trees)  # lone roots have nothing to accept
+        return verify_trees(trees, logits, params, uniforms, accept_prob=self.accept)
 
 
 @pytest.fixture(scope="module")

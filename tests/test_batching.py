@@ -253,8 +253,10 @@ def test_requests_near_the_context_end_in_a_batch(tiny_engine):
 def test_newcomers_share_the_prefill(tiny_engine):
     """With nobody decoding, newcomers share one chunk of PREFILL_CHUNK tokens equally (short
     prompts get their first token at once, a long one keeps prefilling); while others decode,
-    each newcomer's target and draft advance prefill_chunk_tokens a step, the target's chunks in
-    the decode step's own forward (one pass over the weights a step); output is ar's."""
+    each newcomer's target advances prefill_chunk_tokens a step, in the decode step's own forward
+    (one pass over the weights a step). A draft model reads its prompt only after the first
+    token, in chunks of the same share (a short one in the next step, which it drafts in);
+    output is ar's."""
     from specwood.models.prefill import PREFILL_CHUNK
 
     engine = tiny_engine
@@ -271,24 +273,75 @@ def test_newcomers_share_the_prefill(tiny_engine):
     factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in ("ar", "dyspec", "chain")}
     for job in jobs:
         sched.submit(job.build(engine, sched, factories))
-    long = jobs[-1].request
+    long, dyspec = jobs[-1].request, jobs[1].request
     sched.step()
     assert all(j.request.state is State.DECODE for j in jobs[:3])
-    assert (long.state, long.prefilled, long.draft_prefilled) == (State.PREFILL, 128, 128)
+    assert (dyspec.draft_prefilled, len(dyspec.out.token_ids)) == (0, 1)  # its first token did not wait
+    assert (long.state, long.prefilled, long.draft_prefilled) == (State.PREFILL, 128, 0)
     assert len(passes) == 1  # four prompts' chunks (10, 9, 11, 128 tokens): one forward
-    sched.step()  # now others decode: 16 tokens of it, on both models
-    assert (long.prefilled, long.draft_prefilled) == (144, 144)
+    sched.step()  # now others decode: 16 tokens of the long prompt; dyspec's draft reads its 9 and drafts
+    assert (long.prefilled, long.draft_prefilled) == (144, 0)
+    assert dyspec.draft_prefilled == 9 and records[-1].drafting == 1
     assert len(passes) == 2 and records[-1].prefill_tokens == 16  # rode in the decode step's forward
     late = [Job("ar", random_prompt(rnd, 60), 8), Job("chain", random_prompt(rnd, 60), 8)]
     for job in late:
         sched.submit(job.build(engine, sched, factories))
     sched.step()
-    assert (long.prefilled, long.draft_prefilled) == (160, 160)
-    assert [j.request.prefilled for j in late] == [16, 16] and late[1].request.draft_prefilled == 16
+    assert (long.prefilled, long.draft_prefilled) == (160, 0)
+    assert [j.request.prefilled for j in late] == [16, 16] and late[1].request.draft_prefilled == 0
     assert len(passes) == 3 and records[-1].prefill_tokens == 48
     sched.run_until_done([j.request for j in jobs + late])
     hook.remove()
     assert_like_ar(engine, jobs + late)
+    assert_pools_free(sched)
+
+
+def test_the_first_token_never_waits_for_the_draft(tiny_engine):
+    """A draft model reads its prompt after its request's first token (issue 58 item 3): alone,
+    all of it in the next step, which the request drafts in; beside others decoding,
+    prefill_chunk_tokens a step while the request decodes plainly, then it drafts. auto with its
+    draft model too. Greedy, fp32: every output is ar's. A seeded sampled request still has its
+    draft read the prompt first (its trees must not depend on the batch)."""
+    engine = tiny_engine
+    store_auto_plan(engine)
+    rnd = random.Random(9)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=4, prefill_chunk_tokens=16))
+    records = []
+    sched.observers.append(records.append)
+    options = {**TINY_OPTIONS, "auto": {"progress": False, "lookup": False}}  # auto drafts with its model
+    factories = {m: quiet_prepare(engine, m, options[m]) for m in ("ar", "dyspec", "auto")}
+    done = []
+    for method in ("dyspec", "auto"):  # alone
+        job = Job(method, random_prompt(rnd, 40), 16, eos=set())
+        req = sched.submit(job.build(engine, sched, factories))
+        sched.step()
+        assert (req.state, len(req.out.token_ids), req.draft_prefilled) == (State.DECODE, 1, 0), method
+        sched.step()
+        assert req.draft_prefilled == 40 and records[-1].drafting == 1, method
+        sched.run_until_done([req])
+        done.append(job)
+    running = Job("ar", random_prompt(rnd, 10), 60, eos=set())  # beside a request that decodes
+    sched.submit(running.build(engine, sched, factories))
+    sched.step()
+    job = Job("dyspec", random_prompt(rnd, 60), 24, eos=set())
+    req = sched.submit(job.build(engine, sched, factories))
+    while req.state is not State.DECODE:
+        sched.step()
+    assert (req.draft_prefilled, len(req.out.token_ids)) == (0, 1)
+    seen = []
+    while req.draft_behind:
+        sched.step()
+        seen.append((req.draft_prefilled, records[-1].drafting, len(req.out.token_ids)))
+    # plain steps (a token each) while the draft reads 16 tokens a step; it drafts in the step it is done
+    assert seen == [(16, 0, 2), (32, 0, 3), (48, 0, 4), (60, 1, seen[-1][2])]
+    sched.run_until_done([running.request, req])
+    assert req.result.stats["spec_steps"] > 0
+    assert_like_ar(engine, done + [running, job])
+    seeded = sched.submit(engine.new_request(random_prompt(rnd, 30), max_tokens=4, method="dyspec", seed=5,
+                                             temperature=0.8, scheduler=sched, prepared=factories["dyspec"]))
+    sched.step()
+    assert seeded.draft_first and (len(seeded.out.token_ids), seeded.draft_prefilled) == (1, 30)
+    sched.run_until_done([seeded])
     assert_pools_free(sched)
 
 

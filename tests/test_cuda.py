@@ -86,7 +86,7 @@ def test_cuda_sampling_follows_the_target_law(cuda_stat_engines, method):
 
     biased = BiasedVerify(stats_mod.BIAS)
     mp = pytest.MonkeyPatch()
-    mp.setattr(step_mod, "verify", biased)
+    mp.setattr(step_mod, "verify_trees", biased.trees)
     try:
         counts, _, _ = stats_mod.run_requests(gpu, method, params, CUDA_SAMPLES, stream=78)
     finally:

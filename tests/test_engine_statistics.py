@@ -246,7 +246,7 @@ def test_biased_verifier_is_caught(stat_engine, private_plans, monkeypatch, meth
     params = SamplingParams(temperature=1.0)
     law = exact_law(stat_engine, params)
     biased = BiasedVerify(BIAS)
-    monkeypatch.setattr(step_mod, "verify", biased)
+    monkeypatch.setattr(step_mod, "verify_trees", biased.trees)
     t0 = time.perf_counter()
     counts, _, _ = run_requests(stat_engine, method, params, BIASED_SAMPLES,
                                 stream=1000 + BIASED.index(method))
@@ -254,7 +254,8 @@ def test_biased_verifier_is_caught(stat_engine, private_plans, monkeypatch, meth
     p = g_test(counts, law)
     print(f"\nbiased {method} (+{BIAS}): p(first, second)={p:.3g} | {BIASED_SAMPLES} requests in {dt:.1f}s "
           f"= {BIASED_SAMPLES / dt:.0f} req/s")
-    assert biased.calls >= BIASED_SAMPLES // 2, "the engine no longer verifies through specwood.engine.step.verify"
+    assert biased.calls >= BIASED_SAMPLES // 2, \
+        "the engine no longer verifies through specwood.engine.step.verify_trees"
     assert p < P_BIASED, f"the test cannot see a +{BIAS} acceptance bias"
 
 
@@ -262,7 +263,7 @@ def test_biased_verifier_is_caught_on_copied_chains(stat_engine, private_plans, 
     params = SamplingParams(temperature=1.0)
     law = exact_law(stat_engine, params, LOOKUP_PROMPT)
     biased = BiasedVerify(BIAS)
-    monkeypatch.setattr(step_mod, "verify", biased)
+    monkeypatch.setattr(step_mod, "verify_trees", biased.trees)
     counts, _, _ = run_requests(stat_engine, "auto", params, LOOKUP_SAMPLES, stream=1500, prompt=LOOKUP_PROMPT,
                                 options={"progress": False}, batch=1)
     assert run_requests.copied > LOOKUP_SAMPLES // 4

@@ -11,7 +11,7 @@ Per trial tree (the synthetic target and draft of tests/test_verify_statistics.p
         collided with (merged by prefix), after that node's drawn children, unless it collides.
 A G-test over 200k trees compares the first three emitted tokens with the target's exact law;
 the verifier with a +0.02 acceptance bias must fail it. A smaller run drives the one-tree path
-(merge_suffix + verify_sampling) itself.
+(merge_suffix + TokenTree.selected, tree by tree) through the engine's `verify_trees`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from specwood.drafting.hybrid import merge_suffix
 from specwood.drafting.suffix_tree import continuation_tree
 from specwood.sampling import SamplingParams, target_probs
 from specwood.tree.token_tree import TokenTree
-from specwood.verify import min_ratio, verify_sampling, verify_sampling_batch
+from specwood.verify import min_ratio, tree_uniforms, verify_sampling_batch, verify_trees
 
 from conftest import g_test
 from test_verify_statistics import EMITTED, PRE, ROOT, Case, Synthetic, biased, draw
@@ -153,36 +153,46 @@ def test_hybrid_trees_are_lossless_and_the_test_has_power(case):
     assert min(bias[:2]) < 1e-6, "the test cannot see a +0.02 acceptance bias"
 
 
-def test_one_tree_path_merge_then_verify_sampling():
-    """merge_suffix + TokenTree.selected through verify_sampling (one Python call per tree)."""
+# one-tree path: the +0.02 twin's p(first) at 6,000 trees ranged from 3e-7 to 0.39 over 8 seeds
+# (~18% power to reach 1e-4: the old size passed on its seed's luck); at 30,000, ~99.99%
+ONE_TREE_TRIALS = 30_000
+
+
+def test_one_tree_path_merge_then_verify_trees():
+    """merge_suffix + TokenTree.selected, tree by tree, through `verify_trees` (the engine step's
+    call; each verdict is the one `verify_sampling` gives the tree alone, tests/test_verify_trees.py)."""
     case = Case("hybrid_one_tree", [3, 2], "sampled", SamplingParams(temperature=0.9), vocab=8, seed=23)
     syn = Synthetic(case)
-    V, N = case.vocab, 6000
+    V, N = case.vocab, ONE_TREE_TRIALS
     g = torch.Generator().manual_seed(5)
     p_root = target_probs(syn.T[0, PRE, ROOT], case.params)
     s1, s2 = torch.topk(p_root, 2).indices.tolist()
     suffix = continuation_tree(ROOT, [[s1, 3], [s1, 3], [s2]], budget=8)
-    first, pair = np.zeros(V, dtype=np.int64), np.zeros((V, V), dtype=np.int64)
     for accept_prob, lossless in ((min_ratio, True), (biased, False)):
-        first[:], pair[:] = 0, 0
-        for _ in range(N):
+        drawn, alive = draw_without_replacement(syn.q_root.expand(N, -1), 2, g)
+        trees, logits = [], []
+        for toks, oks in zip(drawn.tolist(), alive.tolist()):
             tree = TokenTree.with_root(ROOT, "sampled")
-            drawn, alive = draw_without_replacement(syn.q_root[None], 2, g)
-            for x, ok in zip(drawn[0].tolist(), alive[0].tolist()):
+            for x, ok in zip(toks, oks):
                 if ok:
                     tree.add_node(0, x, float(syn.q_root[x]))
             tree.child_dists[0] = syn.q_root
             merge_suffix(tree, suffix)
-            rows = []
-            for i in range(len(tree)):
-                ptok = PRE if i == 0 else tree.tokens[tree.parents[i]]
-                rows.append(syn.T[tree.depths[i], ptok, tree.tokens[i]])
-            out = verify_sampling(tree, torch.stack(rows), case.params, g, accept_prob=accept_prob)
-            emitted = out.tokens(tree)
-            if len(emitted) < 2:
-                emitted.append(int(draw(target_probs(syn.T[1, ROOT, emitted[0]], case.params)[None], g)))
-            first[emitted[0]] += 1
-            pair[emitted[0], emitted[1]] += 1
+            trees.append(tree)
+            logits.append(torch.stack([syn.T[tree.depths[i], PRE if i == 0 else tree.tokens[tree.parents[i]],
+                                             tree.tokens[i]] for i in range(len(tree))]))
+        verdicts = verify_trees(trees, logits, [case.params] * N, [tree_uniforms(t, g) for t in trees],
+                                accept_prob=accept_prob)
+        emitted = [v.tokens(t) for v, t in zip(verdicts, trees)]
+        short = [e for e in emitted if len(e) < 2]  # the second token drawn after the correction
+        if short:
+            after = target_probs(syn.T[1, ROOT, torch.tensor([e[0] for e in short])], case.params)
+            for e, x in zip(short, draw(after, g).tolist()):
+                e.append(x)
+        first, pair = np.zeros(V, dtype=np.int64), np.zeros((V, V), dtype=np.int64)
+        for e in emitted:
+            first[e[0]] += 1
+            pair[e[0], e[1]] += 1
         law = syn.expected()
         p = min(g_test(first, law[0]), g_test(pair, law[1]))
         print(f"\none tree ({'real' if lossless else 'biased'}): p={p:.3g}")

@@ -283,7 +283,7 @@ def test_auto_probing_and_batch_choice_stay_greedy_identical(tiny_tokenizer):
 
     from conftest import make_tiny_model
     from specwood.engine.api import Engine
-    from specwood.engine.scheduler import Scheduler
+    from specwood.engine.scheduler import SchedulerConfig
     from specwood.planner.fits import DEFAULT_AAT
     from specwood.planner.store import plan_key_for, save_plan
 
@@ -301,7 +301,7 @@ def test_auto_probing_and_batch_choice_stay_greedy_identical(tiny_tokenizer):
     assert alone.token_ids == refs[0]
     assert alone.stats["auto_x_steps"].get(1, 0) > 10 and alone.stats.get("auto_probes", 0) >= 1
     factory = engine.prepare("auto", {"progress": False, "suffix": False})
-    sched = Scheduler(engine.target, max_batch=4)
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=4), drafts=())
     reqs = [sched.submit(engine.new_request(p, max_tokens=48, method="auto", scheduler=sched, prepared=factory))
             for p in prompts]
     while not sched.idle:

@@ -32,7 +32,7 @@ from specwood.engine.parallel import ParallelExecutor, WorkerFailure
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
 from specwood.tree.token_tree import TokenTree
-from specwood.verify import verify
+from specwood.verify import verify_trees
 
 from conftest import BiasedVerify, exact_first_two_law, g_test, make_tiny_model, make_tiny_tokenizer, perturbed_copy
 
@@ -63,9 +63,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def executor(engine: Engine, **kwargs) -> ParallelExecutor:
-    """A worker process with one thread; no catch-up steps (unless asked), so that every step is
-    speculative however fast the tiny target is next to the worker's reply latency."""
+    """A worker process with one thread and a target on one (prefill included: on all cores, beside
+    the other xdist worker, every op of a prefill waited milliseconds for a core -- the G-tests ran
+    2.5-4x slower); no catch-up steps (unless asked), so that every step is speculative however
+    fast the tiny target is next to the worker's reply latency."""
     kwargs.setdefault("catch_up", False)
+    kwargs.setdefault("target_threads", 1)
     ex = ParallelExecutor(engine, draft_threads=1, verbose=False, **kwargs)
     _executors.append(ex)
     return ex
@@ -401,6 +404,8 @@ def test_bad_input_is_one_clear_error(tiny_pair, engine):
         ParallelExecutor(engine, draft_threads=cores + 1)
     with pytest.raises(SpecwoodError, match="positive integer"):
         ParallelExecutor(engine, draft_threads=0)
+    with pytest.raises(SpecwoodError, match="target threads must be a positive integer"):
+        ParallelExecutor(engine, draft_threads=1, target_threads=0)
     other = make_tiny_model(vocab_size=tiny_pair.target.config.vocab_size + 8, seed=5)
     with pytest.raises(SpecwoodError, match=r"draft vocabulary \(\d+ tokens\) differs from the target's"):
         ParallelExecutor(engine, draft=other, draft_threads=1)
@@ -654,16 +659,16 @@ def test_biased_verifier_is_caught(stat_executor, monkeypatch):
     params = SamplingParams(temperature=1.0)
     law = exact_law(stat_executor.engine, params)
     biased = BiasedVerify(BIAS)
-    monkeypatch.setattr(step_mod, "verify", biased)
+    monkeypatch.setattr(step_mod, "verify_trees", biased.trees)
     n = STAT_SAMPLES["biased"]
     t0 = time.perf_counter()
     counts, _, _, _ = run_requests(stat_executor, STAT_CASES["single"][0], params, n, stream=1000)
     ps = p_values(counts, law)
     print(f"\nparallel, biased verifier (+{BIAS}): " + " ".join(f"p({k})={v:.3g}" for k, v in ps.items())
           + f" | {n} requests in {time.perf_counter() - t0:.1f}s")
-    assert biased.calls >= n // 5, "the executor no longer verifies through specwood.engine.step.verify"
+    assert biased.calls >= n // 5, "the executor no longer verifies through specwood.engine.step.verify_trees"
     assert min(ps.values()) < P_BIASED, f"the test cannot see a +{BIAS} acceptance bias"
-    assert step_mod.verify is biased and verify is not biased
+    assert step_mod.verify_trees == biased.trees and verify_trees is not step_mod.verify_trees
 
 
 # ---------------------------------------------------------------------------------------------

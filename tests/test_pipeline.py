@@ -317,7 +317,7 @@ def test_local_sampling_biased_verifier_is_caught(mode, monkeypatch):
     from conftest import BiasedVerify
 
     biased = BiasedVerify(0.05)
-    monkeypatch.setattr(pipeline_mod, "verify", biased)
+    monkeypatch.setattr(pipeline_mod, "verify_trees", biased.trees)
     counts, law, _ = sampled_pipeline_counts(mode, PIPE_SAMPLES, seed0=10**6)
     p = g_test(counts, law)
     print(f"\nbiased {mode}: p={p:.3g}")

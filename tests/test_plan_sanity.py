@@ -1,10 +1,14 @@
 """A plan measured while the server worked is not kept (issue 43 item 8): the background planner
 knows when the server paused it and takes a spoilt timing again, a plan whose fits fail the sanity
-checks is not stored for a server, and the server says so in one line."""
+checks is not stored for a server, and the server says so in one line. A plan measured while other
+processes kept the machine busy is never stored, and a stored plan from another CPU or build is
+not used (issue 58, bad input): one line says so each time."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 
@@ -80,6 +84,7 @@ def test_a_plan_for_the_server_that_fails_is_not_stored(tiny_model_factory, tiny
     ends in one line and leaves no file, so `auto` keeps its starter plan; the same plan asked for
     by hand is stored with a warning."""
     import specwood.engine.api as engine_api
+    import specwood.engine.args  # noqa: F401 - imported before the patch: it binds the real `load` (the CLI's)
     from specwood.errors import SpecwoodError
 
     tiny_engine = engine_api.Engine(tiny_model_factory(), tiny_tokenizer, target_name="tiny")
@@ -117,6 +122,95 @@ def test_the_server_says_in_one_line_that_its_background_plan_was_not_stored(tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["specwood: background plan (auto keeps its starter plan): the measured plan is not stored: "
                    f"roofline ctx 128: relative error 21.6% over 20% (log: {tmp_path / 'plan.log'})"]
+
+
+# ------------------------------------------------------------------- the machine and its load
+def test_a_plan_from_another_cpu_or_build_is_discarded_in_one_line(capsys):
+    from specwood.planner.machine import machine_record
+    from specwood.planner.store import load_plan, save_plan
+
+    plan = synthetic_plan(KEY)  # measured here, in this process
+    here = machine_record()
+    assert plan.machine == here and here["cpu"] and here["kernels"]
+    save_plan(plan)
+    assert load_plan(KEY) is not None and capsys.readouterr().err == ""
+    isa = here["isa"].split()
+    changes = [({"cpu": "Other CPU 9000"}, "it was measured on another CPU ('Other CPU 9000', this one is"),
+               ({"kernels": "0123456789ab torch 0.0 specwood 0.0"}, "it was measured with other kernels (0123456789ab"),
+               (None, "it does not say which CPU and kernels it was measured with")]  # a plan from before
+    if isa:  # a VM that shows the same CPU model without one of its instruction sets
+        shown = "avx512f" if "avx512f" in isa else isa[-1]
+        changes.append(({"isa": " ".join(f for f in isa if f != shown)},
+                        f"it was measured on a CPU with other instruction sets ({shown} added here)"))
+    for change, said in changes:
+        plan.machine = {**here, **change} if change else {}
+        save_plan(plan)
+        assert load_plan(KEY) is None
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"[plan] the stored plan {plan_path(KEY)} is discarded: {said}")
+        assert load_plan(KEY) is None and capsys.readouterr().err == ""  # once a process (a server asks often)
+    plan.source, plan.machine = "analytic", {}  # a device model: measured nowhere
+    save_plan(plan)
+    assert load_plan(KEY) is not None
+
+
+def test_a_plan_measured_beside_busy_processes_is_not_stored(monkeypatch, capsys):
+    """Real processes spin on the cores while LoadWatch samples the others' CPU use: the plan is
+    not stored and one line says why; the same samples under a higher limit are stored."""
+    from specwood.planner.machine import BUSY_CORES_ENV, LoadWatch, others_cores
+    from specwood.planner.store import save_if_quiet
+
+    if others_cores(0.05) is None:
+        pytest.skip("no /proc/stat here to read the others' CPU use from")
+    monkeypatch.setenv(BUSY_CORES_ENV, "0.5")
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(min(4, os.cpu_count() or 1))]
+    try:
+        time.sleep(0.3)  # started
+        watch = LoadWatch()
+        plan = synthetic_plan(KEY)
+        plan.load = watch.finish()
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert min(plan.load["start"], plan.load["end"]) > 0.5, plan.load
+    assert save_if_quiet(plan) is None and not plan_path(KEY).exists()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"[plan] the measured plan is not stored: other processes kept {plan.load['start']:.2f} "
+                           f"at its start and {plan.load['end']:.2f} at its end of the {os.cpu_count()} cores busy")
+    monkeypatch.setenv(BUSY_CORES_ENV, "inf")
+    assert save_if_quiet(plan) == plan_path(KEY) and capsys.readouterr().err == ""
+
+
+def test_specwood_plan_on_a_busy_machine_stores_nothing(tiny_model_factory, tiny_tokenizer, monkeypatch, capsys):
+    """`specwood plan` whose measurement saw a busy machine: for the server, an error in one line
+    (it keeps its starter plan); by hand, one line and no file."""
+    import specwood.engine.api as engine_api
+    from specwood.errors import SpecwoodError
+    from specwood.planner.machine import BUSY_CORES_ENV
+
+    tiny_engine = engine_api.Engine(tiny_model_factory(), tiny_tokenizer, target_name="tiny")
+
+    def busy_plan(engine, method, **kw):
+        plan = synthetic_plan(plan_key_for(engine, method))
+        plan.load = {"start": 1.6, "end": 0.2}  # others' cores (LoadWatch, tested above)
+        return plan
+
+    monkeypatch.setenv(BUSY_CORES_ENV, "0.5")
+    monkeypatch.setattr(engine_api, "load", lambda *a, **k: tiny_engine)
+    monkeypatch.setattr("specwood.planner.build.build_plan", busy_plan)
+    key = busy_plan(tiny_engine, "dyspec").key
+    args = plan_args("--server-step-s", "0.0101", "--server-step-ctx", "64")
+    with pytest.raises(SpecwoodError) as e:
+        args.func(args)
+    assert "\n" not in str(e.value) and str(e.value).startswith(
+        "the measured plan is not stored: other processes kept 1.60 at its start of the")
+    capsys.readouterr()
+    args = plan_args()  # by hand
+    assert args.func(args) == 0 and not plan_path(key).exists()
+    said = [ln for ln in capsys.readouterr().err.splitlines() if "not stored" in ln or "saved" in ln]
+    assert len(said) == 1 and said[0].startswith("[plan] the measured plan is not stored: other processes kept 1.60")
 
 
 # ------------------------------------------------------------------------------------------- pauses

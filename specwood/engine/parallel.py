@@ -103,16 +103,17 @@ class _Duo:
 
 class ParallelExecutor(Executor):
     """DuoDecoding: the draft model in a worker process (`draft_device`, `draft_threads` cores),
-    the target here. As an executor (specwood.engine.executor) it runs the scheduler's requests
-    in lock-step batches: a batch is admitted while none runs and runs to completion. `generate`
-    runs one request; `run(requests)` a set made by `new_request`. The worker starts on first
-    use and is restarted after a failure; `close()` stops it."""
+    the target here (`target_threads`; default: the cores the draft leaves, all of them for a
+    CPU target's prefill). As an executor (specwood.engine.executor) it runs the scheduler's
+    requests in lock-step batches: a batch is admitted while none runs and runs to completion.
+    `generate` runs one request; `run(requests)` a set made by `new_request`. The worker starts
+    on first use and is restarted after a failure; `close()` stops it."""
 
     name = "parallel"
     steps_in_caller = False  # a batch runs to its end in one step: the server's loop gets its own thread
 
     def __init__(self, engine: EngineLike, *, draft: Any = None, draft_device: str = "cpu",
-                 draft_threads: int | None = None,
+                 draft_threads: int | None = None, target_threads: int | None = None,
                  gamma_max: int = GAMMA_MAX, remeasure_tokens: int = REMEASURE_TOKENS,
                  start_timeout: float = 180.0, reply_timeout: float = 600.0, verbose: bool = True,
                  inline: bool = False, draft_dtype: str | None = None, catch_up: bool = True):
@@ -129,9 +130,16 @@ class ParallelExecutor(Executor):
         self.draft = model
         self.draft_device = check_draft_device(draft_device)
         self.draft_threads = check_draft_threads(draft_threads, self.target.device)
-        # a CPU target gets the cores the draft leaves (while a run lasts; other work keeps all)
-        self.target_threads = (max(1, available_cores() - self.draft_threads)
-                               if self.target.device.type == "cpu" else torch.get_num_threads())
+        # a CPU target gets the cores the draft leaves (while a run lasts; other work keeps all), and
+        # all of them for its prefill (the draft waits for it) -- unless told its threads: beside
+        # other busy processes (a test worker) every op run on more threads than it has cores
+        # waits milliseconds for a core
+        if target_threads is not None and (not isinstance(target_threads, int) or isinstance(target_threads, bool)
+                                           or target_threads < 1):
+            raise SpecwoodError(f"target threads must be a positive integer, got {target_threads!r}")
+        self.target_threads = target_threads or (max(1, available_cores() - self.draft_threads)
+                                                 if self.target.device.type == "cpu" else torch.get_num_threads())
+        self.prefill_threads = target_threads or available_cores()
         self.gamma_max = gamma_max
         self.remeasure_tokens = remeasure_tokens
         self.start_timeout = start_timeout
@@ -476,7 +484,7 @@ class ParallelExecutor(Executor):
         t0 = time.perf_counter()
         threads = torch.get_num_threads()
         if shared:
-            torch.set_num_threads(available_cores())
+            torch.set_num_threads(self.prefill_threads)
         try:
             self._prefill(requests)
         finally:
@@ -577,7 +585,7 @@ class ParallelExecutor(Executor):
     def _target_step(self, live: list[Request]) -> float:
         """One batched target forward verifying every request's pending tree; commit and emit.
         Returns its seconds."""
-        from specwood.engine.step import StepRecord, commit, target_forward, verify_tree
+        from specwood.engine.step import StepRecord, commit, target_forward, verify_requests
 
         t0 = time.perf_counter()
         trees = {r: self._pending(r) for r in live}
@@ -585,10 +593,12 @@ class ParallelExecutor(Executor):
         cache = self._kv()
         with torch.inference_mode():
             outs = target_forward(self.target, cache, live, trees)
-            for r, logits in zip(live, outs):
+            verdicts = verify_requests(live, [trees[r] for r in live], outs)
+            for r, verdict in zip(live, verdicts):
                 st, tree = self._duo[r], trees[r]
                 try:
-                    verdict = verify_tree(r, tree, logits)
+                    if isinstance(verdict, Exception):
+                        raise verdict
                     st.all_accepted = len(verdict.accepted) == tree.max_depth
                     st.iterations += 1
                     tokens = commit(cache, r, tree, verdict,

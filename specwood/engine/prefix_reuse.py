@@ -112,20 +112,23 @@ class PrefixReuse:
 
     # --- newcomers prefilling together ----------------------------------------------------------
 
-    def catch_up(self, requests: list[Request], target: KVCache) -> None:
-        """Carry each newcomer's rows along its prompt as far as a running row's committed prefix
-        goes (copies instead of a prefill)."""
-        for req in requests:
-            n = len(req.prompt_ids)
+    def catch_up(self, newcomers: list[Request], reading: list[Request], target: KVCache) -> None:
+        """Carry each newcomer's target row, and the draft row of each request whose draft is
+        `reading` its prompt, along the prompt as far as a running row's committed prefix goes
+        (copies instead of a prefill). A draft row holds the prompt's first `draft_prefilled`
+        tokens (the tokens emitted meanwhile wait as its pending ones, read after the prompt)."""
+        for req in newcomers:
             if (t := _target_row(req)) is not None and req.prefilled == target.lengths[t[0]]:
                 before = req.prefilled
-                req.prefilled = self.cache.extend(target, t[0], req.prompt_ids, n - 1, self._live_target(t[1]))
+                req.prefilled = self.cache.extend(target, t[0], req.prompt_ids, len(req.prompt_ids) - 1,
+                                                  self._live_target(t[1]))
                 req.cached_tokens += req.prefilled - before
+        for req in reading:
             d = _draft_row(req)
-            if d is not None and not d[0].pending and req.draft_prefilled == d[0].length:
+            if d is not None and req.draft_prefilled == d[0].length:
                 _, pool, row, scope = d
-                req.draft_prefilled = self.cache.extend(pool, row, req.prompt_ids, n, self._live_draft(pool, scope),
-                                                        "draft")
+                req.draft_prefilled = self.cache.extend(pool, row, req.prompt_ids, len(req.prompt_ids),
+                                                        self._live_draft(pool, scope), "draft")
 
     @staticmethod
     def followers(requests: list[Request], draft: bool) -> set[Request]:

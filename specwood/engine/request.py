@@ -204,6 +204,19 @@ class Request:
     def uses_draft_model(self) -> bool:
         return self.drafter.uses_draft_model
 
+    @property
+    def draft_behind(self) -> bool:
+        """Its draft model has not read the whole prompt yet: it decodes plainly meanwhile (the
+        draft reads the prompt after the first token, which never waits for it)."""
+        return self.uses_draft_model and self.draft_prefilled < len(self.prompt_ids)
+
+    @property
+    def draft_first(self) -> bool:
+        """Its draft reads the prompt before the first token: a seeded sampled request, whose
+        draws follow its trees, so its trees must not depend on how fast its draft catches up
+        among other requests (the same seed gives the same answer alone and in a batch)."""
+        return not self.params.greedy and self.params.seed is not None
+
     def attach_draft(self) -> None:
         """Give the draft source its cache row at admission; a deferred one takes the prompt as
         tokens still to read, so the draft's prefill is done (Drafter.defer_draft_prefill)."""

@@ -18,12 +18,12 @@ import torch
 from specwood.drafting.base import DraftSource
 from specwood.drafting.model_source import ModelDraftSource
 from specwood.engine.executor import Executor
-from specwood.engine.request import Request
-from specwood.engine.sequential import Chunk, SequentialStep, TargetRows
+from specwood.engine.request import Request, State
+from specwood.engine.sequential import Chunk, SequentialStep, TargetRows, read_own_draft
 from specwood.engine.step import StepRecord, advance, tree_row
 from specwood.errors import ContextLengthError
 from specwood.models.batch import forward_rows
-from specwood.models.prefill import prefill_rows
+from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
 from specwood.models.transformer import Transformer
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict
@@ -126,20 +126,18 @@ class RunnerExecutor(Executor, TargetRows):
 
     # --- the rows of its step (TargetRows): the runner's one sequence ----------------------------
 
-    def prefill_chunks(self, requests: list[Request], decoding: bool) -> list[Chunk]:
-        """Each prompt whole (nobody else is decoding); the draft's first, by its own source."""
-        chunks = []
-        for req in requests:
-            n = len(req.prompt_ids)
-            try:
-                if req.uses_draft_model and req.draft_prefilled < n:
-                    req.drafter.model_source().prefill_part(req.prompt_ids, 0, n)
-                    req.draft_prefilled = n
-            except Exception as e:  # noqa: BLE001
-                self.fail(req, e)
-                continue
-            chunks.append((req, 0, n))
-        return chunks
+    def prefill_chunks(self, newcomers: list[Request], decoding: list[Request]) -> list[Chunk]:
+        """Each newcomer's prompt whole on the target (nobody else is decoding); its draft reads
+        the prompt after the first token, PREFILL_CHUNK tokens a step while it decodes plainly
+        (a `draft_first` request's at once, before its first token), by its own source."""
+        for req in newcomers:
+            if req.draft_first and req.draft_behind:
+                read_own_draft(self, req, req.draft_prefilled, len(req.prompt_ids))
+        for req in decoding:
+            if req.draft_behind:
+                end = min(len(req.prompt_ids), req.draft_prefilled + PREFILL_CHUNK)
+                read_own_draft(self, req, req.draft_prefilled, end)
+        return [(req, 0, len(req.prompt_ids)) for req in newcomers if req.state is State.PREFILL]
 
     def prefill(self, chunks: list[Chunk]) -> None:
         for req, _, end in chunks:

@@ -30,7 +30,7 @@ from specwood.engine.output import GenerationResult
 from specwood.engine.prefix_reuse import PrefixReuse
 from specwood.engine.request import Request, State
 from specwood.engine.step import (StepRecord, commit, draft_trees, first_token, hand_prompt_features,
-                                  hand_tree_features, plain_tree, target_forward, tree_rows, verify_tree,
+                                  hand_tree_features, plain_tree, target_forward, tree_rows, verify_requests,
                                   wants_features)
 from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.batch import RowInput, forward_rows_features
@@ -56,9 +56,11 @@ class TargetRows(ABC):
     accepted. A request that fails in one of them fails alone (its executor's `fail`)."""
 
     @abstractmethod
-    def prefill_chunks(self, requests: list[Request], decoding: bool) -> list[Chunk]:
-        """Split the newcomers' prompts into this step's chunks (`decoding`: others decode in it),
-        run the draft models' side of them, and return the target's."""
+    def prefill_chunks(self, newcomers: list[Request], decoding: list[Request]) -> list[Chunk]:
+        """Split this step's prefill into chunks: the newcomers' prompts on the target (the
+        `decoding` requests share the step), and the draft models' prompts of requests whose
+        draft is still behind (read after the first token, or before it for `draft_first`).
+        Run the draft side and return the target's chunks."""
 
     @abstractmethod
     def prefill(self, chunks: list[Chunk]) -> None:
@@ -78,6 +80,16 @@ class TargetRows(ABC):
     @abstractmethod
     def commit(self, req: Request, tree: TokenTree, verdict: Verdict, cost: StepRecord, forced: int = 0) -> list[int]:
         """Keep the accepted path's K/V as committed context; the tokens the step emits."""
+
+
+def read_own_draft(executor: Executor, req: Request, start: int, end: int) -> None:
+    """A draft source that runs its own model (llama.cpp, or a runner's one-row torch draft)
+    takes its prompt chunk [start, end) itself; a failure fails the request alone."""
+    try:
+        req.drafter.model_source().prefill_part(req.prompt_ids, start, end)
+        req.draft_prefilled = end
+    except Exception as e:  # noqa: BLE001
+        executor.fail(req, e)
 
 
 class SequentialStep:
@@ -103,14 +115,15 @@ class SequentialStep:
         """Advance the newcomers' prompts by their share in a step with nobody decoding: one
         forward per model for all the chunks."""
         with torch.inference_mode():
-            self.rows.prefill(self.rows.prefill_chunks(requests, decoding=False))
+            self.rows.prefill(self.rows.prefill_chunks(requests, []))
             self._first_tokens(requests)
 
     def _first_tokens(self, requests: list[Request]) -> None:
+        """The first token of each prompt done: it never waits for the draft (which reads the
+        prompt after it), but for a `draft_first` request's."""
         for req in requests:
-            n = len(req.prompt_ids)
-            draft_done = req.draft_prefilled >= n or not req.uses_draft_model
-            if req.state is State.PREFILL and req.prefilled >= n and draft_done:
+            if req.state is State.PREFILL and req.prefilled >= len(req.prompt_ids) and not (
+                    req.draft_first and req.draft_behind):
                 self._first_token(req)
 
     def _first_token(self, req: Request) -> None:
@@ -128,7 +141,8 @@ class SequentialStep:
         rows = self.rows
         failed: dict[Request, BaseException] = {}
         with torch.inference_mode():
-            chunks = rows.prefill_chunks(list(newcomers), decoding=True) if newcomers else []
+            chunks = rows.prefill_chunks(list(newcomers), batch)
+            batch = [r for r in batch if r.state is State.DECODE]  # not failed in its draft's chunk
             riding = sum(b - a for _, a, b in chunks)
             t0 = time.perf_counter()
             trees, forced = draft_trees(batch, len(batch), failed, riding)
@@ -144,12 +158,13 @@ class SequentialStep:
             record = StepRecord(len(batch), sum(len(t) for t in trees.values()), t1 - t0, t2 - t1,
                                 drafting=sum(len(trees[r]) > 1 for r in live),
                                 prefill_tokens=riding)
-            for req, logits in zip(live, outs):
-                if logits is None:
-                    continue
+            done = [(req, logits) for req, logits in zip(live, outs) if logits is not None]
+            verdicts = verify_requests([r for r, _ in done], [trees[r] for r, _ in done], [lg for _, lg in done])
+            for (req, _), verdict in zip(done, verdicts):
                 tree = trees[req]
                 try:
-                    verdict = verify_tree(req, tree, logits)
+                    if isinstance(verdict, Exception):
+                        raise verdict
                     tokens = rows.commit(req, tree, verdict, record, forced.get(req, 0))
                     record.drafts.append((tree.size, len(verdict.accepted), tree.max_depth))
                     if req.out.push_step(tokens):
@@ -373,47 +388,42 @@ class SequentialExecutor(Executor, TargetRows):
     def prefill(self, chunks: list[Chunk]) -> None:
         self._prefill_forward(self.target, self.cache, chunks, draft=False)
 
-    def prefill_chunks(self, requests: list[Request], decoding: bool) -> list[Chunk]:
-        """Split the step's prefill into chunks (request, start, end) per model, the target's and
-        the draft's side by side (the draft's prefill is part of the time to first token); run
-        the draft models' chunks (one forward per draft pool) and return the target's."""
+    def prefill_chunks(self, newcomers: list[Request], decoding: list[Request]) -> list[Chunk]:
+        """Split the step's prefill into chunks (request, start, end) per model: the newcomers'
+        prompts on the target; on the draft models the prompts of requests past their first
+        token (the first token never waits for the draft: it reads the prompt after, while its
+        request decodes plainly), and of `draft_first` newcomers beside their target's. Run the
+        draft models' chunks (one forward per draft pool) and return the target's."""
+        reading = [r for r in newcomers if r.draft_first and r.draft_behind] + [r for r in decoding if r.draft_behind]
+        if not newcomers and not reading:
+            return []
         waiting: dict[bool, set[Request]] = {False: set(), True: set()}
-        if self.reuse is not None:  # shared prompt tokens: computed by one newcomer, copied by the others
-            self.reuse.catch_up(requests, self.cache)
-            waiting = {draft: self.reuse.followers(requests, draft) for draft in (False, True)}
-        each, in_all = self.prefill_share(max(1, len(requests) - len(waiting[False])), decoding)
-        target_chunks: list[tuple[Request, int, int]] = []
-        draft_chunks: list[tuple[Request, int, int]] = []
-        left = {False: in_all, True: in_all}
-        for req in requests:
-            n = len(req.prompt_ids)
-            sides = ((False, req.prefilled, target_chunks), (True, req.draft_prefilled, draft_chunks))
-            for draft, done, chunks in sides:
-                if draft and not req.uses_draft_model or req in waiting[draft]:
-                    continue
-                take = min(n - done, each, left[draft])
-                if take > 0:
-                    chunks.append((req, done, done + take))
-                    left[draft] -= take
-        pools: dict[int, list[tuple[Request, int, int]]] = {}
-        for chunk in draft_chunks:
+        if self.reuse is not None:  # shared prompt tokens: computed by one request, copied by the others
+            self.reuse.catch_up(newcomers, reading, self.cache)
+            waiting = {False: self.reuse.followers(newcomers, False), True: self.reuse.followers(reading, True)}
+        # a draft's chunks hold up the requests that decode with no prompt of their own left to read
+        others = {False: bool(decoding), True: any(not r.draft_behind for r in decoding)}
+        chunks: dict[bool, list[Chunk]] = {}
+        for draft, requests in ((False, newcomers), (True, reading)):
+            each, left = self.prefill_share(max(1, len(requests) - len(waiting[draft])), others[draft])
+            chunks[draft] = []
+            for req in requests:
+                done = req.draft_prefilled if draft else req.prefilled
+                take = min(len(req.prompt_ids) - done, each, left)
+                if take > 0 and req not in waiting[draft]:
+                    chunks[draft].append((req, done, done + take))
+                    left -= take
+        pools: dict[int, list[Chunk]] = {}
+        for chunk in chunks[True]:
             source = chunk[0].drafter.model_source()
             if source.batched:  # one prefill forward per draft pool
                 pools.setdefault(id(source.cache), []).append(chunk)
             else:
-                self._prefill_own_source(*chunk)
-        for chunks in pools.values():
-            src = chunks[0][0].drafter.model_source()
-            self._prefill_forward(src.model, src.kv_row()[0], chunks, draft=True)
-        return [c for c in target_chunks if c[0].state is State.PREFILL]  # not failed in its draft chunk
-
-    def _prefill_own_source(self, req: Request, start: int, end: int) -> None:
-        """A draft source that runs its own model (llama.cpp) takes its prompt chunk itself."""
-        try:
-            req.drafter.model_source().prefill_part(req.prompt_ids, start, end)
-            req.draft_prefilled = end
-        except Exception as e:  # noqa: BLE001
-            self.fail(req, e)
+                read_own_draft(self, *chunk)
+        for group in pools.values():
+            src = group[0][0].drafter.model_source()
+            self._prefill_forward(src.model, src.kv_row()[0], group, draft=True)
+        return [c for c in chunks[False] if c[0].state is State.PREFILL]  # not failed in its draft chunk
 
     def _prefill_forward(self, model: Transformer, cache: KVCache, chunks: list[tuple[Request, int, int]],
                          draft: bool) -> None:

@@ -1,5 +1,6 @@
 """One decode step for a batch of requests: draft every tree (draft calls batched), ONE target
-forward over all of them (padded, per-row positions, slots and masks), verify each, commit."""
+forward over all of them (padded, per-row positions, slots and masks), verify them (the sampled
+trees in one batched call, each on its own request's random draws), commit."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from specwood.models.cache import KVCache
 from specwood.models.transformer import Transformer
 from specwood.sampling import next_token, without_padding
 from specwood.tree.token_tree import TokenTree
-from specwood.verify import Verdict, verify
+from specwood.verify import Verdict, tree_uniforms, verify, verify_trees
 from specwood.constrain.logprobs import path_logprobs
 
 
@@ -67,7 +68,9 @@ def draft_trees(requests: list[Request], batch_size: int, failed: dict[Request, 
                 trees[req] = chain
                 continue
             context, root = (req.context, newest) if chain is None else ([*req.context, newest, *run[:-1]], run[-1])
-            shape = req.drafter.shape_for_step(batch_size, len(context) + 1, riding, free=len(run))
+            # a draft still reading its prompt (after the first token) cannot draft yet: a plain step
+            shape = None if req.draft_behind else req.drafter.shape_for_step(batch_size, len(context) + 1, riding,
+                                                                              free=len(run))
             if shape is None:
                 trees[req] = chain if chain is not None else plain_tree(req)
                 continue
@@ -141,23 +144,53 @@ def processed(request: Request, tree: TokenTree, logits: torch.Tensor) -> torch.
     return request.processors.tree_rows(tree, logits)
 
 
-def verify_tree(request: Request, tree: TokenTree, logits: torch.Tensor) -> Verdict:
-    """Greedy or lossless sampling verification; a lone root is exactly the autoregressive sampler.
-    The verifiers see the processed target rows. A shape with `on_root_logits` sees the target's
-    processed logits after the context, padding ids masked: what the sampler chooses from (auto's
-    late draft)."""
-    logits = processed(request, tree, logits)
-    shape = request.drafter.shape
-    if shape is not None and shape.watches_root_logits:
-        shape.on_root_logits(without_padding(logits[0], request.params))
-    if len(tree) == 1:
-        verdict = Verdict([], int(next_token(logits[0], request.params, request.target_generator)))
-    else:
-        verdict = verify(tree, logits, request.params, request.target_generator)
-    if request.params.logprobs is not None:
-        request.out.offer_logprobs(path_logprobs(logits, [0] + verdict.accepted, verdict.tokens(tree),
-                                                 request.params.logprobs))
-    return verdict
+def verify_requests(requests: list[Request], trees: list[TokenTree], logits: list[torch.Tensor]
+                    ) -> list[Verdict | Exception]:
+    """Each request's verdict on its tree (or the exception that fails it alone). Greedy trees:
+    `verify` one by one (an argmax per node); sampled ones, lone roots included: ONE `verify_trees`
+    call for them all, each walking on uniforms drawn from its own request's generator
+    (`tree_uniforms`), so a request's tokens are the ones it would draw alone, whatever else
+    shares its step. The verifiers see the processed target rows. A shape with `on_root_logits`
+    sees the target's processed logits after the context, padding ids masked: what the sampler
+    chooses from (auto's late draft)."""
+    out: list[Verdict | Exception] = [RuntimeError("not verified") for _ in requests]  # every one is set below
+    rows: dict[int, torch.Tensor] = {}  # each request's processed target rows
+    sampled: list[tuple[int, torch.Tensor]] = []  # (index, uniforms)
+    for i, (req, tree, lg) in enumerate(zip(requests, trees, logits)):
+        try:
+            rows[i] = lg = processed(req, tree, lg)
+            shape = req.drafter.shape
+            if shape is not None and shape.watches_root_logits:
+                shape.on_root_logits(without_padding(lg[0], req.params))
+            if not req.params.greedy:
+                sampled.append((i, tree_uniforms(tree, req.target_generator, lg.device)))
+            elif len(tree) == 1:
+                out[i] = Verdict([], int(next_token(lg[0], req.params, req.target_generator)))
+            else:
+                out[i] = verify(tree, lg, req.params, req.target_generator)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not end the others
+            out[i] = e
+    if sampled:
+        verdicts: list[Verdict | Exception]
+        try:
+            verdicts = list(verify_trees([trees[i] for i, _ in sampled], [rows[i] for i, _ in sampled],
+                                         [requests[i].params for i, _ in sampled], [u for _, u in sampled]))
+        except Exception:  # noqa: BLE001 - each alone, on the same draws, to fail only the one at fault
+            verdicts = []
+            for i, u in sampled:
+                try:
+                    verdicts.append(verify_trees([trees[i]], [rows[i]], [requests[i].params], [u])[0])
+                except Exception as e:  # noqa: BLE001
+                    verdicts.append(e)
+        for (i, _), v in zip(sampled, verdicts):
+            out[i] = v
+    for i, (req, tree, v) in enumerate(zip(requests, trees, out)):
+        if isinstance(v, Verdict) and req.params.logprobs is not None:
+            try:
+                req.out.offer_logprobs(path_logprobs(rows[i], [0] + v.accepted, v.tokens(tree), req.params.logprobs))
+            except Exception as e:  # noqa: BLE001
+                out[i] = e
+    return out
 
 
 def first_token(request: Request, logits: torch.Tensor) -> int:

@@ -54,7 +54,9 @@ def prefill_input(row: int, prompt: list[int], start: int, end: int, features: b
     `features`, every token's features). After the forward, `prefill_outputs` sets the row's
     length to `end`."""
     pos = torch.arange(start, end)
-    causal = torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start)
+    # a comparison, not ones().tril(): tril enters an OpenMP region whatever its size, which costs
+    # milliseconds per call when another process holds the other cores (a prefill per request)
+    causal = torch.arange(end) <= pos.unsqueeze(1)
     return RowInput(row, torch.tensor(prompt[start:end], dtype=torch.long), pos, pos, causal,
                     torch.tensor([end - start - 1]), torch.arange(end - start) if features else None)
 

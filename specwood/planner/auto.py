@@ -143,9 +143,11 @@ class PlannedShape(ShapePolicy):
     def _draft_scale(self, batch_size: int) -> float:
         return self.draft_costs.scale(batch_size) if batch_size > 1 or self.timed_alone else 1.0
 
-    def _costs(self, batch_size: int, riding: int = 0) -> OnlineCosts:
-        """The server's measured costs; alone, for a seeded sampled request, the plan's."""
-        return self.costs if batch_size > 1 or riding or self.timed_alone else self.costs.prior_only()
+    def _costs(self, batch_size: int = 1, riding: int = 0) -> OnlineCosts:
+        """The server's measured costs; for a seeded sampled request, the plan's (its trees follow
+        the plan and its own verdicts wherever the batch lets them: under load, the learnt price
+        of batched drafting still scales them, as before these costs)."""
+        return self.costs if self.timed_alone else self.costs.prior_only()
 
     def request_aat(self, context_len: int) -> Callable[[float], float]:
         """The plan's AAT(x) at this context as this request accepts (BatchChoice asks it)."""
@@ -212,6 +214,7 @@ class PlannedShape(ShapePolicy):
         d = costs.decide(context_len, scaled_aat(self.plan.aat_for(context_len), ratio))
         if costs.prefill_is_earned(d, left, context_len):
             self.model = True
+            self._behind = context_len  # its first forward reads the whole context
             self.tracker.assume(ratio)
             late.joined_at = context_len - late.prompt_len
             if late.announce is not None:
@@ -236,7 +239,7 @@ class PlannedShape(ShapePolicy):
             self.x_used[x] = self.x_used.get(x, 0) + 1
             self._step_x = x
             if x > 1:
-                self._predicted_draft_s = self._costs(batch_size, riding).draft_price(context_len, x, batch_size)
+                self._predicted_draft_s = self.costs.draft_price(context_len, x, batch_size)
             return self._model_shape(x)
         # rates relative to this context's plain step, so the model's measured costs and the
         # copies' plan prices (corrected by what this request's copies measured) compare
@@ -258,7 +261,7 @@ class PlannedShape(ShapePolicy):
         self._step = LookupOrModelShape(self._model_shape(x), LOOKUP_K, chain_length)
         self._step_x = x
         if x > 1:
-            self._predicted_draft_s = self._costs(1).draft_price(context_len, x, 1)
+            self._predicted_draft_s = self.costs.draft_price(context_len, x, 1)
         return self._step
 
     def _suffix_step(self, suffix: SuffixSource, batch_size: int, context_len: int, riding: int,
@@ -272,7 +275,7 @@ class PlannedShape(ShapePolicy):
         scale = self._draft_scale(batch_size)
         t_v, t_d = self._costs(batch_size, riding).step_costs(context_len, batch_size, scale, riding)
         if x > 1:
-            self._predicted_draft_s = self._costs(batch_size, riding).draft_price(context_len, x, batch_size)
+            self._predicted_draft_s = self.costs.draft_price(context_len, x, batch_size)
         self._step_x = x
         step = self._step = SuffixOrModelShape(suffix, self._model_shape(x), x, aat, t_v, t_d,
                                                lambda match, source: self.suffix_trust.ratio(self._load, match,

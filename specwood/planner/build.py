@@ -18,7 +18,7 @@ from specwood.planner.decision import MAX_X, ParallelProfile
 from specwood.planner.fits import DEFAULT_AAT, AATFit, fit_aat
 from specwood.planner.pauses import undisturbed
 from specwood.planner.prior_tree import PriorScores
-from specwood.planner.store import DEFAULT_METHOD, Plan, load_plan, plan_key_for, save_plan
+from specwood.planner.store import DEFAULT_METHOD, Plan, load_plan, plan_key_for, save_if_quiet
 
 
 def method_factory(engine: EngineLike, method: str,
@@ -189,10 +189,12 @@ def build_plan(
     says which executor is fastest.
     """
     from specwood.planner import profiler as prof
+    from specwood.planner.machine import LoadWatch
     from specwood.planner.prior_tree import collect_prior_scores
 
     if method in ("ar", "auto"):
         raise SpecwoodError(f"cannot plan method '{method}': give the speculative method to tune (e.g. dyspec)")
+    load = LoadWatch()  # others' CPU use now and at the end: a plan measured beside them is not stored
     xs = sorted(set(xs or (prof.QUICK_XS if quick else prof.DEFAULT_XS)) | {1})
     wanted = list(contexts or (prof.QUICK_CONTEXTS if quick else prof.DEFAULT_CONTEXTS))
     fit_ctx = [c for c in wanted if c + max(xs) + 1 < engine.max_context]
@@ -283,6 +285,7 @@ def build_plan(
         if plan.parallel is not None:
             notes.append("executor: parallel SD modelled per bucket as tokens/iteration / (max(gamma T_d, "
                          "slowdown T_v(x_bar)) + comm), all measured by decoding the calibration prompts")
+    plan.load = load.finish()
     return plan.refresh()
 
 
@@ -297,5 +300,5 @@ def get_plan(engine: EngineLike, method: str = DEFAULT_METHOD, *, build_if_missi
             print(f"[plan] no usable plan for {key}; profiling now ({'quick' if quick else 'full'} mode)",
                   file=sys.stderr)
         plan = build_plan(engine, method, quick=quick, progress=progress)
-        save_plan(plan)
+        save_if_quiet(plan)
     return plan

@@ -127,7 +127,8 @@ def _local_plan(args: argparse.Namespace) -> Any:
     from specwood.engine.api import load
     from specwood.engine.args import needs_draft
     from specwood.planner.build import build_plan
-    from specwood.planner.store import load_plan, plan_key_for, plan_problems, save_plan
+    from specwood.planner.machine import busy
+    from specwood.planner.store import load_plan, plan_key_for, plan_problems, save_if_quiet
 
     draft = None if (args.draft in (None, "none") or not needs_draft(args.method)) else args.draft
     engine = load(args.target, draft, dtype=args.dtype, draft_dtype=args.draft_dtype,
@@ -150,13 +151,16 @@ def _local_plan(args: argparse.Namespace) -> Any:
         plan = build_plan(engine, args.method, quick=args.quick, contexts=args.contexts,
                           parallel=not args.no_parallel)
         problems = plan_problems(plan, args.server_step_s, args.server_step_ctx)
+        if args.server_step_s is not None and (busy_line := busy(plan.load)) is not None:
+            problems.append(busy_line)
         if problems and args.server_step_s is not None:  # measured for a server, which keeps its starter plan
             raise SpecwoodError(f"the measured plan is not stored: {'; '.join(problems)} (the machine was busy?)")
         if problems:  # asked for here: stored, with what looks wrong
             print(f"[plan] warning: {'; '.join(problems)} (measured while the machine was busy? run `specwood "
                   "plan --force` again when it is quiet)", file=sys.stderr)
-        path = save_plan(plan)
-        print(f"[plan] saved {path}", file=sys.stderr)
+        path = save_if_quiet(plan)  # never one measured beside other work (one line says so)
+        if path is not None:
+            print(f"[plan] saved {path}", file=sys.stderr)
     if args.compare_trees:
         _compare_trees(engine, plan, args.quick)
     return plan

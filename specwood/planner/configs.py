@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from specwood.engine.backends import RuntimeConfig, llama_cpp_available, register_measured_config
 from specwood.errors import SpecwoodError
-from specwood.planner.store import DEFAULT_METHOD, device_id, keyed_filename, load_plan, plans_dir, save_plan
+from specwood.planner.store import DEFAULT_METHOD, device_id, keyed_filename, load_plan, plans_dir, save_if_quiet
 
 CONFIG_XS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
 CONFIG_CONTEXTS: tuple[int, ...] = (128, 512)
@@ -119,6 +119,7 @@ def time_config(config: RuntimeConfig, target: str, draft: str | None, method: s
     from specwood.engine.api import load
     from specwood.planner.starter import runner_verify_times, timed_plan
     from specwood.planner.build import measure_draft_prefill, measure_draft_rows
+    from specwood.planner.machine import LoadWatch
     from specwood.planner.profiler import measure_draft_times, measure_verify_times
 
     t0 = time.perf_counter()
@@ -127,6 +128,7 @@ def time_config(config: RuntimeConfig, target: str, draft: str | None, method: s
                            draft_dtype=config.draft_dtype, device=device, backend=config.backend,
                            draft_backend=config.draft_backend, max_context=max_context, progress=False)
     try:
+        watch = LoadWatch()  # others' CPU use while measuring
         fit = [c for c in contexts if c + max(xs) + 64 < engine.max_context] or [engine.max_context // 2]
         if config.backend == "llama.cpp":
             tv = runner_verify_times(engine, xs, fit, repeats)
@@ -145,10 +147,11 @@ def time_config(config: RuntimeConfig, target: str, draft: str | None, method: s
             sd = c.method != "ar"
             score.best_tok_s[c.context] = c.p_eff if sd else c.p_ar
             score.choice[c.context] = f"{method} x{c.x}" if sd else "ar"
+        plan.load = watch.finish()
         if save:
             stored = load_plan(plan.key)
             if stored is None or stored.mode == "timed":  # never replace a calibrated plan
-                save_plan(plan)
+                save_if_quiet(plan)
     finally:
         close = getattr(engine, "close", None)
         if close is not None:

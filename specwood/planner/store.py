@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from specwood.errors import SpecwoodError
 from specwood.planner.decision import (MAX_X, Decision, ParallelProfile, batch_share, decide, interpolate, monotone,
                                        nearest_context, p_eff)
 from specwood.planner.fits import AATFit, RooflineFit, fit_roofline
+from specwood.planner.machine import busy, machine_change, machine_record
 from specwood.planner.prior_tree import PriorScores
 from specwood.planner.profiler import TimeTable
 
@@ -104,6 +106,10 @@ class Plan:
     parallel: ParallelProfile | None = None  # DuoDecoding measured here (None: not measured)
     notes: list[str] = field(default_factory=list)
     created: str = ""
+    # where it was measured (machine.machine_record: a plan made in this process is this machine's)
+    # and others' CPU use (cores) at the start and end of measuring (machine.LoadWatch)
+    machine: dict[str, str] = field(default_factory=lambda: dict(machine_record()))
+    load: dict[str, float] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
     _smooth: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict, init=False, repr=False,
                                                              compare=False)
@@ -244,6 +250,8 @@ class Plan:
             "observed": {str(k): v for k, v in self.observed.items()},
             "parallel": asdict(self.parallel) if self.parallel is not None else None,
             "notes": list(self.notes),
+            "machine": dict(self.machine),
+            "load": dict(self.load),
         }
 
     @classmethod
@@ -270,6 +278,8 @@ class Plan:
             parallel=ParallelProfile(**d["parallel"]) if d.get("parallel") else None,
             notes=list(d.get("notes") or []),
             created=str(d.get("created", "")),
+            machine={str(k): str(v) for k, v in (d.get("machine") or {}).items()},
+            load={str(k): float(v) for k, v in (d.get("load") or {}).items()},
             schema=int(d["schema"]),
         )
 
@@ -395,7 +405,33 @@ def load_plan(key: PlanKey, path: Path | None = None) -> Plan | None:
     if not plan.choices:
         warnings.warn(f"plan {path} has no decisions; re-planning", PlanWarning, stacklevel=2)
         return None
+    change = machine_change(plan.machine) if plan.source == "measured" else None
+    if change is not None:  # its timings are another machine's or build's
+        _tell_once(f"[plan] the stored plan {path} is discarded: {change}; re-planning "
+                   "(`specwood plan --force` measures it here)")
+        return None
     return plan
+
+
+_told: set[str] = set()
+
+
+def _tell_once(line: str) -> None:
+    """One line on stderr, once per process (a server reads the store again and again)."""
+    if line not in _told:
+        _told.add(line)
+        print(line, file=sys.stderr)
+
+
+def save_if_quiet(plan: Plan, path: Path | None = None) -> Path | None:
+    """`save_plan`, unless the plan was measured while other processes kept the machine busy
+    (Plan.load): then one line says so and nothing is stored."""
+    why = busy(plan.load)
+    if why is not None:
+        print(f"[plan] the measured plan is not stored: {why}; run `specwood plan` again when the machine "
+              "is quiet", file=sys.stderr)
+        return None
+    return save_plan(plan, path)
 
 
 def list_plans() -> list[Plan]:

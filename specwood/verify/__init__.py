@@ -5,9 +5,11 @@ from specwood.verify.sampling import (
     BatchVerdict,
     children_table,
     min_ratio,
+    tree_uniforms,
     verify,
     verify_sampling,
     verify_sampling_batch,
+    verify_trees,
 )
 
 __all__ = [
@@ -17,8 +19,10 @@ __all__ = [
     "children_lists",
     "children_table",
     "min_ratio",
+    "tree_uniforms",
     "verify",
     "verify_greedy",
     "verify_sampling",
     "verify_sampling_batch",
+    "verify_trees",
 ]

@@ -31,9 +31,11 @@ Edge cases, kept lossless:
   bounded by that mass.
 
 The core, `verify_sampling_batch`, verifies B trees at once (same node count, per-tree children
-tables); `verify_sampling` is the one-tree entry point and runs through the same code with B = 1,
-so the statistical tests that drive the batch core measure the verifier the engine uses.
-Only rows of visited nodes are touched: the work is O(visited nodes x their children x V).
+tables). `verify_trees` verifies the trees of many requests in one call, each walking on uniforms
+drawn from its own generator (`tree_uniforms`), so every verdict is exactly the one its tree gets
+alone: `verify_sampling` is that with one tree. The statistical tests that drive the batch core
+measure the verifier the engine uses. Only rows of visited nodes are touched: the work is
+O(visited nodes x their children x V).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from specwood.sampling import SamplingParams, allowed, sample_token, target_probs
+from specwood.sampling import SamplingParams, allowed, draw_token, law_key, sample_token, target_probs
 from specwood.tree.token_tree import ChildRule, TokenTree
 from specwood.verify.greedy import Verdict, children_lists, verify_greedy
 
@@ -72,6 +74,11 @@ class BatchVerdict:
         k = int(self.num_accepted[b])
         return Verdict(self.accepted[b, :k].tolist(), int(self.next_token[b]))
 
+    def verdicts(self) -> list[Verdict]:
+        """Every tree's verdict (one host copy, not one per tree)."""
+        accepted, counts, nexts = self.accepted.tolist(), self.num_accepted.tolist(), self.next_token.tolist()
+        return [Verdict(a[:k], t) for a, k, t in zip(accepted, counts, nexts)]
+
 
 def children_table(parents: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """[n, C] long: the children of each node in trial order, -1 padded at the end."""
@@ -93,15 +100,20 @@ def verify_sampling_batch(
     without_replacement: bool = True,
     accept_prob: AcceptProb = min_ratio,
     selected: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> BatchVerdict:
     """Verify B trees of n nodes each.
 
     tokens [B, n]: token of every node. children [B, n, C]: each node's children in trial order,
     -1 padded at the end (a node may have fewer children in some trees). target_logits(trials,
     nodes) gives the target logits after those nodes; draft_probs(trials, nodes) the draft
-    distribution their children were drawn from (None, or returning None: verify as "selected").
-    selected [B, n] bool: nodes verified with the selected rule whatever `child_rule` says (each
-    after all of its sampled siblings).
+    distribution their children were drawn from (None, or returning None: verify as "selected";
+    a row of zeros does the same for one tree). selected [B, n] bool: nodes verified with the
+    selected rule whatever `child_rule` says (each after all of its sampled siblings).
+
+    The random draws: with `uniforms` [B, L, C + 1] (float64; L: the deepest tree's levels),
+    tree b at its d-th visited node tries child j on uniforms[b, d, j] and draws the token it
+    emits there from uniforms[b, d, C]; without, they come from `generator`, level by level.
     """
     B, n = tokens.shape
     device = tokens.device
@@ -123,7 +135,10 @@ def verify_sampling_batch(
         n_kids = (kids >= 0).sum(1)
         trying = n_kids > 0
         chosen = torch.full((b,), -1, dtype=torch.long, device=device)
-        u = torch.rand(b, width, generator=generator, device=device)
+        if uniforms is not None:
+            u = uniforms[rows, depth]  # [b, C + 1]
+        else:
+            u = torch.rand(b, width, generator=generator, device=device)
         forced = None
         if selected is not None and q is not None:
             forced = selected[rows.unsqueeze(1), kids.clamp(min=0)] & (kids >= 0)  # [b, C]
@@ -183,7 +198,10 @@ def verify_sampling_batch(
         moved = chosen >= 0
         if bool((~moved).any()):
             stop = (~moved).nonzero().squeeze(1)
-            next_token[rows[stop]] = sample_token(p[stop], generator)
+            if uniforms is not None:
+                next_token[rows[stop]] = draw_token(p[stop], u[stop, width])
+            else:
+                next_token[rows[stop]] = sample_token(p[stop], generator)
         go = moved.nonzero().squeeze(1)
         rows, nodes = rows[go], chosen[go]
         if rows.numel():
@@ -191,6 +209,82 @@ def verify_sampling_batch(
             num_accepted[rows] += 1
         depth += 1
     return BatchVerdict(accepted[:, :depth - 1 if depth else 0], num_accepted, next_token)
+
+
+def tree_uniforms(tree: TokenTree, generator: torch.Generator | None, device: torch.device | str = "cpu"
+                  ) -> torch.Tensor:
+    """The uniforms verifying `tree` may use, drawn from its request's `generator`: [L, C + 1]
+    float64, L = the tree's levels, C = the most children a node has; at the d-th node visited,
+    child j is tried on [d, j] and the emitted token drawn from [d, C]. A tree takes the same
+    draws alone or among others (`verify_trees`): a request's randomness is its own. A lone
+    root takes one, as `next_token` does."""
+    width = max((len(k) for k in children_lists(tree.parents)), default=0)
+    return torch.rand(tree.max_depth + 1, width + 1, dtype=torch.float64, generator=generator, device=device)
+
+
+def verify_trees(
+    trees: list[TokenTree],
+    target_logits: list[torch.Tensor],
+    params: list[SamplingParams],
+    uniforms: list[torch.Tensor],
+    accept_prob: AcceptProb = min_ratio,
+) -> list[Verdict]:
+    """Verify many requests' trees in one batched walk per kind of tree (sampling law, child
+    rule, with or without replacement). target_logits[i] is [len(trees[i]), V] (row k: logits
+    after node k); uniforms[i] comes from `tree_uniforms(trees[i], ...)`, so verdict i is the one
+    trees[i] gets alone with the same draws."""
+    for tree, logits in zip(trees, target_logits):
+        if logits.shape[0] != len(tree):
+            raise ValueError(f"target_logits has {logits.shape[0]} rows for a tree of {len(tree)} nodes")
+    verdicts: list[Verdict | None] = [None] * len(trees)
+    kinds: dict[tuple, list[int]] = {}
+    for i, tree in enumerate(trees):
+        kinds.setdefault((law_key(params[i]), tree.child_rule, tree.without_replacement), []).append(i)
+    for members in kinds.values():
+        out = _verify_kind([trees[i] for i in members], [target_logits[i] for i in members], params[members[0]],
+                           [uniforms[i] for i in members], accept_prob)
+        for i, v in zip(members, out.verdicts()):
+            verdicts[i] = v
+    return verdicts  # type: ignore[return-value]
+
+
+def _verify_kind(trees: list[TokenTree], logits: list[torch.Tensor], params: SamplingParams,
+                 uniforms: list[torch.Tensor], accept_prob: AcceptProb) -> BatchVerdict:
+    """`verify_trees` for trees of one kind: padded to the largest (padding nodes are no node's
+    child, so never visited), rows fetched per visited (tree, node) pair."""
+    device = logits[0].device
+    B, n = len(trees), max(len(t) for t in trees)
+    tables = [children_table(t.parents) for t in trees]
+    width = max(t.shape[1] for t in tables)
+    levels = max(u.shape[0] for u in uniforms)
+    tokens = torch.zeros(B, n, dtype=torch.long)
+    children = torch.full((B, n, width), -1, dtype=torch.long)
+    u = torch.zeros(B, levels, width + 1, dtype=torch.float64, device=device)
+    selected = torch.zeros(B, n, dtype=torch.bool) if any(t.selected for t in trees) else None
+    for b, (tree, table, ub) in enumerate(zip(trees, tables, uniforms)):
+        m, c = table.shape
+        tokens[b, :m] = torch.tensor(tree.tokens)
+        children[b, :m, :c] = table
+        u[b, :ub.shape[0], :c] = ub[:, :c]
+        u[b, :ub.shape[0], width] = ub[:, c]  # the emitted token's draw: the last column
+        if selected is not None and tree.selected:
+            selected[b, sorted(tree.selected)] = True
+
+    def target_rows(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        return torch.stack([logits[b][k] for b, k in zip(rows.tolist(), nodes.tolist())])
+
+    def draft_rows(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor | None:
+        qs = [trees[b].child_dists.get(k) for b, k in zip(rows.tolist(), nodes.tolist())]
+        if all(q is None for q in qs):
+            return None
+        V = next(q for q in qs if q is not None).shape[-1]
+        zero = torch.zeros(V, device=device)  # no q at that node: its children verified as "selected"
+        return torch.stack([zero if q is None else q.to(device).float().reshape(-1) for q in qs])
+
+    return verify_sampling_batch(
+        tokens.to(device), children.to(device), target_rows, draft_rows, params, None, child_rule=trees[0].child_rule,
+        without_replacement=trees[0].without_replacement, accept_prob=accept_prob,
+        selected=None if selected is None else selected.to(device), uniforms=u)
 
 
 def verify_sampling(
@@ -201,31 +295,8 @@ def verify_sampling(
     accept_prob: AcceptProb = min_ratio,
 ) -> Verdict:
     """Verify one tree; `target_logits` is [len(tree), V] (row i: logits after node i)."""
-    n = len(tree)
-    if target_logits.shape[0] != n:
-        raise ValueError(f"target_logits has {target_logits.shape[0]} rows for a tree of {n} nodes")
-    device = target_logits.device
-    tokens = torch.tensor(tree.tokens, dtype=torch.long, device=device).unsqueeze(0)
-    children = children_table(tree.parents, device).unsqueeze(0)
-    dists = tree.child_dists
-    selected = None
-    if tree.selected:
-        selected = torch.zeros(1, n, dtype=torch.bool, device=device)
-        selected[0, sorted(tree.selected)] = True
-
-    def target_rows(_rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        return target_logits.index_select(0, nodes)
-
-    def draft_rows(_rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor | None:
-        q = dists.get(int(nodes[0]))  # B == 1: one node per step
-        return None if q is None else q.to(device).reshape(1, -1)
-
-    out = verify_sampling_batch(
-        tokens, children, target_rows, draft_rows, params, generator,
-        child_rule=tree.child_rule, without_replacement=tree.without_replacement, accept_prob=accept_prob,
-        selected=selected,
-    )
-    return out.verdict(0)
+    uniforms = tree_uniforms(tree, generator, target_logits.device)
+    return verify_trees([tree], [target_logits], [params], [uniforms], accept_prob)[0]
 
 
 def verify(

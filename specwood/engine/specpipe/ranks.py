@@ -59,7 +59,7 @@ from specwood.engine.specpipe.state import (EMPTY, HIT, MISS, NONE, TREE, KVPool
 from specwood.errors import SpecwoodError
 from specwood.models.transformer import Transformer
 from specwood.tree.token_tree import TokenTree
-from specwood.verify import verify
+from specwood.verify import Verdict, tree_uniforms, verify, verify_trees
 
 KEEPALIVE_S = 5.0  # an idle rank 0 broadcasts a no-op this often (no collective waits for ever)
 
@@ -363,14 +363,7 @@ class PipelineRank:
         # verification of one token per lane (last stage), broadcast to all
         mine_v = None
         if r == last:
-            mine_v = []
-            for lane in active:
-                v, mine = LevelVerdict(NONE), lane.held[last]
-                if mine is not None and mine.tree:
-                    v = self._verify_tree(lane, mine, outs[lane.kv.row])
-                elif mine is not None and mine.ids[-1] == lane.mirror.root:
-                    v = self._verify(lane, outs[lane.kv.row][-1])
-                mine_v.append([step, v.kind, v.token, v.node, v.position])
+            mine_v = [[step, v.kind, v.token, v.node, v.position] for v in self._verify_lanes(active, outs)]
         verdicts = comm.longs(mine_v, len(active), 5, root=last) if active else []
         t4 = time.perf_counter()
 
@@ -490,32 +483,71 @@ class PipelineRank:
         parents = [-1] + [first_id + p for p in tree.parents[1:]]
         return Level(ids, parents, list(tree.tokens), v.position, False, tree=True), tree
 
-    def _verify_tree(self, lane: Lane, level: Level, logits: torch.Tensor) -> LevelVerdict:
-        """A whole tree (logits [n, V], row i after node i) through the shared verifier."""
+    def _verify_lanes(self, active: list[Lane], outs: dict[int, torch.Tensor]) -> list[LevelVerdict]:
+        """Each lane's verdict at the last stage: a whole tree, or the token after the root (a HIT
+        when it is one of the root's drafted children), or NONE. Through the shared verifier: the
+        sampled lanes in one `verify_trees` call, each on draws from its own generator."""
+        verdicts = [LevelVerdict(NONE)] * len(active)
+        asked: list[tuple[int, TokenTree, torch.Tensor, bool]] = []  # (index, tree, logits, whole tree)
+        for i, lane in enumerate(active):
+            mine = lane.held[self.last]
+            if mine is not None and mine.tree:
+                asked.append((i, self._level_tree(lane, mine), outs[lane.kv.row], True))
+            elif mine is not None and mine.ids[-1] == lane.mirror.root:
+                tree = self._root_tree(lane)
+                # every row is the root's: only the first decision is used (a deeper one is never
+                # reached in a one-level tree; an accepted child just re-reads the root's row)
+                asked.append((i, tree, outs[lane.kv.row][-1].reshape(1, -1).expand(len(tree), -1), False))
+        results: dict[int, Verdict] = {}
+        sampled = [a for a in asked if not active[a[0]].job.params.greedy]
+        for i, tree, logits, _ in asked:
+            if active[i].job.params.greedy:
+                results[i] = verify(tree, logits, active[i].job.params, active[i].gen)
+        if sampled:
+            got = verify_trees([t for _, t, _, _ in sampled], [lg for _, _, lg, _ in sampled],
+                               [active[i].job.params for i, _, _, _ in sampled],
+                               [tree_uniforms(t, active[i].gen, lg.device) for i, t, lg, _ in sampled])
+            results.update((i, v) for (i, _, _, _), v in zip(sampled, got))
+        for i, _, _, whole in asked:
+            lane, verdict = active[i], results[i]
+            verdicts[i] = (self._tree_verdict(lane.held[self.last], verdict) if whole
+                           else self._root_verdict(lane, verdict))
+        return verdicts
+
+    @staticmethod
+    def _level_tree(lane: Lane, level: Level) -> TokenTree:
+        """A whole tree held at the last stage (logits [n, V], row i after node i) as a TokenTree."""
         params = lane.job.params
         index = {x: i for i, x in enumerate(level.ids)}
         rule, wor, dists = ("selected", True, {}) if params.greedy else lane.tree_meta
-        tree = TokenTree(list(level.tokens), [index.get(p, -1) for p in level.parents], level.depths(),
+        return TokenTree(list(level.tokens), [index.get(p, -1) for p in level.parents], level.depths(),
                          [1.0] * len(level), dict(dists), rule, wor)
-        verdict = verify(tree, logits, params, lane.gen)
+
+    @staticmethod
+    def _tree_verdict(level: Level, verdict: Verdict) -> LevelVerdict:
         node = level.ids[verdict.accepted[-1]] if verdict.accepted else level.ids[0]
         return LevelVerdict(TREE, int(verdict.next_token), node, level.position + len(verdict.accepted) + 1)
 
-    def _verify(self, lane: Lane, logits: torch.Tensor) -> LevelVerdict:
-        """The token after the root, from the root's logits [V]; a HIT if it is one of the root's
-        drafted children. A one-level tree through the shared verifier (its children were chosen
-        deterministically by the draft: the "selected" rule keeps sampling lossless)."""
+    @staticmethod
+    def _root_tree(lane: Lane) -> TokenTree:
+        """The root and its drafted children as a one-level tree: they were chosen deterministically
+        by the draft, so the "selected" rule keeps sampling lossless."""
+        m = lane.mirror
+        root = m.root
+        if root is None:
+            raise RuntimeError(f"protocol: request {lane.id} verified without a root")
+        tree = TokenTree.with_root(m.token[root], "selected")
+        for k in m.children(root):
+            tree.add_node(0, m.token[k])
+        return tree
+
+    @staticmethod
+    def _root_verdict(lane: Lane, verdict: Verdict) -> LevelVerdict:
         m = lane.mirror
         root = m.root
         if root is None:
             raise RuntimeError(f"protocol: request {lane.id} verified without a root")
         kids = m.children(root)
-        tree = TokenTree.with_root(m.token[root], "selected")
-        for k in kids:
-            tree.add_node(0, m.token[k])
-        # every row is the root's: only the first decision is used (a deeper one is never reached
-        # in a one-level tree; an accepted child just re-reads the root's row)
-        verdict = verify(tree, logits.reshape(1, -1).expand(len(tree), -1), lane.job.params, lane.gen)
         position = m.position[root] + 1
         if verdict.accepted:
             node = kids[verdict.accepted[0] - 1]
