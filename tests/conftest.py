@@ -53,6 +53,14 @@ def one_torch_thread():
     torch.set_num_threads(old)
 
 
+
+@pytest.fixture()
+def one_thread_private_cache(one_torch_thread, monkeypatch, tmp_path):
+    """Tiny models on one thread (`one_torch_thread`); plans (auto, prior) in a private cache,
+    not the user's."""
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture()
 def llama_cpp_required() -> None:
     """The llama.cpp tests fail (not skip) without the `llamacpp` extra, saying how to install it."""

@@ -218,15 +218,6 @@ def arch_engine(tiny_files):
     return arch, engine
 
 
-@pytest.fixture()
-def one_thread_private_cache(monkeypatch, tmp_path):
-    """Tiny models on one thread; auto's and prior's plans in a private cache."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
-    yield
-    torch.set_num_threads(threads)
-
 
 def every_method() -> list[str]:
     from specwood.methods import method_names

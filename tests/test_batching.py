@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pytest
-import torch
 
 import specwood  # noqa: F401 - registers the planner's methods (auto, prior)
 from specwood.drafting.base import TreeShape
@@ -49,14 +48,8 @@ TINY_OPTIONS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_private_cache(monkeypatch, tmp_path):
-    """Tiny models run fastest on one thread (two threads on a shared 2-core box spin-wait);
-    plans (auto, prior) come from a private cache, not the user's."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
-    yield
-    torch.set_num_threads(threads)
+def _one_thread_and_private_cache(one_thread_private_cache):
+    """Every test here: tiny models on one thread, plans in a private cache (conftest)."""
 
 
 def store_auto_plan(engine: Engine, x: int = 8) -> None:

@@ -47,14 +47,8 @@ RAW_PROMPTS = ["def fibonacci(n):\n    a, b = 0, 1\n", "The quick brown fox jump
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_private_cache(monkeypatch, tmp_path):
-    """Tiny models run fastest on one thread (two threads on a shared 2-core box spin-wait);
-    plans go to a private cache."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
-    yield
-    torch.set_num_threads(threads)
+def _one_thread_and_private_cache(one_thread_private_cache):
+    """Every test here: tiny models on one thread, plans in a private cache (conftest)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,12 +32,8 @@ OPTIONS = {"ar": {}, "chain": {"budget": 4}, "dyspec": {"budget": 6}, "eagle": {
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_private_cache(monkeypatch, tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
-    yield
-    torch.set_num_threads(threads)
+def _one_thread_and_private_cache(one_thread_private_cache):
+    """Every test here: tiny models on one thread, plans in a private cache (conftest)."""
 
 
 def scheduler(engine: Engine, budget: int | None = 10 ** 8, max_batch: int = 4) -> Scheduler:

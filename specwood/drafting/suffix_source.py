@@ -15,16 +15,18 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Container, Sequence
+from typing import TYPE_CHECKING, Any, Container, Sequence
 
 import torch
 
 from specwood.drafting.base import Drafting, TreeShape
 from specwood.drafting.suffix_index import SuffixIndex
 from specwood.drafting.suffix_tree import SuffixDraft, continuation_tree
-from specwood.engine.protocols import EngineLike
 from specwood.errors import SpecwoodError
 from specwood.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the engine is a layer above: its protocol is only named in annotations
+    from specwood.engine.protocols import EngineLike
 
 DEFAULT_CACHE_TOKENS = 1 << 19  # the global index's bound: 14 MiB (28 bytes a token; measured with tracemalloc)
 DEFAULT_WINDOW = 1 << 16  # a request's own index: its newest tokens, so a huge context costs no more

@@ -298,12 +298,7 @@ class OpenAIServing:
                     break
                 left -= 1
         finally:
-            gone.cancel()
-            if item is not None and not item.done():
-                item.cancel()
-            for req in reqs:
-                if not req.done.is_set():
-                    req.cancel()  # the client went away (or the server is stopping)
+            _stop_waiting(gone, item, reqs)
         if not all(req.done.is_set() for req in reqs):
             return Response(status_code=499)  # nobody is listening
         failed = next((req for req in reqs if req.error is not None), None)
@@ -401,12 +396,19 @@ class OpenAIServing:
                                           self.shown_stats(reqs[0].outcome())))
             yield P.sse("[DONE]")
         finally:
-            gone.cancel()
-            if item is not None and not item.done():
-                item.cancel()
-            for req in reqs:
-                if not req.done.is_set():
-                    req.cancel()  # the client went away (or the server is stopping)
+            _stop_waiting(gone, item, reqs)
+
+
+def _stop_waiting(gone: asyncio.Future[None], item: asyncio.Future[tuple[Any, ...]] | None,
+                  reqs: list[Request]) -> None:
+    """A handler's end: stop watching the client and the queue, and cancel the requests still
+    running (the client went away, or the server is stopping)."""
+    gone.cancel()
+    if item is not None and not item.done():
+        item.cancel()
+    for req in reqs:
+        if not req.done.is_set():
+            req.cancel()
 
 
 class _Job:
