@@ -16,7 +16,10 @@ interrupts; SIGTERM too):
   drafting with the default draft GGUF (`-md DRAFT --spec-type draft-simple`: -md alone only loads
   the draft in this llama.cpp; its default draft settings otherwise, --spec-draft-n-max 3);
 - `specwood serve` (`specwood.bench.server_process.serve_command`: --max-batch max(c), --max-context
-  CTX, no background planning), each request picking its method with the body field "method".
+  CTX, no background planning), each request picking its method with the body field "method" and
+  a fresh "cache_salt" (a cache scope of its own: the methods and levels send the same prompts to
+  one server, and without it `auto` copied `ar`'s answers from the suffix cache and reused its
+  prefix K/V, BENCHMARKS §34).
 
 Every server gets one untimed warm-up request (per method) first. Then, per concurrency level c,
 the same request list (the prompts interleaved across categories, cycled to max(#prompts, 2c)
@@ -60,6 +63,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -121,7 +125,11 @@ async def _one_level(base: str, requests: Sequence[Any], method: str | None, c: 
         async def worker() -> None:
             for i, p in todo:
                 t_start = time.perf_counter()
-                r = await stream_request(client, base, p, method, max_tokens, timeout, None, continuous_usage=True)
+                # specwood's requests each in a cache scope of their own: the methods run the same
+                # prompts on one server, and auto would otherwise copy ar's answer to its prompt
+                salt = uuid.uuid4().hex if method else None
+                r = await stream_request(client, base, p, method, max_tokens, timeout, None, continuous_usage=True,
+                                         cache_salt=salt)
                 rec = {"index": i, "id": p.id, "category": p.category, "start_s": round(t_start - t0, 6), **r}
                 records.append(rec)
                 if rec.get("error"):

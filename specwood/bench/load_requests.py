@@ -98,7 +98,7 @@ def _error_text(body: bytes, status: int) -> str:
 
 def request_body(prompt: Prompt | None, method: str | None, max_tokens: int, model: str | None,
                  messages: Sequence[dict[str, str]] | None = None,
-                 continuous_usage: bool = True) -> tuple[str, dict[str, Any]]:
+                 continuous_usage: bool = True, cache_salt: str | None = None) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of one greedy streaming request: chat prompts go to /v1/chat/completions,
     raw ones to /v1/completions. `continuous_usage` asks for vLLM's per-chunk usage (cumulative
     completion tokens in every chunk: exact tokens per chunk)."""
@@ -110,6 +110,8 @@ def request_body(prompt: Prompt | None, method: str | None, max_tokens: int, mod
         body["model"] = model
     if method:
         body["method"] = method
+    if cache_salt:  # a cache scope of its own: nothing another request left (prefix K/V, answers) is reused
+        body["cache_salt"] = cache_salt
     if prompt is not None and prompt.raw:
         body["prompt"] = prompt.content
         return "/v1/completions", body
@@ -169,12 +171,12 @@ def finalize_record(rec: dict[str, Any], t_send: float, t_end: float, times: lis
 async def stream_request(client: Any, base_url: str, prompt: Prompt | None, method: str | None, max_tokens: int,
                          timeout: float, model: str | None = None,
                          messages: Sequence[dict[str, str]] | None = None,
-                         continuous_usage: bool = True) -> dict[str, Any]:
+                         continuous_usage: bool = True, cache_salt: str | None = None) -> dict[str, Any]:
     """Send one streaming request and time its chunks. Never raises for a failed request: the
     record gets an `error` (HTTP status and message, an error event in the stream, a timeout, a
     broken connection, no content)."""
     httpx = _require_httpx()
-    path, body = request_body(prompt, method, max_tokens, model, messages, continuous_usage)
+    path, body = request_body(prompt, method, max_tokens, model, messages, continuous_usage, cache_salt)
     rec: dict[str, Any] = {"error": None}
     times: list[float] = []
     chars: list[int] = []
