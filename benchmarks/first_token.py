@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 async def timed_request(client, base: str, prompt, method: str, max_tokens: int, to_end: bool = True) -> dict:
-    path, body = request_body(prompt, method, max_tokens, None, continuous_usage=False)
-    body["cache_salt"] = uuid.uuid4().hex  # nothing cached by the other method's request is reused
+    # a fresh cache scope: nothing cached by the other method's request is reused
+    path, body = request_body(prompt, method, max_tokens, None, continuous_usage=False, cache_salt=uuid.uuid4().hex)
     t0 = time.perf_counter()
     first = None
     async with client.stream("POST", base + path, json=body, timeout=600.0) as r:
