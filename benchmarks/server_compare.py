@@ -4,7 +4,7 @@ tok/s and `auto` >= 1.2x, on held-out-style prompts of every category, over the 
 
     python benchmarks/server_compare.py --out benchmarks/results/server/server_compare_DATE \\
         [--prompts benchmarks/heldout_prompts.jsonl] [--max-tokens 128] [--concurrency 1,4,8] \\
-        [--methods ar,auto] [--llama-spec] [--rounds 1] [--require-plan] [--limit N]
+        [--methods ar,auto] [--llama-spec] [--rounds 1] [--paired] [--require-plan] [--limit N]
 
 One server at a time, on 127.0.0.1 at a free port, always stopped afterwards (also on errors and
 interrupts; SIGTERM too):
@@ -34,6 +34,14 @@ specwood's "method"). Every request has a timeout. Reported:
 With --rounds R the whole sequence runs R times, alternating the order of the servers, and the
 numbers are pooled (per-round ratios are listed too).
 
+With --paired, c = 1 runs with every server up at once (llama-server with -np 1): each prompt goes
+to each server and method in turn, the order rotated per prompt, and the report adds per-prompt
+ratios (geometric mean over prompts and rounds, and the lowest). On a shared host the machine's
+speed drifts by up to a fifth over tens of seconds (BENCHMARKS §35: one process's plain step went
+from 25 to 19.5 ms and back), so levels measured a minute apart compare the drift as much as the
+servers; a pair measured seconds apart does not. An idle server's threads sleep. The other levels
+still run one server at a time.
+
 The machine must be otherwise idle: llama.cpp's threads spin while waiting for each other, so one
 busy neighbour on a 2-core CPU cuts its decode to a few tok/s. Each level measures the CPU used
 by other processes meanwhile (/proc); a level above 0.25 cores is measured again (--retry-noisy,
@@ -52,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -124,26 +133,57 @@ async def _one_level(base: str, requests: Sequence[Any], method: str | None, c: 
 
         async def worker() -> None:
             for i, p in todo:
-                t_start = time.perf_counter()
-                # specwood's requests each in a cache scope of their own: the methods run the same
-                # prompts on one server, and auto would otherwise copy ar's answer to its prompt
-                salt = uuid.uuid4().hex if method else None
-                r = await stream_request(client, base, p, method, max_tokens, timeout, None, continuous_usage=True,
-                                         cache_salt=salt)
-                rec = {"index": i, "id": p.id, "category": p.category, "start_s": round(t_start - t0, 6), **r}
+                rec = await _send(client, base, p, method, max_tokens, timeout, i, t0)
                 records.append(rec)
-                if rec.get("error"):
-                    log(f"{tag} {len(records)}/{len(requests)} {p.id} failed: {rec['error']}")
-                else:
-                    aat = rec.get("mean_accepted_tokens")
-                    log(f"{tag} {len(records)}/{len(requests)} {p.id}: {rec['completion_tokens']} tokens, "
-                        f"TTFT {rec['ttft_s']:.2f} s, {_fmt(rec.get('decode_tokens_per_s'), '.1f')} tok/s"
-                        + (f", AAT {aat:.2f}" if isinstance(aat, (int, float)) else ""))
+                _log_request(tag, rec, len(records), len(requests))
 
         await asyncio.gather(*(worker() for _ in range(min(c, len(requests)))))
         wall = time.perf_counter() - t0
     records.sort(key=lambda r: r["index"])
     return records, wall
+
+
+async def _send(client: Any, base: str, p: Any, method: str | None, max_tokens: int, timeout: float, index: int,
+                t0: float) -> dict[str, Any]:
+    """One streaming request, recorded with its prompt's id, category and start (s after t0)."""
+    t_start = time.perf_counter()
+    # specwood's requests each in a cache scope of their own: the methods run the same prompts
+    # on one server, and auto would otherwise copy ar's answer to its prompt
+    salt = uuid.uuid4().hex if method else None
+    r = await stream_request(client, base, p, method, max_tokens, timeout, None, continuous_usage=True,
+                             cache_salt=salt)
+    return {"index": index, "id": p.id, "category": p.category, "start_s": round(t_start - t0, 6), **r}
+
+
+def _log_request(tag: str, rec: dict[str, Any], done: int, total: int) -> None:
+    if rec.get("error"):
+        log(f"{tag} {done}/{total} {rec['id']} failed: {rec['error']}")
+    else:
+        aat = rec.get("mean_accepted_tokens")
+        log(f"{tag} {done}/{total} {rec['id']}: {rec['completion_tokens']} tokens, "
+            f"TTFT {rec['ttft_s']:.2f} s, {_fmt(rec.get('decode_tokens_per_s'), '.1f')} tok/s"
+            + (f", AAT {aat:.2f}" if isinstance(aat, (int, float)) else ""))
+
+
+async def _paired_level(targets: Sequence[tuple[str, str | None, str]], requests: Sequence[Any], max_tokens: int,
+                        timeout: float, rnd: int) -> list[dict[str, Any]]:
+    """Every request sent to every (server, method, base URL) of `targets` in turn, one at a time,
+    the order rotated from one prompt to the next: each series sees the machine as the others did
+    within seconds (its speed drifts by up to a fifth over minutes on a shared host, BENCHMARKS
+    §35), so a per-prompt ratio compares like with like. Records tagged with server and method."""
+    httpx = _require_httpx()
+    records: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), trust_env=False) as client:
+        t0 = time.perf_counter()
+        for i, p in enumerate(requests):
+            k = (i + rnd) % len(targets)
+            for kind, method, base in [*targets[k:], *targets[:k]]:
+                await _wait_idle(base)
+                rec = await _send(client, base, p, method, max_tokens, timeout, i, t0)
+                rec.update({"server": kind, "method": method or "plain"})
+                records.append(rec)
+                _log_request(f"[paired {kind}{' ' + method if method else ''}]", rec, i + 1, len(requests))
+    return records
 
 
 async def _wait_idle(base: str, limit_s: float = 60.0) -> None:
@@ -204,8 +244,8 @@ class CpuMeter:
     (from /proc: all busy time - the server process's - ours), in cores; and the VM's steal time.
     Another job on a 2-core machine shows up here, and such a level's numbers are not clean."""
 
-    def __init__(self, pid: int | None) -> None:
-        self.pid = pid
+    def __init__(self, pid: int | Sequence[int] | None) -> None:
+        self.pids = [pid] if isinstance(pid, int) else [p for p in (pid or ()) if p]
         self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.t0 = time.monotonic()
         self.a = self._sample()
@@ -216,9 +256,9 @@ class CpuMeter:
             busy = f[0] + f[1] + f[2] + f[5] + f[6]  # user nice system irq softirq (guest is in user)
             steal = f[7] if len(f) > 7 else 0.0
             srv = 0.0
-            if self.pid:
-                st = open(f"/proc/{self.pid}/stat").read().rsplit(")", 1)[1].split()
-                srv = sum(float(x) for x in st[11:15])  # utime stime cutime cstime
+            for pid in self.pids:
+                st = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                srv += sum(float(x) for x in st[11:15])  # utime stime cutime cstime
             t = os.times()
             return busy, steal, srv, (t.user + t.system) * self.hz
         except (OSError, ValueError, IndexError):
@@ -368,7 +408,7 @@ class Run:
         return True
 
     def _llama(self, kind: str, rnd: int) -> None:
-        for c in self.levels:
+        for c in self._separate_levels():
             for attempt in range(self.a.retry_noisy + 1):  # a fresh server each time: no prompt cache kept
                 if self._llama_level(kind, c, rnd, attempt):
                     break
@@ -390,27 +430,37 @@ class Run:
             warm_up(base, None, self.a.request_timeout, f"{kind} c={c}", self.a.raw)
             return self._level(srv, base, kind, None, c, rnd, final=attempt == self.a.retry_noisy)
 
+    def _specwood_command(self, port: int) -> list[str]:
+        cmd = serve_command(port, max_batch=max(self.levels), max_context=self.a.ctx, dtype=self.a.dtype,
+                            draft_dtype=self.a.draft_dtype, target=self.a.target, draft=self.a.draft)
+        return cmd + list(self.a.specwood_arg)
+
+    def _specwood_started(self, srv: ServerProcess, base: str, logp: Path, cmd: Sequence[str]) -> None:
+        """Read auto's plan from the start-up log (stop here under --require-plan without one)."""
+        plan = _plan_state(logp)
+        if self.plan is None:
+            self.plan = plan
+            log(f"specwood auto plan: {plan['plan']}" + (f" ({plan['line']})" if plan["line"] else ""))
+        if "auto" in self.methods and plan["plan"] != "measured" and self.a.require_plan:
+            raise SpecwoodError(f"specwood serve has no measured plan for auto ({plan['plan']}): run "
+                                "`specwood plan` first (~6 min), or drop --require-plan")
+        self.servers.setdefault(SPECWOOD, {"command": shlex.join(cmd),
+                                           "models": asyncio.run(_get_json(base, "/v1/models"))})
+
     def _specwood(self, rnd: int) -> None:
+        levels = self._separate_levels()
+        if not levels:
+            return
         wait_for_quiet(self.a.wait_idle)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        cmd = serve_command(port, max_batch=max(self.levels), max_context=self.a.ctx, dtype=self.a.dtype,
-                            draft_dtype=self.a.draft_dtype, target=self.a.target, draft=self.a.draft)
-        cmd += list(self.a.specwood_arg)
+        cmd = self._specwood_command(port)
         logp = self.out / f"specwood-r{rnd + 1}.log"
         with ServerProcess(cmd, base, log_path=logp, startup_timeout=self.a.startup_timeout, log=log) as srv:
-            plan = _plan_state(logp)
-            if self.plan is None:
-                self.plan = plan
-                log(f"specwood auto plan: {plan['plan']}" + (f" ({plan['line']})" if plan["line"] else ""))
-            if "auto" in self.methods and plan["plan"] != "measured" and self.a.require_plan:
-                raise SpecwoodError(f"specwood serve has no measured plan for auto ({plan['plan']}): run "
-                                    "`specwood plan` first (~6 min), or drop --require-plan")
-            self.servers.setdefault(SPECWOOD, {"command": shlex.join(cmd),
-                                               "models": asyncio.run(_get_json(base, "/v1/models"))})
+            self._specwood_started(srv, base, logp, cmd)
             for m in self.methods:
                 warm_up(base, m, self.a.request_timeout, f"specwood {m}", self.a.raw)
-            for c in self.levels:
+            for c in levels:
                 for m in self.methods:
                     for attempt in range(self.a.retry_noisy + 1):
                         if attempt:
@@ -421,11 +471,66 @@ class Run:
     def run(self) -> None:
         for rnd in range(self.a.rounds):
             order = self.kinds if rnd % 2 == 0 else list(reversed(self.kinds))
+            if self.a.paired:
+                self._paired(order, rnd)
             for kind in order:
                 if kind == SPECWOOD:
                     self._specwood(rnd)
                 else:
                     self._llama(kind, rnd)
+
+    def _separate_levels(self) -> list[int]:
+        """The levels measured one server at a time (with --paired, all but c = 1)."""
+        return [c for c in self.levels if not (self.a.paired and c == 1)]
+
+    def _paired(self, order: Sequence[str], rnd: int) -> None:
+        """The c = 1 level with every server up at once, each prompt sent to each server and method
+        in turn (_paired_level); an idle server's threads sleep, so only the one answering runs."""
+        wait_for_quiet(self.a.wait_idle)
+        targets: list[tuple[str, str | None, str]] = []
+        pids: list[int] = []
+        with contextlib.ExitStack() as stack:
+            for kind in order:
+                port = free_port()
+                base = f"http://127.0.0.1:{port}"
+                if kind == SPECWOOD:
+                    cmd = self._specwood_command(port)
+                    logp = self.out / f"specwood-paired-r{rnd + 1}.log"
+                else:
+                    cmd = llama_command(self.binary, port, self.target, threads=self.a.threads, ctx=self.a.ctx,
+                                        slots=1, draft=self.draft if kind == LLAMA_SPEC else None,
+                                        extra=self.a.llama_arg)
+                    logp = self.out / f"{kind}-paired-r{rnd + 1}.log"
+                srv = stack.enter_context(ServerProcess(cmd, base, log_path=logp,
+                                                        startup_timeout=self.a.startup_timeout, log=log))
+                pids += [srv.proc.pid] if srv.proc else []
+                if kind == SPECWOOD:
+                    self._specwood_started(srv, base, logp, cmd)
+                    for m in self.methods:
+                        warm_up(base, m, self.a.request_timeout, f"specwood {m}", self.a.raw)
+                        targets.append((kind, m, base))
+                else:
+                    self.servers.setdefault(kind, {"commands": {}, "props": None})["commands"]["1 (paired)"] = \
+                        shlex.join(cmd)
+                    warm_up(base, None, self.a.request_timeout, f"{kind} c=1", self.a.raw)
+                    targets.append((kind, None, base))
+            log(f"[paired c=1 round {rnd + 1}] {len(self.requests[1])} prompts x {len(targets)} series ...")
+            meter = CpuMeter(pids)
+            recs = asyncio.run(_paired_level(targets, self.requests[1], self.a.max_tokens, self.a.request_timeout,
+                                             rnd))
+            cpu = meter.stop()
+        noisy = isinstance(cpu["other_cpu_cores"], (int, float)) and cpu["other_cpu_cores"] > NOISY_CORES
+        if noisy:
+            log(f"[paired c=1] WARNING: other processes used {cpu['other_cpu_cores']:.2f} cores meanwhile (flagged)")
+        for kind, method, _ in targets:
+            tag = {"server": kind, "method": method or "plain", "concurrency": 1, "round": rnd}
+            mine = [r for r in recs if r["server"] == kind and r["method"] == tag["method"]]
+            for r in mine:
+                r.update(tag)
+            # one at a time: the series' wall is what its own requests took
+            wall = sum(float(r.get("latency_s") or 0.0) for r in mine)
+            self.level_rows.append({**tag, **summarize_level(mine, wall), **cpu, "paired": True})
+            self.records += mine
 
 
 # ----------------------------------------------------------------------------------------- summary
@@ -527,8 +632,35 @@ def summarize(records: Sequence[dict[str, Any]], level_rows: Sequence[dict[str, 
                                                 default=None),
                     "met_overall": None if overall is None else overall >= g,
                     "met_every_category": None if low is None else low >= g}
+    paired = paired_ratios(good, series, ["all", *cats, *buckets], bucket_of)
     return {"c1": c1, "categories": cats, "buckets": buckets, "per_request": per_req, "c1_ratios": c1_ratios,
-            "per_round": per_round, "aggregate": agg, "goals": goals, "series": keys}
+            "per_round": per_round, "aggregate": agg, "goals": goals, "series": keys, "paired_ratios": paired}
+
+
+PAIRS = (("ar", LLAMA), ("auto", LLAMA), ("auto", "ar"))
+
+
+def paired_ratios(records: Sequence[dict[str, Any]], series: Sequence[tuple[str, str]], groups: Sequence[str],
+                  bucket_of: dict[str, str]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per group, for each pair (a, b): the geometric mean over prompts and rounds of a's decode
+    tok/s over b's on the same prompt in the same round, and its lowest; what --paired measures
+    (each pair within seconds of each other). n: the pairs counted."""
+    speed: dict[tuple[str, str, int], float] = {}
+    for r in records:
+        key = r["server"] if r["server"] != SPECWOOD else r["method"]
+        v = r.get("decode_tokens_per_s")
+        if isinstance(v, (int, float)) and v > 0 and (r["server"], r["method"]) in series:
+            speed[(key, r["id"], r["round"])] = float(v)
+    cat_of = {r["id"]: r["category"] for r in records}
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for g in groups:
+        out[g] = {}
+        for a, b in PAIRS:
+            logs = [math.log(v / speed[(b, pid, rnd)]) for (k, pid, rnd), v in speed.items()
+                    if k == a and (b, pid, rnd) in speed and g in ("all", cat_of.get(pid), bucket_of.get(pid))]
+            out[g][f"{a}/{b}"] = {"n": len(logs), "geomean": math.exp(sum(logs) / len(logs)) if logs else None,
+                                  "lowest": math.exp(min(logs)) if logs else None}
+    return out
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -594,6 +726,20 @@ def markdown(result: dict[str, Any]) -> str:
         if LLAMA_SPEC in keys:
             cells.append(_fmt((s["per_request"][LLAMA_SPEC].get(g) or {}).get("aat"), ".2f"))
         out.append("| " + " | ".join(cells) + " |")
+
+    pr = s.get("paired_ratios") or {}
+    pk = [k for k in ("ar/llama.cpp", "auto/llama.cpp", "auto/ar") if (pr.get("all") or {}).get(k, {}).get("n")]
+    if meta.get("paired") and pk:
+        out += ["", f"## paired at c={c1}: per-prompt ratios (geometric mean over prompts and rounds; lowest)", "",
+                "Each prompt went to every server and method within seconds (--paired): these ratios do not "
+                "carry the machine's drift between levels.", "",
+                "| category | pairs | " + " | ".join(f"{k} | lowest {k}" for k in pk) + " |",
+                "|---|---:|" + "---:|" * (2 * len(pk))]
+        for g in ["all", *s["categories"], *s.get("buckets", [])]:
+            cells = ["**all**" if g == "all" else g, str(max(pr[g][k]["n"] for k in pk))]
+            for k in pk:
+                cells += [_fmt(pr[g][k]["geomean"], ".2f", "x"), _fmt(pr[g][k]["lowest"], ".2f", "x")]
+            out.append("| " + " | ".join(cells) + " |")
 
     out += ["", f"## TTFT at c={c1} (s, mean over requests) and tokens", "",
             "| category | " + " | ".join(f"{k} TTFT" for k in keys) + " | "
@@ -673,7 +819,8 @@ def write(run: Run | None, a: argparse.Namespace, t0: float, completed: bool, fa
         "machine": machine_summary(), "python": platform.python_version(),
         "git_rev": _git("rev-parse", "HEAD"), "git_dirty": bool(status),
         "completed": completed, "failure": failure, "elapsed_s": round(time.perf_counter() - t0, 1),
-        "max_tokens": a.max_tokens, "rounds": a.rounds, "threads": a.threads, "ctx_per_slot": a.ctx,
+        "max_tokens": a.max_tokens, "rounds": a.rounds, "paired": a.paired, "threads": a.threads,
+        "ctx_per_slot": a.ctx,
         "request_timeout_s": a.request_timeout,
     }
     if run is not None:
@@ -721,6 +868,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--llama-spec", action="store_true",
                     help="also measure llama-server's own speculative decoding with the default draft (-md)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat everything, alternating the server order")
+    ap.add_argument("--paired", action="store_true",
+                    help="c = 1 with every server up: each prompt to each server and method in turn (per-prompt "
+                         "ratios robust to the machine's drift); needs 1 among --concurrency")
     ap.add_argument("--threads", type=int, default=None, help="llama-server -t/-tb (default: torch's thread count)")
     ap.add_argument("--ctx", type=int, default=4096, help="context per request slot (both servers)")
     ap.add_argument("--raw", action="store_true",
@@ -748,6 +898,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.threads = torch.get_num_threads()
     if a.max_tokens < 1 or a.rounds < 1 or a.ctx < 64 or a.request_timeout <= 0 or a.retry_noisy < 0:
         ap.error("--max-tokens and --rounds must be >= 1, --ctx >= 64, --request-timeout > 0, --retry-noisy >= 0")
+    if a.paired and 1 not in parse_concurrency(a.concurrency):
+        ap.error("--paired measures c = 1: include 1 in --concurrency")
 
     def on_term(signum: int, frame: Any) -> None:  # let the servers' context managers stop them
         raise KeyboardInterrupt(f"signal {signum}")

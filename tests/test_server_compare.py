@@ -118,6 +118,31 @@ def test_summary_ratios_and_report():
     json.dumps(result)
 
 
+
+def test_paired_ratios_compare_each_prompt_within_its_round():
+    """--paired: a ratio per prompt and round, pooled as a geometric mean; a drift that slows
+    every series alike in round 2 cancels, where the ratio of pooled means would carry a
+    series' share of slow and fast rounds."""
+    sc = _compare_module()
+    recs = []
+    for rnd, speed in ((0, 1.0), (1, 0.8)):  # the machine 20% slower in round 2
+        for pid, cat, auto_gain in (("p1", "code", 1.5), ("p2", "translation", 0.9)):
+            for server, method, v in (("llama.cpp", "plain", 30.0), ("specwood", "ar", 36.0),
+                                      ("specwood", "auto", 36.0 * auto_gain)):
+                recs.append({"server": server, "method": method, "concurrency": 1, "round": rnd, "id": pid,
+                             "category": cat, "error": None, "decode_tokens_per_s": v * speed,
+                             "prompt_tokens": 100, "completion_tokens": 64, "ttft_s": 0.3})
+    s = sc.summarize(recs, [], [1], ["ar", "auto"], ["llama.cpp", "specwood"])
+    pr = s["paired_ratios"]
+    assert pr["translation"]["auto/ar"]["geomean"] == pytest.approx(0.9)
+    assert pr["translation"]["auto/ar"]["n"] == 2
+    assert pr["all"]["auto/ar"]["geomean"] == pytest.approx((1.5 * 0.9) ** 0.5)
+    assert pr["all"]["auto/ar"]["lowest"] == pytest.approx(0.9)
+    assert pr["code"]["ar/llama.cpp"]["geomean"] == pytest.approx(1.2)
+    md = sc.markdown(sc._jsonable({"meta": {"command": "x", "paired": True}, "summary": s, "levels": [],
+                                   "requests": recs}))
+    assert "## paired at c=1" in md and "| translation | 2 | 1.20x | 1.20x |" in md
+
 # ------------------------------------------------------------------- llama.cpp's build flags (issue 39, item 0)
 def test_llama_cpu_flags_name_the_sets_and_keep_amx_off() -> None:
     from specwood.bench.llama_cpu_flags import cmake_flags, cpu_flags

@@ -8,6 +8,8 @@ evaluate measured timing rows: interpolation, a monotone fit, the nearest contex
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -115,18 +117,13 @@ def batch_share(t_v: Callable[[float], float], t_d: Callable[[float], float],
 
 def interpolate(row: dict[int, float], x: float) -> float:
     """Piecewise-linear T(x) through measured points; linear extrapolation past either end."""
-    xs = sorted(row)
+    xs = sorted(row)  # a row is a few keys, mostly in order already
     if len(xs) == 1:
         return float(row[xs[0]])
-    if x <= xs[0]:
-        lo, hi = xs[0], xs[1]
-    elif x >= xs[-1]:
-        lo, hi = xs[-2], xs[-1]
-    else:
-        hi = next(v for v in xs if v >= x)
-        lo = xs[xs.index(hi) - 1]
-        if hi == x:
-            return float(row[hi])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)  # xs[i - 1] < x <= xs[i] inside the range
+    lo, hi = xs[i - 1], xs[i]
+    if hi == x:
+        return float(row[hi])
     slope = (row[hi] - row[lo]) / (hi - lo)
     return max(0.0, float(row[lo] + slope * (x - lo)))
 
@@ -147,5 +144,14 @@ def monotone(row: dict[int, float]) -> dict[int, float]:
 
 
 def nearest_context(contexts: Sequence[int], ctx: float) -> int:
-    """The bucket closest to ctx on a log scale (contexts grow geometrically)."""
-    return min(contexts, key=lambda c: (abs(math.log(max(c, 1)) - math.log(max(ctx, 1))), c))
+    """The bucket closest to ctx on a log scale (contexts grow geometrically); the smaller of two
+    equally close ones."""
+    cs, bounds = _log_midpoints(tuple(contexts))
+    return cs[bisect.bisect_left(bounds, max(ctx, 1))]
+
+
+@functools.lru_cache(maxsize=64)
+def _log_midpoints(contexts: tuple[int, ...]) -> tuple[list[int], list[float]]:
+    """The contexts sorted, and between each two the point equally far from both on a log scale."""
+    cs = sorted(set(contexts))
+    return cs, [math.sqrt(max(a, 1) * max(b, 1)) for a, b in zip(cs, cs[1:])]

@@ -27,6 +27,7 @@ alone uses the prior only (`prior_only`): its trees must not depend on measured 
 """
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Callable
 
@@ -43,7 +44,8 @@ TRACKED = (math.log(0.5), math.log(4.0))  # DraftCostTracker's bounds (CostRatio
 
 
 def bucket(value: float, bounds: tuple[int, ...]) -> int:
-    return max(b for b in bounds if b <= max(value, bounds[0]))
+    """The largest of the ascending `bounds` at most `value` (the first below them all)."""
+    return bounds[max(bisect.bisect_right(bounds, value) - 1, 0)]
 
 
 def context_bucket(ctx: float) -> int:
@@ -57,23 +59,25 @@ def prior_t_v(plan: Plan, ctx: float, x: float) -> float:
     contexts = sorted(plan.verify_times)
     if len(contexts) == 1 or ctx <= contexts[0]:
         return plan.t_v(contexts[0], x)
-    hi = next((c for c in contexts if c >= ctx), contexts[-1])
-    lo = contexts[max(0, contexts.index(hi) - 1)]
+    i = min(bisect.bisect_left(contexts, ctx), len(contexts) - 1)  # the first at least ctx, or the last
+    lo, hi = contexts[max(0, i - 1)], contexts[i]
     t_lo, t_hi = plan.t_v(lo, x), plan.t_v(hi, x)
     value = t_lo + (t_hi - t_lo) * (ctx - lo) / (hi - lo)
     return max(value, t_hi) if ctx > hi else value
 
 
-def prior_t_d(plan: Plan, ctx: float, x: float) -> float:
+def prior_t_d(plan: Plan, ctx: float, x: float, t_v: Callable[[float, float], float] | None = None) -> float:
     """The plan's T_d(x) at context ctx: its nearest timed context's, grown with the context as the
-    target's plain step grows where the plan timed drafting at one context only."""
+    target's plain step grows where the plan timed drafting at one context only. `t_v(ctx, x)`:
+    prior_t_v of this plan (a remembering one)."""
     if x <= 1 or not plan.draft_times:
         return 0.0
     timed = nearest_context(list(plan.draft_times), ctx)
     base = plan.t_d(timed, x)
     if len(plan.draft_times) > 1:
         return base
-    return base * prior_t_v(plan, ctx, 1) / max(prior_t_v(plan, timed, 1), 1e-12)
+    t_v = t_v or (lambda c, v: prior_t_v(plan, c, v))
+    return base * t_v(ctx, 1) / max(t_v(timed, 1), 1e-12)
 
 
 class LogRatios:
@@ -121,7 +125,8 @@ class OnlineCosts:
         self.draft = LogRatios()  # drafting's share against its price (prior x machine), per context
         self._prior_view: OnlineCosts | None = None
         self._memo: dict[tuple, float] = {}
-        self._memo_version = -1
+        self._memo_version: tuple[int, int] = (-1, -1)
+        self._priors: dict[tuple[float, float], float] = {}
 
     def prior_only(self) -> "OnlineCosts":
         if not self.measured:
@@ -138,17 +143,31 @@ class OnlineCosts:
         c = context_bucket(ctx)
         return (b,), (b, c), (b, c, bucket(rows, ROWS_BUCKETS))
 
-    def _cell(self, ctx: float, rows: float, batch: int) -> float:
-        """prior x this cell's correction, remembered until the next step is recorded (a decision
-        asks for the same few rows many times)."""
-        if self._memo_version != self.verify.version or len(self._memo) > 4096:
+    def _fresh_memo(self) -> dict[tuple, float]:
+        """Estimates remembered until the next step is recorded (a decision asks for the same few
+        many times: every candidate tree's price scales with the plain step's)."""
+        version = (self.verify.version, self.draft.version)
+        if self._memo_version != version or len(self._memo) > 4096:
             self._memo.clear()
-            self._memo_version = self.verify.version
-        key = (ctx, rows, batch)
-        if key not in self._memo:
-            self._memo[key] = prior_t_v(self.plan, ctx, rows) * math.exp(
-                self.verify.log_ratio(*self._levels(batch, ctx, rows)))
-        return self._memo[key]
+            self._memo_version = version
+        return self._memo
+
+    def _prior_t_v(self, ctx: float, rows: float) -> float:
+        """prior_t_v, remembered (the plan does not change)."""
+        key = (ctx, rows)
+        value = self._priors.get(key)
+        if value is None:
+            if len(self._priors) > 4096:
+                self._priors.clear()
+            value = self._priors[key] = prior_t_v(self.plan, ctx, rows)
+        return value
+
+    def _cell(self, ctx: float, rows: float, batch: int) -> float:
+        """prior x this cell's correction."""
+        memo, key = self._fresh_memo(), ("cell", ctx, rows, batch)
+        if key not in memo:
+            memo[key] = self._prior_t_v(ctx, rows) * math.exp(self.verify.log_ratio(*self._levels(batch, ctx, rows)))
+        return memo[key]
 
     def t_v(self, ctx: float, rows: float, batch: int = 1) -> float:
         """One target forward of `rows` rows (all the batch's) for a batch of `batch` at context ctx:
@@ -157,8 +176,11 @@ class OnlineCosts:
         if not self.measured:
             return prior_t_v(self.plan, ctx, rows)
         own = bucket(rows, ROWS_BUCKETS)
-        narrower = [b - 1 for b in ROWS_BUCKETS[1:] if b <= own]  # the widest forward of each narrower bucket
-        return max(self._cell(ctx, v, batch) for v in (*narrower, rows))
+        memo, key = self._fresh_memo(), ("floor", ctx, batch, own)
+        floor = memo.get(key)
+        if floor is None:  # the widest forward of each narrower bucket
+            floor = memo[key] = max((self._cell(ctx, b - 1, batch) for b in ROWS_BUCKETS[1:] if b <= own), default=0.0)
+        return max(floor, self._cell(ctx, rows, batch))
 
     def machine(self, ctx: float, batch: int = 1) -> float:
         """How much slower (above 1) or faster than the plan timed this machine runs a plain step
@@ -168,14 +190,17 @@ class OnlineCosts:
         it slows the target's). So a change of speed alone moves no decision."""
         if not self.measured:
             return 1.0
-        return self.t_v(ctx, batch, batch) / max(prior_t_v(self.plan, ctx, batch), 1e-12)
+        memo, key = self._fresh_memo(), ("machine", ctx, batch)
+        if key not in memo:
+            memo[key] = self.t_v(ctx, batch, batch) / max(self._prior_t_v(ctx, batch), 1e-12)
+        return memo[key]
 
     def draft_price(self, ctx: float, x: float, batch: int = 1) -> float:
         """A drafting request's share of a step's drafting as priced before what drafting itself
         measured: the plan's T_d(x) at this context, grown by batching as `batch_share` grows
         it (by the draft's own forward of `batch` rows, or, untimed, the target's), times the
         machine's speed. What DraftCostTracker compares a step's drafting with."""
-        t_d = prior_t_d(self.plan, ctx, x)
+        t_d = prior_t_d(self.plan, ctx, x, self._prior_t_v)
         if batch > 1:
             rows = ((lambda v: interpolate(self.plan.draft_row_times, v)) if len(self.plan.draft_row_times) >= 2
                     else (lambda v: prior_t_v(self.plan, ctx, v)))
@@ -186,9 +211,12 @@ class OnlineCosts:
         """What drafting at this context measured beyond DraftCostTracker's bounds (1 within them)."""
         if not self.measured:
             return 1.0
-        b = bucket(batch, BATCH_BUCKETS)
-        log_ratio = self.draft.log_ratio((b,), (b, context_bucket(ctx)))
-        return math.exp(log_ratio - min(TRACKED[1], max(TRACKED[0], log_ratio)))
+        memo, key = self._fresh_memo(), ("excess", ctx, batch)
+        if key not in memo:
+            b = bucket(batch, BATCH_BUCKETS)
+            log_ratio = self.draft.log_ratio((b,), (b, context_bucket(ctx)))
+            memo[key] = math.exp(log_ratio - min(TRACKED[1], max(TRACKED[0], log_ratio)))
+        return memo[key]
 
     def t_d_share(self, ctx: float, x: float, batch: int = 1) -> float:
         """A drafting request's share of a step's drafting before DraftCostTracker's ratio."""
