@@ -263,3 +263,20 @@ def test_one_verdict_class():
 def test_the_forced_run_is_no_processors_state():
     proc = Processors(SamplingParams(presence_penalty=0.5), [1, 2], 8)
     assert not any(a.startswith("forced_") for a in vars(proc))
+
+
+# the model's own passes, below the one forward over rows (models/batch.py)
+MODEL_PASSES = re.compile(r"\.(hidden|hidden_packed|layers_over|row_blocks|row_block|vocab_logits)\(")
+CACHELESS_PASSES = {ROOT / "drafting" / "head_training.py"}  # a draft head's training windows: no cache, no rows
+
+
+def test_rows_of_every_kind_reach_the_model_through_one_forward():
+    """Issue 59 item 4: prompt chunks, continuations, tree nodes and batch rows are each a RowInput
+    of `models.batch.forward_rows(_features)`; nothing outside models/ runs the layers itself."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if "models" in path.relative_to(ROOT).parts or path in CACHELESS_PASSES:
+            continue
+        offenders += [f"{path.relative_to(ROOT)}: {ln.strip()}" for ln in path.read_text().splitlines()
+                      if MODEL_PASSES.search(ln.split("#")[0])]
+    assert not offenders, offenders
