@@ -310,3 +310,25 @@ def test_auto_probing_and_batch_choice_stay_greedy_identical(tiny_tokenizer):
         assert r.error is None and r.result.token_ids == ref
     steps = [r.result.stats["auto_x_steps"] for r in reqs]
     assert all(s.get(1, 0) > 0 for s in steps) and any(x > 1 for s in steps for x in s)
+
+
+def test_the_drafts_prefill_grows_with_the_prompt_and_decides_at_long_context():
+    """Timed at two lengths, a token of the draft's prefill costs more in a longer prompt (its
+    attention reads every earlier token): a 4k-token prompt's catch-up is priced ~1.4x its
+    512-token rate, and a request whose saving covers the flat price but not the grown one
+    runs without the draft (BENCHMARKS §35: a late draft reading 4.3k tokens in one 7.4 s forward)."""
+    plan = starter_like_plan()
+    plan.draft_prefill_s = 0.8e-3
+    assert plan.draft_prefill_seconds(4096) == pytest.approx(4096 * 0.8e-3)  # one length: flat
+    plan.draft_prefill_by_length = {512: 0.8e-3, 2048: 0.96e-3}  # +0.16 ms a token per 1,536 tokens
+    assert plan.draft_prefill_seconds(256) == pytest.approx(256 * 0.8e-3)  # never below the shortest
+    assert plan.draft_prefill_seconds(1280) == pytest.approx(1280 * 0.88e-3)
+    assert plan.draft_prefill_seconds(4096) == pytest.approx(4096 * (0.8e-3 + 0.16e-3 * 3584 / 1536))
+    assert Plan.from_dict(plan.to_dict()).draft_prefill_seconds(4096) == pytest.approx(plan.draft_prefill_seconds(4096))
+    d = OnlineCosts(plan).decide(4096)
+    assert d.method == "sd"
+    saving = 4096 * 0.8e-3 * 1.2 / (1.0 / d.p_ar - 1.0 / d.p_eff)  # tokens whose saving is 1.2x the flat price
+    tokens = int(saving)
+    assert OnlineCosts(plan).prefill_is_earned(d, tokens, 4096) is False
+    plan.draft_prefill_by_length = {}
+    assert OnlineCosts(plan).prefill_is_earned(d, tokens, 4096) is True

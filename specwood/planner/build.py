@@ -68,6 +68,28 @@ def measure_aat(engine: EngineLike, make: Callable[[int], tuple[Any, Any]], xs: 
 
 def measure_draft_prefill(engine: EngineLike, n_tokens: int = 512, repeats: int = 2) -> float | None:
     """Seconds per prompt token of the draft model's prefill (None without a draft model)."""
+    timed = _draft_prefill_at(engine, n_tokens, repeats)
+    return None if timed is None else timed[1]
+
+
+PREFILL_LENGTHS = (512, 2048)  # where the draft's prefill is timed: its growth with the prompt's length
+
+
+def measure_draft_prefill_lengths(engine: EngineLike, lengths: Sequence[int] = PREFILL_LENGTHS,
+                                  repeats: int = 2) -> dict[int, float]:
+    """Seconds per prompt token of the draft's prefill at each length the context allows: a
+    token's attention reads every earlier one, so per token a 4k-token prompt costs ~1.4x a
+    512-token one on the default draft (BENCHMARKS §35). Empty without a draft model."""
+    out: dict[int, float] = {}
+    for n in lengths:
+        timed = _draft_prefill_at(engine, n, repeats if n == lengths[0] else 1)
+        if timed is not None and timed[0] not in out:
+            out[timed[0]] = timed[1]
+    return out
+
+
+def _draft_prefill_at(engine: EngineLike, n_tokens: int, repeats: int) -> tuple[int, float] | None:
+    """(prompt tokens timed, seconds per token) of the draft's prefill of about n_tokens tokens."""
     from specwood.drafting.model_source import ModelDraftSource
 
     if engine.draft_model is None:
@@ -80,7 +102,7 @@ def measure_draft_prefill(engine: EngineLike, n_tokens: int = 512, repeats: int 
         best = math.inf
         for _ in range(repeats):
             best = min(best, undisturbed(lambda: _seconds(lambda: source.start(ids[0]))))
-    return best / len(ids[0])
+    return len(ids[0]), best / len(ids[0])
 
 
 def _seconds(fn: Callable[[], Any]) -> float:
@@ -271,12 +293,13 @@ def build_plan(
         aat = DEFAULT_AAT
         notes.append("too few AAT points: using the default AAT curve")
 
-    draft_prefill = measure_draft_prefill(engine, max(fit_ctx))
+    draft_prefill = measure_draft_prefill_lengths(engine, sorted({*PREFILL_LENGTHS, max(fit_ctx)}))
     draft_rows = measure_draft_rows(engine)
     plan = Plan(key=plan_key_for(engine, method, device_id),
                 contexts=sorted(t_v), verify_times=t_v, draft_times=t_d, aat=aat, aat_points=points,
                 aat_by_context=by_ctx, aat_points_by_context=points_by_ctx, x_cap=x_cap,
-                draft_prefill_s=draft_prefill, draft_row_times=draft_rows, source="measured",
+                draft_prefill_s=draft_prefill[min(draft_prefill)] if draft_prefill else None,
+                draft_prefill_by_length=draft_prefill, draft_row_times=draft_rows, source="measured",
                 mode="quick" if quick else "full", prior=prior, observed=observed, notes=notes,
                 created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     if parallel and engine.draft_model is not None:

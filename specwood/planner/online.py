@@ -224,7 +224,7 @@ class OnlineCosts:
 
     def prefill_s(self, tokens: int) -> float:
         """The draft's prefill of `tokens` prompt tokens (0: unknown)."""
-        return tokens * float(self.plan.draft_prefill_s or 0.0) * self.machine(tokens)
+        return self.plan.draft_prefill_seconds(tokens) * self.machine(tokens)
 
     def step_costs(self, ctx: float, batch: int = 1, draft_scale: float = 1.0, riding: int = 0
                    ) -> tuple[Callable[[float], float], Callable[[float], float]]:

@@ -59,7 +59,7 @@ def torch_starter_plan(engine: EngineLike, method: str, repeats: int = 3) -> Pla
     on a 2-core CPU."""
     from specwood.models.amx import decided_tile_path
     from specwood.models.transformer import Transformer
-    from specwood.planner.build import measure_draft_prefill
+    from specwood.planner.build import measure_draft_prefill_lengths
     from specwood.planner.profiler import measure_verify_times
 
     tiles = decided_tile_path()
@@ -72,10 +72,11 @@ def torch_starter_plan(engine: EngineLike, method: str, repeats: int = 3) -> Pla
     td = ({c: {x: 0.0 for x in draft_xs} for c in tv} if engine.draft_model is None else
           measure_draft_times(engine, [method], xs=draft_xs, contexts=(min(tv),), repeats=repeats,
                               progress=False)[method])
-    prefill = measure_draft_prefill(engine) if isinstance(engine.draft_model, Transformer) else None
-    plan = timed_plan(engine, method, tv, td, draft_prefill_s=prefill or 0.0,
+    prefill = measure_draft_prefill_lengths(engine) if isinstance(engine.draft_model, Transformer) else {}
+    plan = timed_plan(engine, method, tv, td, draft_prefill_s=prefill[min(prefill)] if prefill else 0.0,
                       note="starter plan: T_v and T_d timed at start"
                       + (f" with {tiles.name} from {tiles.min_rows} rows" if tiles is not None else ""))
+    plan.draft_prefill_by_length = prefill
     plan.x_cap = x_cap
     plan.source = "starter"
     return plan.refresh()

@@ -98,6 +98,8 @@ class Plan:
     choices: list[BucketChoice] = field(default_factory=list)
     x_cap: int = MAX_X  # largest x the method can build (e.g. the prior's maximal tree + 1)
     draft_prefill_s: float | None = None  # the draft's prefill, seconds per prompt token
+    # prompt tokens -> seconds per token of the draft's prefill, where timed at several lengths
+    draft_prefill_by_length: dict[int, float] = field(default_factory=dict)
     draft_row_times: dict[int, float] = field(default_factory=dict)  # n rows -> one draft forward (s)
     source: str = "measured"  # or "analytic" (a device model, no hardware)
     mode: str = "quick"  # "quick" or "full" measurement, "analytic", "timed" (T_v/T_d only, AAT borrowed)
@@ -222,7 +224,17 @@ class Plan:
             return False
         if not self.draft_prefill_s:
             return True
-        return tokens * (1.0 / d.p_ar - 1.0 / d.p_eff) > context_len * self.draft_prefill_s
+        return tokens * (1.0 / d.p_ar - 1.0 / d.p_eff) > self.draft_prefill_seconds(context_len)
+
+    def draft_prefill_seconds(self, tokens: int) -> float:
+        """The draft's prefill of a `tokens`-token prompt: `draft_prefill_s` a token, grown with
+        the length as the timings at several lengths grow (each token's attention reads the ones
+        before it: linear between and past them, never below the shortest's); flat where one was timed."""
+        per_token, timed = float(self.draft_prefill_s or 0.0), self.draft_prefill_by_length
+        if len(timed) >= 2:
+            shortest = timed[min(timed)]
+            per_token *= max(interpolate(timed, tokens), shortest) / max(shortest, 1e-12)
+        return tokens * per_token
 
     # --- JSON ---------------------------------------------------------------------------------
 
@@ -236,6 +248,7 @@ class Plan:
             "contexts": list(self.contexts),
             "x_cap": self.x_cap,
             "draft_prefill_s": self.draft_prefill_s,
+            "draft_prefill_by_length": {str(k): v for k, v in self.draft_prefill_by_length.items()},
             "draft_row_times": {str(k): v for k, v in self.draft_row_times.items()},
             "verify_times": _table_out(self.verify_times),
             "draft_times": _table_out(self.draft_times),
@@ -270,6 +283,7 @@ class Plan:
             choices=[BucketChoice(**c) for c in d.get("choices") or []],
             x_cap=int(d.get("x_cap", MAX_X)),
             draft_prefill_s=None if d.get("draft_prefill_s") is None else float(d["draft_prefill_s"]),
+            draft_prefill_by_length={int(k): float(v) for k, v in (d.get("draft_prefill_by_length") or {}).items()},
             draft_row_times={int(k): float(v) for k, v in (d.get("draft_row_times") or {}).items()},
             source=str(d.get("source", "measured")),
             mode=str(d.get("mode", "quick")),
