@@ -34,13 +34,13 @@ specwood's "method"). Every request has a timeout. Reported:
 With --rounds R the whole sequence runs R times, alternating the order of the servers, and the
 numbers are pooled (per-round ratios are listed too).
 
-With --paired, c = 1 runs with every server up at once (llama-server with -np 1): each prompt goes
-to each server and method in turn, the order rotated per prompt, and the report adds per-prompt
-ratios (geometric mean over prompts and rounds, and the lowest). On a shared host the machine's
+With --paired, every level runs with every server up at once (llama-server with -np c): each wave
+of c requests goes to each server and method in turn, the order rotated per wave, and the report
+adds per-prompt ratios at c = 1 (geometric mean over prompts and rounds, and the lowest); a
+level's aggregate rate is its series' tokens over the walls of its own waves. On a shared host the machine's
 speed drifts by up to a fifth over tens of seconds (BENCHMARKS §35: one process's plain step went
 from 25 to 19.5 ms and back), so levels measured a minute apart compare the drift as much as the
-servers; a pair measured seconds apart does not. An idle server's threads sleep. The other levels
-still run one server at a time.
+servers; a pair measured seconds apart does not. An idle server's threads sleep.
 
 The machine must be otherwise idle: llama.cpp's threads spin while waiting for each other, so one
 busy neighbour on a 2-core CPU cuts its decode to a few tok/s. Each level measures the CPU used
@@ -165,25 +165,37 @@ def _log_request(tag: str, rec: dict[str, Any], done: int, total: int) -> None:
             + (f", AAT {aat:.2f}" if isinstance(aat, (int, float)) else ""))
 
 
-async def _paired_level(targets: Sequence[tuple[str, str | None, str]], requests: Sequence[Any], max_tokens: int,
-                        timeout: float, rnd: int) -> list[dict[str, Any]]:
-    """Every request sent to every (server, method, base URL) of `targets` in turn, one at a time,
-    the order rotated from one prompt to the next: each series sees the machine as the others did
-    within seconds (its speed drifts by up to a fifth over minutes on a shared host, BENCHMARKS
-    §35), so a per-prompt ratio compares like with like. Records tagged with server and method."""
+async def _paired_level(targets: Sequence[tuple[str, str | None, str]], requests: Sequence[Any], c: int,
+                        max_tokens: int, timeout: float, rnd: int) -> tuple[list[dict[str, Any]], list[float]]:
+    """The requests in waves of c, every wave sent to every (server, method, base URL) of `targets`
+    in turn (c streams at once, the next series once all c finished), the order rotated from one
+    wave to the next: each series sees the machine as the others did within seconds (its speed
+    drifts by up to a fifth over minutes on a shared host, BENCHMARKS §35), so per-prompt ratios
+    (c = 1) and aggregate rates (c > 1) compare like with like. (Records tagged with server and
+    method, each target's summed wave walls.)"""
     httpx = _require_httpx()
     records: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), trust_env=False) as client:
+    walls = [0.0] * len(targets)
+    limits = httpx.Limits(max_connections=c + 2, max_keepalive_connections=c + 2)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=30.0),
+                                 trust_env=False) as client:
         t0 = time.perf_counter()
-        for i, p in enumerate(requests):
-            k = (i + rnd) % len(targets)
-            for kind, method, base in [*targets[k:], *targets[:k]]:
+        waves = [list(enumerate(requests))[w:w + c] for w in range(0, len(requests), c)]
+        for n, wave in enumerate(waves):
+            k = (n + rnd) % len(targets)
+            for t in [*range(k, len(targets)), *range(k)]:
+                kind, method, base = targets[t]
                 await _wait_idle(base)
-                rec = await _send(client, base, p, method, max_tokens, timeout, i, t0)
-                rec.update({"server": kind, "method": method or "plain"})
-                records.append(rec)
-                _log_request(f"[paired {kind}{' ' + method if method else ''}]", rec, i + 1, len(requests))
-    return records
+                start = time.perf_counter()
+                recs = await asyncio.gather(*(_send(client, base, p, method, max_tokens, timeout, i, t0)
+                                              for i, p in wave))
+                walls[t] += time.perf_counter() - start
+                for rec in recs:
+                    rec.update({"server": kind, "method": method or "plain"})
+                    records.append(rec)
+                    _log_request(f"[paired {kind}{' ' + method if method else ''} c={c}]", rec, rec["index"] + 1,
+                                 len(requests))
+    return records, walls
 
 
 async def _wait_idle(base: str, limit_s: float = 60.0) -> None:
@@ -480,57 +492,57 @@ class Run:
                     self._llama(kind, rnd)
 
     def _separate_levels(self) -> list[int]:
-        """The levels measured one server at a time (with --paired, all but c = 1)."""
-        return [c for c in self.levels if not (self.a.paired and c == 1)]
+        """The levels measured one server at a time (none with --paired)."""
+        return [] if self.a.paired else list(self.levels)
 
     def _paired(self, order: Sequence[str], rnd: int) -> None:
-        """The c = 1 level with every server up at once, each prompt sent to each server and method
-        in turn (_paired_level); an idle server's threads sleep, so only the one answering runs."""
-        wait_for_quiet(self.a.wait_idle)
-        targets: list[tuple[str, str | None, str]] = []
-        pids: list[int] = []
-        with contextlib.ExitStack() as stack:
-            for kind in order:
-                port = free_port()
-                base = f"http://127.0.0.1:{port}"
-                if kind == SPECWOOD:
-                    cmd = self._specwood_command(port)
-                    logp = self.out / f"specwood-paired-r{rnd + 1}.log"
-                else:
-                    cmd = llama_command(self.binary, port, self.target, threads=self.a.threads, ctx=self.a.ctx,
-                                        slots=1, draft=self.draft if kind == LLAMA_SPEC else None,
-                                        extra=self.a.llama_arg)
-                    logp = self.out / f"{kind}-paired-r{rnd + 1}.log"
-                srv = stack.enter_context(ServerProcess(cmd, base, log_path=logp,
-                                                        startup_timeout=self.a.startup_timeout, log=log))
-                pids += [srv.proc.pid] if srv.proc else []
-                if kind == SPECWOOD:
-                    self._specwood_started(srv, base, logp, cmd)
-                    for m in self.methods:
-                        warm_up(base, m, self.a.request_timeout, f"specwood {m}", self.a.raw)
-                        targets.append((kind, m, base))
-                else:
-                    self.servers.setdefault(kind, {"commands": {}, "props": None})["commands"]["1 (paired)"] = \
-                        shlex.join(cmd)
-                    warm_up(base, None, self.a.request_timeout, f"{kind} c=1", self.a.raw)
-                    targets.append((kind, None, base))
-            log(f"[paired c=1 round {rnd + 1}] {len(self.requests[1])} prompts x {len(targets)} series ...")
-            meter = CpuMeter(pids)
-            recs = asyncio.run(_paired_level(targets, self.requests[1], self.a.max_tokens, self.a.request_timeout,
-                                             rnd))
-            cpu = meter.stop()
-        noisy = isinstance(cpu["other_cpu_cores"], (int, float)) and cpu["other_cpu_cores"] > NOISY_CORES
-        if noisy:
-            log(f"[paired c=1] WARNING: other processes used {cpu['other_cpu_cores']:.2f} cores meanwhile (flagged)")
-        for kind, method, _ in targets:
-            tag = {"server": kind, "method": method or "plain", "concurrency": 1, "round": rnd}
-            mine = [r for r in recs if r["server"] == kind and r["method"] == tag["method"]]
-            for r in mine:
-                r.update(tag)
-            # one at a time: the series' wall is what its own requests took
-            wall = sum(float(r.get("latency_s") or 0.0) for r in mine)
-            self.level_rows.append({**tag, **summarize_level(mine, wall), **cpu, "paired": True})
-            self.records += mine
+        """Every level with every server up at once (llama-server with -np c), each wave of c
+        requests sent to each server and method in turn (_paired_level); an idle server's threads
+        sleep, so only the one answering runs."""
+        for c in self.levels:
+            wait_for_quiet(self.a.wait_idle)
+            targets: list[tuple[str, str | None, str]] = []
+            pids: list[int] = []
+            with contextlib.ExitStack() as stack:
+                for kind in order:
+                    port = free_port()
+                    base = f"http://127.0.0.1:{port}"
+                    if kind == SPECWOOD:
+                        cmd = self._specwood_command(port)
+                        logp = self.out / f"specwood-paired-c{c}-r{rnd + 1}.log"
+                    else:
+                        cmd = llama_command(self.binary, port, self.target, threads=self.a.threads, ctx=self.a.ctx,
+                                            slots=c, draft=self.draft if kind == LLAMA_SPEC else None,
+                                            extra=self.a.llama_arg)
+                        logp = self.out / f"{kind}-paired-c{c}-r{rnd + 1}.log"
+                    srv = stack.enter_context(ServerProcess(cmd, base, log_path=logp,
+                                                            startup_timeout=self.a.startup_timeout, log=log))
+                    pids += [srv.proc.pid] if srv.proc else []
+                    if kind == SPECWOOD:
+                        self._specwood_started(srv, base, logp, cmd)
+                        for m in self.methods:
+                            warm_up(base, m, self.a.request_timeout, f"specwood {m}", self.a.raw)
+                            targets.append((kind, m, base))
+                    else:
+                        self.servers.setdefault(kind, {"commands": {}, "props": None})["commands"][f"{c} (paired)"] = \
+                            shlex.join(cmd)
+                        warm_up(base, None, self.a.request_timeout, f"{kind} c={c}", self.a.raw)
+                        targets.append((kind, None, base))
+                log(f"[paired c={c} round {rnd + 1}] {len(self.requests[c])} requests x {len(targets)} series ...")
+                meter = CpuMeter(pids)
+                recs, walls = asyncio.run(_paired_level(targets, self.requests[c], c, self.a.max_tokens,
+                                                        self.a.request_timeout, rnd))
+                cpu = meter.stop()
+            if isinstance(cpu["other_cpu_cores"], (int, float)) and cpu["other_cpu_cores"] > NOISY_CORES:
+                log(f"[paired c={c}] WARNING: other processes used {cpu['other_cpu_cores']:.2f} cores meanwhile "
+                    "(flagged)")
+            for (kind, method, _), wall in zip(targets, walls):
+                tag = {"server": kind, "method": method or "plain", "concurrency": c, "round": rnd}
+                mine = [r for r in recs if r["server"] == kind and r["method"] == tag["method"]]
+                for r in mine:
+                    r.update(tag)
+                self.level_rows.append({**tag, **summarize_level(mine, wall), **cpu, "paired": True})
+                self.records += mine
 
 
 # ----------------------------------------------------------------------------------------- summary
@@ -869,8 +881,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also measure llama-server's own speculative decoding with the default draft (-md)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat everything, alternating the server order")
     ap.add_argument("--paired", action="store_true",
-                    help="c = 1 with every server up: each prompt to each server and method in turn (per-prompt "
-                         "ratios robust to the machine's drift); needs 1 among --concurrency")
+                    help="every server up at once: each wave of c requests to each server and method in turn "
+                         "(ratios robust to the machine's drift)")
     ap.add_argument("--threads", type=int, default=None, help="llama-server -t/-tb (default: torch's thread count)")
     ap.add_argument("--ctx", type=int, default=4096, help="context per request slot (both servers)")
     ap.add_argument("--raw", action="store_true",
@@ -898,8 +910,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.threads = torch.get_num_threads()
     if a.max_tokens < 1 or a.rounds < 1 or a.ctx < 64 or a.request_timeout <= 0 or a.retry_noisy < 0:
         ap.error("--max-tokens and --rounds must be >= 1, --ctx >= 64, --request-timeout > 0, --retry-noisy >= 0")
-    if a.paired and 1 not in parse_concurrency(a.concurrency):
-        ap.error("--paired measures c = 1: include 1 in --concurrency")
 
     def on_term(signum: int, frame: Any) -> None:  # let the servers' context managers stop them
         raise KeyboardInterrupt(f"signal {signum}")
