@@ -180,7 +180,8 @@ async def _paired_level(targets: Sequence[tuple[str, str | None, str]], requests
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=30.0),
                                  trust_env=False) as client:
         t0 = time.perf_counter()
-        waves = [list(enumerate(requests))[w:w + c] for w in range(0, len(requests), c)]
+        indexed = list(enumerate(requests))
+        waves = [indexed[w:w + c] for w in range(0, len(indexed), c)]
         for n, wave in enumerate(waves):
             k = (n + rnd) % len(targets)
             for t in [*range(k, len(targets)), *range(k)]:
@@ -420,7 +421,7 @@ class Run:
         return True
 
     def _llama(self, kind: str, rnd: int) -> None:
-        for c in self._separate_levels():
+        for c in self.levels:
             for attempt in range(self.a.retry_noisy + 1):  # a fresh server each time: no prompt cache kept
                 if self._llama_level(kind, c, rnd, attempt):
                     break
@@ -460,9 +461,6 @@ class Run:
                                            "models": asyncio.run(_get_json(base, "/v1/models"))})
 
     def _specwood(self, rnd: int) -> None:
-        levels = self._separate_levels()
-        if not levels:
-            return
         wait_for_quiet(self.a.wait_idle)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
@@ -472,7 +470,7 @@ class Run:
             self._specwood_started(srv, base, logp, cmd)
             for m in self.methods:
                 warm_up(base, m, self.a.request_timeout, f"specwood {m}", self.a.raw)
-            for c in levels:
+            for c in self.levels:
                 for m in self.methods:
                     for attempt in range(self.a.retry_noisy + 1):
                         if attempt:
@@ -485,15 +483,12 @@ class Run:
             order = self.kinds if rnd % 2 == 0 else list(reversed(self.kinds))
             if self.a.paired:
                 self._paired(order, rnd)
+                continue
             for kind in order:
                 if kind == SPECWOOD:
                     self._specwood(rnd)
                 else:
                     self._llama(kind, rnd)
-
-    def _separate_levels(self) -> list[int]:
-        """The levels measured one server at a time (none with --paired)."""
-        return [] if self.a.paired else list(self.levels)
 
     def _paired(self, order: Sequence[str], rnd: int) -> None:
         """Every level with every server up at once (llama-server with -np c), each wave of c

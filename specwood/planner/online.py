@@ -203,7 +203,7 @@ class OnlineCosts:
         t_d = prior_t_d(self.plan, ctx, x, self._prior_t_v)
         if batch > 1:
             rows = ((lambda v: interpolate(self.plan.draft_row_times, v)) if len(self.plan.draft_row_times) >= 2
-                    else (lambda v: prior_t_v(self.plan, ctx, v)))
+                    else (lambda v: self._prior_t_v(ctx, v)))
             t_d *= float(rows(batch)) / (batch * float(rows(1)))
         return t_d * self.machine(ctx, batch)
 
