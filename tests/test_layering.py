@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specwood"
 # Lowest first; a module belongs to the layer of its longest matching prefix. The prompt sets
 # (bench.workload: data and their reader, no engine) sit at the bottom: the planner calibrates on them.
 LAYERS: list[tuple[str, ...]] = [
-    ("specwood.errors", "specwood.sampling", "specwood.version", "specwood.bench.workload"),
+    ("specwood.errors", "specwood.sampling", "specwood.version", "specwood.heap", "specwood.bench.workload"),
     ("specwood.models",),
     ("specwood.tree", "specwood.verify", "specwood.constrain"),
     ("specwood.drafting", "specwood.drafter_data"),

@@ -169,7 +169,7 @@ def teacher_forced_logits(model: Any, tokens: Sequence[int]) -> torch.Tensor:
 def _release_memory() -> None:
     """After the caller dropped a model: give its memory back before the next one loads (the fp32
     target alone is ~7 GB)."""
-    from specwood.engine.api import release_freed_memory
+    from specwood.heap import release_freed_memory
 
     gc.collect()
     release_freed_memory()

@@ -23,6 +23,7 @@ from specwood.engine.vocab import emit_limit
 from specwood.engine.scheduler import Scheduler
 from specwood.engine.sequential import SequentialExecutor
 from specwood.errors import ContextLengthError, SamplingParamsError, SpecwoodError
+from specwood.heap import release_freed_memory
 from specwood.models.config import ModelConfig
 from specwood.models.linears import int4_available
 from specwood.models.transformer import Transformer, build_model, usable_exact, weights_taken_as_stored
@@ -368,18 +369,6 @@ class Engine:
 def _is_token_ids(prompt: Any) -> bool:
     """A prompt given as token ids (a list of ints; an empty list counts, and is refused later)."""
     return isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int))
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc): loading frees float copies of every
-    weight (GBs for the default pair) that would otherwise stay in the process's RSS."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
 
 
 def check_q4(device: str) -> None:

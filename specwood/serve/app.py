@@ -24,6 +24,7 @@ from specwood.engine.config import AUTO, SchedulerConfig
 from specwood.engine.protocols import EngineLike
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import SpecwoodError
+from specwood.heap import keep_freed_memory
 from specwood.serve import protocol as P
 from specwood.serve.background import pause_while_busy
 from specwood.serve.connections import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, uvicorn_limits
@@ -177,6 +178,7 @@ def serve(engine: EngineLike, config: SchedulerConfig | None = None, *, host: st
     a prefix cache at all)."""
     import uvicorn
 
+    keep_freed_memory()  # a step's large buffers reuse freed heap, not fresh pages (specwood.heap)
     config = config or server_config(shared_cache=sharing.shared_cache)
     sock = sock or bind_socket(host, port)
     if executor is not None:  # DuoDecoding's worker or SpecPipe's ranks (specwood.engine.executor)

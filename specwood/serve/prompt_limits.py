@@ -18,14 +18,12 @@ its freed heap back after each (malloc_trim).
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import functools
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from specwood.heap import release_freed_memory
 from specwood.serve.protocol import GenerationRequest, ProtocolError
 
 LARGE_PROMPT_CHARS = 32_768
@@ -140,20 +138,3 @@ def _then_release(fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
     finally:
         release_freed_memory()
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
-        return None
-
-
-def release_freed_memory() -> None:
-    """Give the heap that this process has freed back to the OS (glibc's malloc_trim; a no-op
-    elsewhere)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

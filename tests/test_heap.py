@@ -1,0 +1,46 @@
+"""specwood.heap: with keep_freed_memory, a large buffer allocated and freed over and over reuses
+the heap instead of faulting in fresh pages each time (what a server's steps do); the opt-out
+leaves glibc alone. Each case runs in a fresh interpreter: the setting is for the whole process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specwood.heap import OPT_OUT_ENV, _glibc
+
+_LOOP = """
+import resource, sys, torch
+from specwood.heap import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+torch.empty(48 << 20, dtype=torch.uint8).fill_(1)  # the first one faults in either case
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):  # 48 MiB: above glibc's largest mmap threshold (32 MiB)
+    torch.empty(48 << 20, dtype=torch.uint8).fill_(1)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _faults(mode: str, env: dict[str, str] | None = None) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", _LOOP, mode], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **(env or {})}, check=True).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(_glibc() is None, reason="glibc's mallopt: Linux with glibc only (CI's machines have it)")
+def test_kept_memory_is_reused_without_page_faults() -> None:
+    kept, kept_faults = _faults("keep")
+    _, default_faults = _faults("default")
+    pages = 20 * (48 << 20) // 4096
+    assert kept == "True"
+    assert default_faults > pages // 2  # each buffer mapped afresh: a fault per page (huge pages: fewer)
+    assert kept_faults < default_faults // 10, (kept_faults, default_faults)
+
+
+@pytest.mark.skipif(_glibc() is None, reason="glibc's mallopt: Linux with glibc only (CI's machines have it)")
+def test_the_opt_out_leaves_glibc_alone() -> None:
+    kept, faults = _faults("keep", {OPT_OUT_ENV: "1"})
+    assert kept == "False"
+    assert faults > 20 * (48 << 20) // 4096 // 2
