@@ -54,6 +54,25 @@ def one_torch_thread():
 
 
 
+@pytest.fixture(scope="module")
+def _thawed_after_module():
+    yield
+    gc.unfreeze()  # what the module froze is the collector's again (garbage among it is freed)
+
+
+@pytest.fixture()
+def frozen_heap(_thawed_after_module):
+    """For modules that run tens of thousands of requests (the statistical tests): before each
+    test, the objects alive (pytest, every imported module, the module's models) are frozen out
+    of the garbage collector (specwood.heap.freeze_loaded_objects), so the full collections that
+    the requests' surviving objects trigger walk only what the test made; thawed after the module."""
+    from specwood.heap import freeze_loaded_objects
+
+    if not os.environ.get("NOFREEZE"):
+        freeze_loaded_objects()
+    yield
+
+
 @pytest.fixture()
 def one_thread_private_cache(one_torch_thread, monkeypatch, tmp_path):
     """Tiny models on one thread (`one_torch_thread`); plans (auto, prior) in a private cache,

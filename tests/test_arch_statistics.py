@@ -29,7 +29,7 @@ from specwood.sampling import SamplingParams, target_probs
 from specwood.verify import min_ratio
 from test_verify_statistics import PRE, ROOT, TRIALS, Case, Synthetic, biased, run_case
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")
 
 V = 16
 # 12 tokens ending in ROOT: the root sits at position 11, its grandchildren at 13, so a window

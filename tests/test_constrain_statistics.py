@@ -25,7 +25,7 @@ from specwood.verify import children_table, min_ratio, verify_sampling_batch
 from conftest import g_test
 from test_verify_statistics import EMITTED, Layout, biased, draw
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")
 
 TRIALS = 200_000
 V = 8

@@ -74,7 +74,7 @@ def options_for(method: str) -> dict:
     return OPTIONS.get(method, {"budget": BUDGET, "depth": DEPTH})
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")
 
 
 @pytest.fixture(scope="module")

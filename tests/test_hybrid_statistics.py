@@ -28,7 +28,7 @@ from specwood.verify import min_ratio, tree_uniforms, verify_sampling_batch, ver
 from conftest import g_test
 from test_verify_statistics import EMITTED, PRE, ROOT, Case, Synthetic, biased, draw
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")
 
 TRIALS = 200_000
 N_NODES = 10  # 0 root; 1-3 drawn; 4, 5 = s1, s2; 6, 7 drawn under 1; 8 candidate under 1; 9 = t

@@ -59,7 +59,7 @@ def deadline(request):
     signal.signal(signal.SIGALRM, old)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")
 
 
 def executor(engine: Engine, **kwargs) -> ParallelExecutor:

@@ -52,7 +52,7 @@ def deadline(request):
     signal.signal(signal.SIGALRM, old)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")
 
 
 @pytest.fixture(scope="module")

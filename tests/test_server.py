@@ -23,7 +23,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specwood.engine.api import Engine
-from specwood.serve.app import create_app, server_config
+from specwood.serve.app import bind_socket, create_app, server_config
 
 MAX_BATCH = 8
 RAW = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "Once upon a time", "hello"]
@@ -35,8 +35,7 @@ class ServerThread:
     """uvicorn serving `app` on 127.0.0.1:<free port> in a thread; `stop()` waits for it to end."""
 
     def __init__(self, app: Any):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = bind_socket("127.0.0.1", 0)  # as `specwood serve` binds (Nagle off on its connections)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                                     timeout_graceful_shutdown=5))
@@ -662,8 +661,13 @@ def serve_command(cmd: list[str], cache: Any, start_timeout_s: float = 60, stop_
     """Run a `specwood serve` command line (port 0) in its own process group; yield (its URL from
     the "listening on" line, the output lines so far, the process). On exit: SIGTERM, a clean exit within
     `stop_timeout_s` and no traceback in the output; the whole group is killed if it hangs."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, SPECWOOD_CACHE=str(cache)), start_new_session=True)
+    env = dict(os.environ, SPECWOOD_CACHE=str(cache))
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:  # the worker's share of the cores (conftest): two servers with a thread per core each, beside
+        # the other worker, spun their OpenMP teams against each other (a tiny model at 43 tokens/s)
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(workers)))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     lines: list[str] = []
     try:
         reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)

@@ -268,3 +268,31 @@ def test_bad_connection_limits_fail_in_one_line(tmp_path, flag, value):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith(f"specwood: error: {flag} must be"), p.stderr
+
+
+def test_accepted_connections_send_without_waiting_for_acks():
+    """Nagle's algorithm is off on every connection the server accepts (TCP_NODELAY), as asyncio
+    serves the socket `specwood serve` binds (uvicorn's create_server on it): with it on, a JSON
+    answer's body, written after its headers, waited for the client's delayed ACK of them -- 40 ms
+    an answer (the fuzzing test spent 52 of its 83 s so)."""
+    import asyncio
+
+    from specwood.serve.app import bind_socket
+
+    seen: list[int] = []
+
+    async def main() -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        sock = bind_socket("127.0.0.1", 0)
+        server = await asyncio.start_server(handle, sock=sock)
+        reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # the handler closed it
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0, seen

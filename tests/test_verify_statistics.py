@@ -37,7 +37,7 @@ def biased(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     return min_ratio(p_x, q_x) + 0.02
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")
 
 
 @dataclass

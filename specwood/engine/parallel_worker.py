@@ -214,6 +214,7 @@ def _pin(threads: int) -> list[int] | None:
 def _worker_main(conn: Any) -> None:
     """The draft process: build the draft model from the shipped weights, then serve messages."""
     from specwood.engine.processes import exit_with_parent
+    from specwood.heap import freeze_loaded_objects
 
     exit_with_parent()  # never outlives the server or the CLI that started it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
@@ -224,6 +225,7 @@ def _worker_main(conn: Any) -> None:
         model = build_draft(spec)
         del spec
         worker = DraftWorker(model)
+        freeze_loaded_objects()  # steps for as long as it lives: no full collections over its imports
         conn.send(("ready", {"pid": os.getpid(), "device": str(model.device), "threads": torch.get_num_threads(),
                              "cores": cores, "vocab_size": model.config.vocab_size, "dtype": str(model.dtype),
                              "int4": any(type(m).__name__ == "Int4Linear" for m in model.modules())}))

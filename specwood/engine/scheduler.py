@@ -257,8 +257,11 @@ class Scheduler:
 
     def run_until_done(self, requests: list[Request]) -> None:
         """Step in the caller's thread until every one of `requests` has finished."""
-        while not all(r.done.is_set() for r in requests):
-            if not self.step() and not self.waiting:
+        first_open = 0  # requests before it are done (done is for good): each step checks from there
+        while True:
+            while first_open < len(requests) and requests[first_open].done.is_set():
+                first_open += 1
+            if first_open == len(requests) or (not self.step() and not self.waiting):
                 break
 
     def start(self) -> None:

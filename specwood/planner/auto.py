@@ -450,11 +450,14 @@ def _prepare_auto(engine: EngineLike, options: dict[str, Any]) -> Callable[..., 
                   "the context in its first forward", file=sys.stderr)
 
     told_late: list[bool] = []
+    last_costs: list[Any] = []  # [plan, its OnlineCosts]: what the last request got
 
     def new_drafter(sources: Callable[[Any], Any], prompt_len: int, max_tokens: int, load: int = 1,
                     scope: str | None = "") -> Drafter:
         plan = latest_plan()
-        costs = online_costs(engine, plan)
+        if not last_costs or last_costs[0] is not plan:  # its key (the model's weight mode) once per plan
+            last_costs[:] = [plan, online_costs(engine, plan)]
+        costs = last_costs[1]
         # the draft's prefill against what its trees save over max_tokens, at the costs measured
         # here; alone, a seeded sampled request follows the plan's own answer (`planned`)
         scale = draft_costs.scale(load)

@@ -24,7 +24,7 @@ from specwood.engine.config import AUTO, SchedulerConfig
 from specwood.engine.protocols import EngineLike
 from specwood.engine.scheduler import Scheduler
 from specwood.errors import SpecwoodError
-from specwood.heap import keep_freed_memory
+from specwood.heap import freeze_loaded_objects, keep_freed_memory
 from specwood.serve import protocol as P
 from specwood.serve.background import pause_while_busy
 from specwood.serve.connections import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, uvicorn_limits
@@ -136,9 +136,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     if not 0 <= port <= 65535:
         raise SpecwoodError(f"--port must be in 0..65535, got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections whose
+    # socket says IPPROTO_TCP, and accepted ones copy the listener's 0 otherwise. With Nagle on,
+    # a response's body waited for the client's delayed ACK of its headers: +40 ms on every
+    # JSON answer, and on a stream's first token (BENCHMARKS.md §37)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # where accepted sockets inherit it
         sock.bind((host, port))
     except OSError as e:
         sock.close()
@@ -191,6 +196,7 @@ def serve(engine: EngineLike, config: SchedulerConfig | None = None, *, host: st
     app = create_app(engine, scheduler, method=method, options=options, max_body_bytes=max_body_bytes,
                      access=access.for_bind(str(sock.getsockname()[0])), read_timeout=read_timeout,
                      sharing=sharing)
+    freeze_loaded_objects()  # the loaded server's objects out of the collector's full passes (specwood.heap)
     if background is not None:
         pause_while_busy(background, scheduler)
     # uvicorn waits for open responses a little longer than the drain, so streams get their end
