@@ -21,12 +21,18 @@ os.environ.setdefault("SPECWOOD_KERNEL_DIR", str(build_directory()))
 os.environ.setdefault("SPECWOOD_PLAN_BUSY_CORES", "inf")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (README's `-n 2`) each worker gets its share of the cores: two workers
-    with two OpenMP threads each on a 2-core machine spin against each other."""
+def worker_core_share() -> int | None:
+    """Under pytest-xdist (README's `-n 2`) the cores each worker may use (None outside xdist):
+    two workers with two OpenMP threads each on a 2-core machine spin against each other."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+    return max(1, (os.cpu_count() or 1) // int(workers)) if workers else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist worker gets its share of the cores (`worker_core_share`)."""
+    share = worker_core_share()
+    if share is not None:
+        torch.set_num_threads(share)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
@@ -68,8 +74,7 @@ def frozen_heap(_thawed_after_module):
     the requests' surviving objects trigger walk only what the test made; thawed after the module."""
     from specwood.heap import freeze_loaded_objects
 
-    if not os.environ.get("NOFREEZE"):
-        freeze_loaded_objects()
+    freeze_loaded_objects()
     yield
 
 

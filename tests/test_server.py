@@ -25,6 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from specwood.engine.api import Engine
 from specwood.serve.app import bind_socket, create_app, server_config
 
+from conftest import worker_core_share
+
 MAX_BATCH = 8
 RAW = ["def add(a, b):", "The quick brown fox jumps over the lazy dog. The", "Once upon a time", "hello"]
 CHATS = [[{"role": "user", "content": "hi"}],
@@ -662,10 +664,10 @@ def serve_command(cmd: list[str], cache: Any, start_timeout_s: float = 60, stop_
     the "listening on" line, the output lines so far, the process). On exit: SIGTERM, a clean exit within
     `stop_timeout_s` and no traceback in the output; the whole group is killed if it hangs."""
     env = dict(os.environ, SPECWOOD_CACHE=str(cache))
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers:  # the worker's share of the cores (conftest): two servers with a thread per core each, beside
-        # the other worker, spun their OpenMP teams against each other (a tiny model at 43 tokens/s)
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(workers)))
+    share = worker_core_share()
+    if share is not None:  # two servers with a thread per core each, beside the other xdist worker, spun
+        # their OpenMP teams against each other (a tiny model at 43 tokens/s)
+        env["OMP_NUM_THREADS"] = str(share)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []

@@ -139,7 +139,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     # proto named: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections whose
     # socket says IPPROTO_TCP, and accepted ones copy the listener's 0 otherwise. With Nagle on,
     # a response's body waited for the client's delayed ACK of its headers: +40 ms on every
-    # JSON answer, and on a stream's first token (BENCHMARKS.md §37)
+    # JSON answer (a stream's chunks waited while an earlier one was unacknowledged; BENCHMARKS.md §37)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
