@@ -382,6 +382,10 @@ def test_real_pair_mixed_batch_equals_ar(real_pair_engine_fp32):
             ("prior", 2, 32, 0), ("auto", 0, 28, 4)]  # auto joins after 4 steps
     options = {"dyspec": {"budget": 8}, "eagle": {"budget": 8, "depth": 4, "topk": 3}, "prior": {"budget": 8},
                "auto": {"progress": False}}
+    # auto follows a stored plan: its starter plan would time the fp32 1.5B target on trees of up to
+    # 48 tokens first (~50 s here, most of this test); the starter plan is timed on real files elsewhere
+    # (test_gemma_real, test_cli_sweep)
+    store_auto_plan(engine)
     factories = {m: quiet_prepare(engine, m, options.get(m, {})) for m, *_ in plan}
     # rows: prompt + 32 tokens + the default tree room (1025; draft sources ask for it, see above)
     sched = engine.make_scheduler(SchedulerConfig(max_batch=len(plan), row_len=1280), drafts=())

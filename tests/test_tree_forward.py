@@ -155,3 +155,32 @@ def test_packed_rows_equal_each_row_alone(tiny_pair):
     hidden = forward_rows(stage, cache, rows)
     for x, h in zip(rows, hidden):
         assert torch.allclose(h, forward_rows(stage, stage.new_cache(64, 5), [x])[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_pad_rows_places_each_row_as_a_copy_per_row_would(hidden):
+    """`pad_rows` scatters every row in a fixed number of ops: the same tensors as writing each
+    row into its place one by one (token ids or hidden states, masks of different widths)."""
+    from specwood.models.batch import RowInput, pad_rows
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for row, (n, s) in enumerate([(3, 7), (1, 12), (5, 5), (2, 12), (4, 9)]):
+        tokens = torch.randn(n, 6, generator=g) if hidden else torch.randint(0, V, (n,), generator=g)
+        pos = torch.randint(0, 50, (n,), generator=g)
+        rows.append(RowInput(row, tokens, pos, pos + 100, torch.rand(n, s, generator=g) < 0.5, torch.arange(n)))
+    for inputs in (rows, [rows[1], rows[3]]):  # widths that differ, and widths that are all the same
+        tokens, positions, slots, mask = pad_rows(inputs, scratch_slot=99)
+        T, S = max(len(x.tokens) for x in inputs), max(x.mask.shape[1] for x in inputs)
+        want_mask = torch.zeros(len(inputs), T, S, dtype=torch.bool)
+        want_mask[:, :, 0] = True
+        want_slots = torch.full((len(inputs), T), 99)
+        want_tokens = torch.zeros(len(inputs), T, *inputs[0].tokens.shape[1:], dtype=inputs[0].tokens.dtype)
+        want_positions = torch.zeros(len(inputs), T, dtype=torch.long)
+        for b, x in enumerate(inputs):
+            n, s = x.mask.shape
+            want_tokens[b, :n], want_positions[b, :n], want_slots[b, :n] = x.tokens, x.positions, x.slots
+            want_mask[b, :n] = False
+            want_mask[b, :n, :s] = x.mask
+        assert torch.equal(tokens, want_tokens) and torch.equal(positions, want_positions)
+        assert torch.equal(slots, want_slots) and torch.equal(mask, want_mask)

@@ -531,6 +531,8 @@ class ParallelExecutor(Executor):
                 return
             go = []
             for r in live:
+                if r.max_tokens - len(r.out.token_ids) <= 1:
+                    continue  # this step ends it (a step emits a token at least): no tree to draft for it
                 st = self._duo[r]
                 st.gamma = self._gamma_for(r, len(r.context) + len(self._pending(r)) - 1)
                 # the first go after catch-up steps hands the worker the tokens it missed
@@ -538,13 +540,17 @@ class ParallelExecutor(Executor):
                 st.worker_len = None
                 st.gammas.append(st.gamma)
                 go.append((r.id, len(r.context), r.root, st.hit, st.gamma, self._depth_for(r), catchup))
-            drops, self._to_drop = self._to_drop, []
-            self._send(("go", drops, go))
+            if go:
+                drops, self._to_drop = self._to_drop, []
+                self._send(("go", drops, go))
             t_target = self._target_step(live)
             still = [r for r in live if r.state is State.DECODE]
             if not still:
-                self._stale += 1  # not waited for: the next run discards it
+                self._stale += bool(go)  # not waited for: the next run discards it
                 return
+            drafted = {e[0] for e in go}
+            if any(r.id not in drafted for r in still):
+                raise RuntimeError("a request outlived the step that had to end it (max_tokens)")
             t1 = time.perf_counter()
             payloads, timing = self._recv_drafts()
             waited = time.perf_counter() - t1

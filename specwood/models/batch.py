@@ -43,21 +43,34 @@ def similar_lengths(lengths: list[int]) -> list[list[int]]:
 
 def pad_rows(inputs: list[RowInput], scratch_slot: int) -> tuple[torch.Tensor, ...]:
     """tokens [B, T(, dim)], positions [B, T], slots [B, T] and mask [B, T, S] of the rows padded to
-    the longest; padding tokens go to the scratch slot and attend to slot 0."""
+    the longest; padding tokens go to the scratch slot and attend to slot 0. Scattered in a fixed
+    number of ops whatever B (a copy per row and tensor was ~2 ms for 256 rows, a fifth of a tiny
+    model's batched step)."""
     B = len(inputs)
-    T = max(len(x.tokens) for x in inputs)
-    S = max(x.mask.shape[1] for x in inputs)
+    lengths = [len(x.tokens) for x in inputs]
+    widths = [x.mask.shape[1] for x in inputs]
+    T, S = max(lengths), max(widths)
     first = inputs[0].tokens
+    n = torch.tensor(lengths)
+    row_of = torch.repeat_interleave(torch.arange(B), n)  # each row token's (batch row, column)
+    col = torch.arange(len(row_of)) - torch.repeat_interleave(n.cumsum(0) - n, n)
     tokens = torch.zeros((B, T, *first.shape[1:]), dtype=first.dtype, device=first.device)
+    tokens[row_of.to(first.device), col.to(first.device)] = torch.cat([x.tokens for x in inputs])
     positions = torch.zeros(B, T, dtype=torch.long)
+    positions[row_of, col] = torch.cat([x.positions for x in inputs])
     slots = torch.full((B, T), scratch_slot, dtype=torch.long)
+    slots[row_of, col] = torch.cat([x.slots for x in inputs])
     mask = torch.zeros(B, T, S, dtype=torch.bool)
     mask[:, :, 0] = True
-    for b, x in enumerate(inputs):
-        n, s = len(x.tokens), x.mask.shape[1]
-        tokens[b, :n], positions[b, :n], slots[b, :n] = x.tokens, x.positions, x.slots
-        mask[b, :n] = False
-        mask[b, :n, :s] = x.mask
+    if all(w == S for w in widths):
+        mask[row_of, col] = torch.cat([x.mask for x in inputs])
+    else:  # each row's [n, s] block, element by element into the flat [B, T, S] (its slot 0 included)
+        w = torch.tensor(widths)
+        cells = n * w
+        width = torch.repeat_interleave(w, cells)
+        k = torch.arange(len(width)) - torch.repeat_interleave(cells.cumsum(0) - cells, cells)
+        b = torch.repeat_interleave(torch.arange(B), cells)
+        mask.view(-1)[(b * T + k // width) * S + k % width] = torch.cat([x.mask.reshape(-1) for x in inputs])
     return tokens, positions, slots, mask
 
 
@@ -114,7 +127,8 @@ def _forward_packed(model: Transformer, cache: KVCache, inputs: list[RowInput], 
     hidden = model.hidden_packed(parts, cache)
     if not getattr(model, "is_last", True):
         return [hidden[first[i]:first[i] + len(x.tokens)] for i, x in enumerate(inputs)], [None] * len(inputs)
-    wanted = torch.cat([x.outputs.long() + first[i] for i, x in enumerate(inputs)])
+    counts = torch.tensor([len(x.outputs) for x in inputs])
+    wanted = torch.cat([x.outputs for x in inputs]).long() + torch.repeat_interleave(torch.tensor(first), counts)
     out = model.head(hidden[wanted.to(dev)])
     return list(out.split([len(x.outputs) for x in inputs])), _features(model, hidden, inputs, first)
 

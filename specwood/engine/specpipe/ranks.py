@@ -201,7 +201,9 @@ class PipelineRank:
             if lane.cancelled and lane.result is None:
                 lane.stream.finish_reason = "cancelled"
                 lane.result = self._finish(lane)
-            level = self._entering(lane) if lane.result is None else None
+        trees = self._draft_trees([lane for lane in self.lanes.values() if lane.result is None and self._refills(lane)])
+        for lane in self.lanes.values():
+            level = self._entering(lane, trees.get(lane.id)) if lane.result is None else None
             kind = 2 if level is not None and level.tree else int(level is not None and level.verified)
             rows.append([lane.id, int(lane.result is not None), kind, level.position if level else 0,
                          len(level) if level else 0])
@@ -210,22 +212,31 @@ class PipelineRank:
                     nodes[col].extend(values)
         return joins, rows, nodes
 
-    def _entering(self, lane: Lane) -> Level | None:
+    @staticmethod
+    def _refills(lane: Lane) -> bool:
+        """Whether the lane's next level starts from its verified token (its prompt is in, and the
+        pipeline holds nothing of it: a miss, an empty verdict or a verified whole tree)."""
+        return not lane.chunks and lane.mirror.root is None and lane.v.kind in (MISS, EMPTY, TREE)
+
+    def _entering(self, lane: Lane, tree: TokenTree | None = None) -> Level | None:
         """Rank 0: the lane's next level: a prompt chunk, a refill from the verified token (a
-        whole tree, specinfer), or the next fixed-width level from the draft."""
-        level, m = None, lane.mirror
+        whole tree, specinfer: `tree`, drafted by `_draft_trees`), or the next fixed-width level
+        from the draft."""
+        level = None
         if lane.chunks:
             chunk = lane.chunks.pop(0)
             level = Level(list(range(lane.next_id, lane.next_id + len(chunk))), [-1] * len(chunk), chunk, lane.pos,
                           True)
             lane.pos += len(chunk)
-        elif m.root is None and lane.v.kind in (MISS, EMPTY, TREE):  # refill from the verified token
+        elif self._refills(lane):  # refill from the verified token
             if lane.trees is not None:  # specinfer: a whole tree rooted at it
-                level, lane.tree = self._draft_tree(lane, lane.trees)
+                if tree is None:
+                    raise RuntimeError(f"request {lane.id} refills with a tree but none was drafted")
+                level, lane.tree = self._tree_level(lane, tree)
             else:
                 level = Level([lane.next_id], [-1], [lane.v.token], lane.v.position, True)
         elif lane.draft is not None:
-            level = lane.draft.next_level(m, lane.next_id)
+            level = lane.draft.next_level(lane.mirror, lane.next_id)
             if level is not None and level.position > lane.limit:
                 level = None
         if level is None and all(h is None for h in lane.held):
@@ -288,6 +299,8 @@ class PipelineRank:
             self.pool.release(lane.kv)
             if lane.draft is not None:
                 self._drafting()[1].release(lane.draft.kv)
+            if lane.trees is not None:
+                lane.trees[0].close()  # its row of the draft's pool
             del self.lanes[lane.id]
             result = lane.result
             if per_rank is not None and result is not None:  # rank 0: every leaving lane has its result
@@ -453,10 +466,11 @@ class PipelineRank:
     # --- PP + SpecInfer: whole trees ---
 
     def _tree_drafter(self, job: Job) -> list[Any]:
-        """Rank 0, specinfer: [draft source (prompt not yet in), shape, generator, started]."""
+        """Rank 0, specinfer: [draft source (a row of the draft's pool, prompt not yet in), shape,
+        generator, started]."""
         opts = dict(job.tree or DEFAULT_TREE)
         shape = make_shape(opts.pop("name", "static"), **opts)
-        draft = self._drafting()[0]
+        draft, pool = self._drafting()
         gen = None
         if not job.params.greedy:  # not the verifier's stream: the same seed would correlate them
             gen = torch.Generator(device=draft.device)
@@ -464,17 +478,44 @@ class PipelineRank:
                 gen.seed()
             else:
                 gen.manual_seed((job.params.seed * 1000003 + 12345) % (1 << 62))
-        return [ModelDraftSource(draft, extra_slots=job.tree_nodes + 2), shape, gen, False]
+        pool.make_room(job.cache_len(self.world))
+        source = ModelDraftSource(draft, extra_slots=job.tree_nodes + 2, pool=pool.cache)
+        source.attach(len(job.prompt), job.max_tokens)
+        return [source, shape, gen, False]
 
-    def _draft_tree(self, lane: Lane, trees: list[Any]) -> tuple[Level, TokenTree]:
-        """Rank 0, specinfer: a whole tree rooted at the verified token, as one level (`trees`: the
-        lane's drafter, _tree_drafter's list)."""
-        job, v = lane.job, lane.v
-        src, shape, gen, started = trees
-        if not started:
-            src.start(job.prompt, job.max_tokens)
+    def _draft_trees(self, lanes: list[Lane]) -> dict[int, TokenTree]:
+        """Rank 0, specinfer: the trees of the specinfer lanes of `lanes` (those refilling from
+        their verified token), drafted together (one draft forward per round for all of them,
+        `draft_together`); the prompts of those drafting their first tree go into the draft
+        first, in one forward per chunk."""
+        from specwood.drafting.together import draft_together
+        from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
+
+        drafters = [(lane, trees) for lane in lanes if (trees := lane.trees) is not None]
+        if not drafters:
+            return {}
+        draft, pool = self._drafting()
+        new = [(lane, trees) for lane, trees in drafters if not trees[3]]
+        for start in range(0, max((len(lane.job.prompt) for lane, _ in new), default=0), PREFILL_CHUNK):
+            prefill_rows(draft, pool.cache, [(trees[0].row, lane.job.prompt, start,
+                                              min(start + PREFILL_CHUNK, len(lane.job.prompt)))
+                                             for lane, trees in new if len(lane.job.prompt) > start])
+        for _, trees in new:
             trees[3] = True
-        tree = shape.build(job.prompt + lane.stream.token_ids[:-1], v.token, src, job.params, gen)
+        drafts = {}
+        for lane, (src, shape, gen, _) in drafters:
+            drafts[lane.id] = (shape.draft(lane.job.prompt + lane.stream.token_ids[:-1], lane.v.token, lane.job.params,
+                                           gen), src)
+
+        def root_alone(lane_id: int) -> TokenTree:  # no room left to draft
+            return TokenTree.with_root(self.lanes[lane_id].v.token,
+                                       "selected" if self.lanes[lane_id].job.params.greedy else "sampled")
+
+        return draft_together(drafts, root_alone)[0]
+
+    def _tree_level(self, lane: Lane, tree: TokenTree) -> tuple[Level, TokenTree]:
+        """Rank 0, specinfer: the lane's tree rooted at the verified token, as one level."""
+        v = lane.v
         room = lane.limit - v.position  # deeper nodes would only feed tokens past max_tokens
         if tree.max_depth > room:
             tree = prune(tree, {i for i in range(1, len(tree)) if tree.depths[i] <= room})

@@ -187,9 +187,13 @@ class KVPool:
         self.model = model
         self.cache: KVCache = model.new_cache(max_len, rows)
 
-    def acquire(self, max_len: int) -> "StageKV":
+    def make_room(self, max_len: int) -> None:
+        """A free row, and rows of at least `max_len` slots."""
         if not self.cache.free_rows or self.cache.max_len < max_len:
             self.cache.grow(max_len, self.cache.rows + (0 if self.cache.free_rows else 1))
+
+    def acquire(self, max_len: int) -> "StageKV":
+        self.make_room(max_len)
         return StageKV(self.model, self.cache, self.cache.allocate())
 
     def release(self, kv: "StageKV") -> None:
