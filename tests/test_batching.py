@@ -360,6 +360,24 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_engine):
     assert_pools_free(sched)
 
 
+def test_first_tokens_of_a_shared_prefill_are_each_requests_own(tiny_engine):
+    """Requests whose prompts end in the same step draw their first tokens together (one
+    `target_probs` per sampling law): each gets the token it gets alone, from its own seed --
+    beside a greedy one, one with logprobs and one with another temperature."""
+    engine = tiny_engine
+    rnd = random.Random(4)
+    asks = [dict(temperature=0.9, seed=s) for s in range(6)] + [dict(temperature=0.7, seed=9), dict(),
+                                                                 dict(temperature=0.9, seed=2, logprobs=2)]
+    prompts = [random_prompt(rnd, 7) for _ in asks]
+    alone = [engine.generate(p, max_tokens=3, **kw).token_ids for p, kw in zip(prompts, asks)]
+    sched = engine.make_scheduler(SchedulerConfig(max_batch=len(asks)), drafts=())
+    reqs = [sched.submit(engine.new_request(p, max_tokens=3, scheduler=sched, **kw)) for p, kw in zip(prompts, asks)]
+    sched.run_until_done(reqs)
+    assert [r.result.token_ids for r in reqs] == alone
+    assert len({tuple(a[:1]) for a in alone[:6]}) > 1  # the shared law's draws differ by seed
+    assert_pools_free(sched)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. the real default pair: the methods that were never compared with ar on it in a batch
 

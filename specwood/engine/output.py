@@ -151,9 +151,12 @@ class OutputStream:
 
     def _detokenize(self, final: bool = False) -> None:
         """Append the text of the tokens since `_read`, unless it ends inside a UTF-8 sequence."""
+        if self._read == len(self.token_ids):
+            return  # nothing since the last text (the decodes below would be equal)
         decode = self.tokenizer.decode
         window = self.token_ids[self._prefix:]
-        before = decode(self.token_ids[self._prefix:self._read], skip_special_tokens=True)
+        before = (decode(self.token_ids[self._prefix:self._read], skip_special_tokens=True)
+                  if self._read > self._prefix else "")
         now = decode(window, skip_special_tokens=True)
         if len(now) > len(before) and (final or not now.endswith("\ufffd")):
             self.text += now[len(before):]

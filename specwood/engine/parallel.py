@@ -564,7 +564,7 @@ class ParallelExecutor(Executor):
 
     def _prefill(self, requests: list[Request]) -> None:
         """The target's prompt prefill for every request; each one's first token (TTFT)."""
-        from specwood.engine.step import first_token
+        from specwood.engine.step import first_tokens
         from specwood.models.prefill import PREFILL_CHUNK, prefill_rows
 
         start = 0
@@ -576,16 +576,20 @@ class ParallelExecutor(Executor):
                 outs = prefill_rows(self.target, self._kv(),
                                     [(r.cache_row(), r.prompt_ids, start, min(start + PREFILL_CHUNK, len(r.prompt_ids)))
                                      for r in chunk])
-                for r, logits in zip(chunk, outs):
-                    if start + PREFILL_CHUNK >= len(r.prompt_ids) and r.state is State.PREFILL:
-                        try:
-                            r.root = first_token(r, logits)
-                            r.state = State.DECODE
-                            self._duo[r].worker_len = len(r.prompt_ids)  # what the prefill message gives the worker
-                            if r.out.push_step([r.root]):
-                                self.finish(r)
-                        except Exception as e:  # noqa: BLE001 - this request fails alone
-                            self.fail(r, e)
+                done = [(r, logits) for r, logits in zip(chunk, outs)
+                        if start + PREFILL_CHUNK >= len(r.prompt_ids) and r.state is State.PREFILL]
+                tokens = first_tokens([r for r, _ in done], [logits for _, logits in done])
+                for (r, _), token in zip(done, tokens):
+                    try:
+                        if isinstance(token, Exception):
+                            raise token
+                        r.root = token
+                        r.state = State.DECODE
+                        self._duo[r].worker_len = len(r.prompt_ids)  # what the prefill message gives the worker
+                        if r.out.push_step([r.root]):
+                            self.finish(r)
+                    except Exception as e:  # noqa: BLE001 - this request fails alone
+                        self.fail(r, e)
                 start += PREFILL_CHUNK
 
     def _target_step(self, live: list[Request]) -> float:

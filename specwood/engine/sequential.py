@@ -29,7 +29,7 @@ from specwood.engine.executor import Executor
 from specwood.engine.output import GenerationResult
 from specwood.engine.prefix_reuse import PrefixReuse
 from specwood.engine.request import Request, State
-from specwood.engine.step import (StepRecord, commit, draft_trees, first_token, hand_prompt_features,
+from specwood.engine.step import (StepRecord, commit, draft_trees, first_tokens, hand_prompt_features,
                                   hand_tree_features, plain_tree, target_forward, tree_rows, verify_requests,
                                   wants_features)
 from specwood.errors import ContextLengthError, SpecwoodError
@@ -121,20 +121,19 @@ class SequentialStep:
     def _first_tokens(self, requests: list[Request]) -> None:
         """The first token of each prompt done: it never waits for the draft (which reads the
         prompt after it), but for a `draft_first` request's."""
-        for req in requests:
-            if req.state is State.PREFILL and req.prefilled >= len(req.prompt_ids) and not (
-                    req.draft_first and req.draft_behind):
-                self._first_token(req)
-
-    def _first_token(self, req: Request) -> None:
-        try:
-            req.root = first_token(req, req.prefill_logits)
-            del req.prefill_logits
-            req.state = State.DECODE
-            if req.out.push_step([req.root]):
-                self.executor.finish(req)
-        except Exception as e:  # noqa: BLE001
-            self.executor.fail(req, e)
+        ready = [req for req in requests if req.state is State.PREFILL and req.prefilled >= len(req.prompt_ids)
+                 and not (req.draft_first and req.draft_behind)]
+        for req, token in zip(ready, first_tokens(ready, [req.prefill_logits for req in ready])):
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                req.root = token
+                del req.prefill_logits
+                req.state = State.DECODE
+                if req.out.push_step([req.root]):
+                    self.executor.finish(req)
+            except Exception as e:  # noqa: BLE001
+                self.executor.fail(req, e)
 
     def _decode(self, batch: list[Request], newcomers: Sequence[Request] = ()) -> StepRecord:
         """One decode step of `batch`; the newcomers' prefill chunks ride in its target forward."""

@@ -14,7 +14,7 @@ from specwood.engine.request import Request
 from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
 from specwood.models.transformer import Transformer
-from specwood.sampling import next_token, without_padding
+from specwood.sampling import draw_token, law_key, next_token, target_probs, without_padding
 from specwood.tree.token_tree import TokenTree
 from specwood.verify import Verdict, tree_uniforms, verify, verify_trees
 from specwood.constrain.logprobs import path_logprobs
@@ -190,6 +190,41 @@ def verify_requests(requests: list[Request], trees: list[TokenTree], logits: lis
                 req.out.offer_logprobs(path_logprobs(rows[i], [0] + v.accepted, v.tokens(tree), req.params.logprobs))
             except Exception as e:  # noqa: BLE001
                 out[i] = e
+    return out
+
+
+def first_tokens(requests: list[Request], logits: list[torch.Tensor]) -> list[int | Exception]:
+    """`first_token` of many requests (or the error it raised for one): the sampled ones without
+    processors or logprobs share one `target_probs` and one draw per law (`law_key`), each on a
+    uniform from its own generator -- the tokens `first_token` gives, computed once for the batch."""
+    out: list[int | Exception] = [0] * len(requests)
+    shared: dict[tuple[object, ...], list[int]] = {}
+    alone = []
+    for i, r in enumerate(requests):
+        if r.processors is None and r.params.logprobs is None and not r.params.greedy:
+            shared.setdefault(law_key(r.params), []).append(i)
+        else:
+            alone.append(i)
+    for members in shared.values():
+        if len(members) == 1:
+            alone += members
+            continue
+        try:
+            rows = torch.stack([logits[i].reshape(-1) for i in members])
+            probs = target_probs(rows, requests[members[0]].params)
+            u = torch.cat([torch.rand(1, dtype=torch.float64, generator=requests[i].target_generator,
+                                      device=rows.device) for i in members])
+            tokens = draw_token(probs, u).tolist()
+        except Exception:  # noqa: BLE001 - one by one below: the request at fault fails alone
+            alone += members
+            continue
+        for i, token in zip(members, tokens):
+            out[i] = token
+    for i in alone:
+        try:
+            out[i] = first_token(requests[i], logits[i])
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            out[i] = e
     return out
 
 

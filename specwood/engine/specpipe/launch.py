@@ -350,7 +350,8 @@ class PipelineExecutor(Executor):
         up); bad input raises here. `params` (or its fields as keyword arguments): temperature,
         top-k/p and seed. Greedy output is token-identical to `ar`."""
         if self.failed:
-            raise PipelineFailure(f"the pipeline is down ({self.failed}); start a new PipelineExecutor")
+            with self._fail_lock:  # the ranks are down once the failure's handling ends
+                raise PipelineFailure(f"the pipeline is down ({self.failed}); start a new PipelineExecutor")
         if mode not in MODES:
             raise SpecwoodError(f"unknown pipeline mode '{mode}' (use {' or '.join(MODES)})")
         width, topk = width or self.width, topk or self.topk
@@ -486,26 +487,25 @@ class PipelineExecutor(Executor):
             raise PipelineFailure(f"the pipeline gave {self.failed} and was stopped") from None
 
     def _fail(self) -> NoReturn:
-        """A rank is gone: name it, let the others exit (kill them after GRACE_S), raise."""
+        """A rank is gone: name it at once (`failure`: a server's /health answers 503 from then
+        on), let the others exit by themselves (kill them after GRACE_S, or when closed), raise."""
         with self._fail_lock:  # the reader and a sender may both notice: one waits, both raise
             if self.failed:
                 raise PipelineFailure(self.failed)
             first = None
             deadline = time.monotonic() + GRACE_S
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self._closing:
                 dead = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is not None]
                 if first is None and dead:
                     # the first casualty: one killed by a signal, else the first that exited
-                    first = next(((r, p) for r, p in dead if p.exitcode < 0), dead[0])
+                    r, p = first = next(((r, p) for r, p in dead if p.exitcode < 0), dead[0])
+                    self.failed = f"pipeline rank {r} (pid {p.pid}) {describe_exit(p.exitcode)}"
                 if len(dead) == len(self.procs):
                     break
                 time.sleep(0.05)
             _kill_all(self.procs)
             if first is None:
                 self.failed = "lost the connection to pipeline rank 0"
-            else:
-                r, p = first
-                self.failed = f"pipeline rank {r} (pid {p.pid}) {describe_exit(p.exitcode)}"
             raise PipelineFailure(self.failed)
 
     def close(self) -> None:
