@@ -1,7 +1,7 @@
 #!/bin/bash
 # alternated in-process A/B: main before this session (52ae05c) against main now
 set -u
-OUT=/tmp/ab65/out; mkdir -p $OUT
+OUT=/tmp/ab65/out; mkdir -p $OUT  # "after" is /work/main at bdf1a71
 for round in 1 2; do  # rounds 3 and 4 the same with the orders "after before", "before after"
   if [ $round = 1 ]; then order="before after"; else order="after before"; fi
   for name in $order; do
