@@ -36,6 +36,8 @@ def run(name: str, tree: Path, out: Path, round_no: int, args: argparse.Namespac
         log.write(f"{time.strftime('%H:%M:%S')} round {round_no} {name} load {' '.join(load)}\n")
     cmd = [sys.executable, "-m", "specwood.cli", "bench", "--workload", str(args.workload), "--methods", args.methods,
            "--max-tokens", str(args.max_tokens), "--out", str(out / f"{name}_r{round_no}")]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
     with open(out / f"{name}_r{round_no}.log", "w") as f:
         rc = subprocess.run(cmd, cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)), stdout=f,
                             stderr=subprocess.STDOUT, timeout=args.timeout).returncode
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", default="ar,auto")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", help="the target's weights (bench's --dtype); its default when not given")
     ap.add_argument("--workload", type=Path, default=ROOT / "benchmarks" / "heldout_prompts.jsonl")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per bench run")
     ap.add_argument("--report-only", action="store_true", help="summarise the runs already in --out")

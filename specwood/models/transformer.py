@@ -21,8 +21,8 @@ from specwood.models.config import ModelConfig
 from specwood.models.experts import Experts, FloatExperts, KQuantExperts, PackedExperts
 from specwood.models.layer_kinds import LayerKind, layer_kinds, window_mask
 from specwood.models.layer_ops import TORCH_OPS, KernelLayerOps, TorchLayerOps, kernel_layer_ops
-from specwood.models.linears import (Int4Linear, Int8Linear, PackedLinear, cpu_packing_available, weight_of,
-                                     int4_available, int8_available)
+from specwood.models.linears import (Int4Linear, Int8Linear, OneDnnLinear, PackedLinear, cpu_packing_available,
+                                     int4_available, int8_available, weight_of)
 from specwood.models.rope import rope_tables
 
 if TYPE_CHECKING:
@@ -445,8 +445,14 @@ class Transformer(nn.Module):
                 setattr(m, "ops", ops)  # noqa: B010 (a module's own attribute, not a registered part)
 
     def pack_for_cpu(self) -> bool:
-        """Swap every bf16 Linear for a PackedLinear (and float MoE experts for PackedExperts); True
-        if anything was packed."""
+        """Swap every bf16 Linear for a PackedLinear (and float MoE experts for PackedExperts), or
+        run every large fp32 one on oneDNN (OneDnnLinear); True if anything was swapped."""
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            large = [(module, child) for module in self.modules() for child in module.children()
+                     if OneDnnLinear.takes(child)]
+            for _, child in large:
+                OneDnnLinear.adopt(child)
+            return bool(large)
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not cpu_packing_available():
             return False
         for module in list(self.modules()):
