@@ -53,7 +53,7 @@ class OneDnnLinear(nn.Linear):
                 and onednn_fp32_available())
 
     @classmethod
-    def adopt(cls, linear: nn.Linear) -> "OneDnnLinear":
+    def adopt(cls, linear: nn.Module) -> "OneDnnLinear":
         """`linear` itself, now running on oneDNN (no copy of its weights is made)."""
         linear.__class__ = cls
         return linear  # type: ignore[return-value]

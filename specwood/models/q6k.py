@@ -44,16 +44,20 @@ class Q6Weights(NamedTuple):
 
 def quantize_q6(w: torch.Tensor) -> Q6Weights:
     """Float weight [N, K] -> Q6Weights (Q6_K's form; for tests and float checkpoints): per
-    sub-block of 16 inputs a scale of max|w| / 31 as an int8 code of an fp16 factor per 256 inputs,
-    the codes rounded against the stored scales."""
+    sub-block of 16 inputs a scale of at least max|w| / 31 as an int8 code of an fp16 factor per 256
+    inputs, the codes rounded against the stored scales. The fp16 factor and the scale codes round
+    up, not to nearest: a stored scale below max|w| / 31 would clamp the sub-block's largest weights
+    by more than half a step (by several on a small sub-block, whose code is a few units)."""
     n, k = w.shape
     subs = w.float().reshape(n, k // SUB, SUB)
     wanted = subs.abs().amax(-1) / 31
     supers = -(-(k // SUB) // (2 * SUPER))
     padded = torch.nn.functional.pad(wanted, (0, supers * 2 * SUPER - k // SUB)).reshape(n, supers, 2 * SUPER)
-    d = (padded.amax(-1) / 127).half()
+    exact = padded.amax(-1) / 127
+    d = exact.half()
+    d = torch.where(d.float() < exact, torch.nextafter(d, torch.full_like(d, float("inf"))), d)
     per_sub = d.float().repeat_interleave(2 * SUPER, 1)[:, :k // SUB]
-    codes = torch.where(per_sub > 0, torch.round(wanted / per_sub.clamp(min=1e-30)), torch.zeros_like(wanted))
+    codes = torch.where(per_sub > 0, torch.ceil(wanted / per_sub.clamp(min=1e-30)), torch.zeros_like(wanted))
     sc = codes.clamp_(-128, 127).to(torch.int8)
     scale = (sc.float() * per_sub).clamp(min=1e-30)[..., None]
     q = torch.round(subs / scale).clamp_(-32, 31).add_(32).to(torch.uint8).reshape(n, k)
