@@ -35,10 +35,12 @@ class OneDnnLinear(nn.Linear):
     On CPU F.linear's fp32 kernel (MKL) reads a one-row input's weights on one core and a 2-12-row
     input's at about half the speed of one row; oneDNN uses both cores at every row count: for the
     1.5B target's layer shapes 1.6x faster at 1 row, 2-4x at 2-12 rows (tree verification), 2.3x at
-    256 (prefill chunks), on a 2-core Zen 5 and with oneDNN held to AVX2 alike. Results differ from
+    256 (prefill chunks) on a 2-core Zen 5; 1.2-2.9x with oneDNN held to AVX2 (BENCHMARKS §39;
+    not measured on an Intel CPU, whose MKL paths may differ). Results differ from
     F.linear's in the last bits (another summation order), as a different row count's already do.
     oneDNN's fixed cost per call (~11 us here) loses on small weights, hence MIN_WEIGHT; autograd
-    has no rule for the op, so inputs that need gradients go through F.linear.
+    has no rule for the op, so inputs that need gradients go through F.linear, as does a module
+    moved off the CPU after loading.
     """
 
     # elements of the smallest weight worth it: 1024 x 512 breaks even at one row
@@ -59,7 +61,8 @@ class OneDnnLinear(nn.Linear):
         return linear  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu"
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
