@@ -448,10 +448,9 @@ class Transformer(nn.Module):
         """Swap every bf16 Linear for a PackedLinear (and float MoE experts for PackedExperts), or
         run every large fp32 one on oneDNN (OneDnnLinear); True if anything was swapped."""
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            large = [(module, child) for module in self.modules() for child in module.children()
-                     if OneDnnLinear.takes(child)]
-            for _, child in large:
-                OneDnnLinear.adopt(child)
+            large = [m for m in self.modules() if OneDnnLinear.takes(m)]
+            for linear in large:
+                OneDnnLinear.adopt(linear)
             return bool(large)
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not cpu_packing_available():
             return False
