@@ -226,6 +226,32 @@ def test_hf_folder_errors(tmp_path: Path) -> None:
         load_hf_folder(folder, torch.float32)
 
 
+def test_a_bias_our_layers_lack_is_skipped_only_when_zero(tmp_path: Path) -> None:
+    """Llama's attention_bias gives o_proj a bias too; zeros (what converters write where the model
+    has none) load as before, a non-zero one is a one-line error instead of a different model."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = random_tiny_config("llama", qkv_bias=True)
+    sd = random_state_dict(cfg, seed=6)
+    folder = save_hf_folder(tmp_path / "hf", cfg, sd)
+    st = next(folder.glob("*.safetensors"))
+    tensors = load_file(st)
+    assert not tensors["model.layers.1.self_attn.o_proj.bias"].any()  # as hf_export writes it
+    assert torch.equal(load_hf_folder(folder, torch.float32)[1]["layers.1.attention.wq.bias"],
+                       sd["layers.1.attention.wq.bias"])
+    tensors["model.layers.1.self_attn.o_proj.bias"][3] = 0.5
+    save_file(tensors, st, metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match=r"model.layers.1.self_attn.o_proj.bias is a non-zero bias"):
+        load_hf_folder(folder, torch.float32)
+
+    zero = write_gguf(tmp_path / "zero.gguf", cfg, {**sd, "blk.1.attn_output.bias": torch.zeros(cfg.dim)})
+    loaded = load_gguf(zero, torch.float32)[1]
+    assert torch.equal(loaded["layers.1.attention.wq.bias"], sd["layers.1.attention.wq.bias"])
+    biased = write_gguf(tmp_path / "biased.gguf", cfg, {**sd, "blk.1.attn_output.bias": torch.full((cfg.dim,), 0.5)})
+    with pytest.raises(ModelFileError, match=r"blk.1.attn_output.bias is a non-zero bias"):
+        load_gguf(biased, torch.float32)
+
+
 def test_load_checkpoint_dispatch(tiny_checkpoint_files) -> None:
     files = tiny_checkpoint_files
     for src in (files.gguf, files.hf, str(files.gguf)):

@@ -151,6 +151,16 @@ def stack_experts(config: ModelConfig, sd: dict[str, torch.Tensor], source: str 
         sd[name] = torch.stack([experts[e] for e in range(config.n_experts)])
 
 
+def check_dropped_bias(path: str | os.PathLike[str], name: str, bias: torch.Tensor) -> None:
+    """A layer bias the file holds and our layers have no place for (e.g. Llama's `attention_bias`
+    gives o_proj one; converters write it as zeros where the model has none) is skipped when it is
+    zero; a non-zero one would change the model's outputs, so the load stops."""
+    if bool(torch.any(bias != 0)):
+        raise ModelFileError(f"{path}: tensor {name} is a non-zero bias that specwood's layers do not have (only "
+                             "q/k/v biases are run); running without it would not be this model: use a checkpoint "
+                             "without it or another runtime")
+
+
 def check_layers(config: ModelConfig, layers: range | None) -> None:
     if layers is None:
         return

@@ -20,7 +20,7 @@ import torch
 
 from specwood.errors import ModelFileError
 from specwood.models.config import ModelConfig
-from specwood.models.canonical import check_layers, layer_index, split_fused, validate_state_dict
+from specwood.models.canonical import check_dropped_bias, check_layers, layer_index, split_fused, validate_state_dict
 from specwood.models.gguf_dequant import dequantize_tensor, unpermute_qk
 
 if TYPE_CHECKING:
@@ -105,6 +105,9 @@ def load_gguf(
         return ModelFileError(f"{path}: cannot decode tensor data ({e}); {_TRUNCATED_FIX}")
 
     try:
+        for gname, info in header.tensors.items():
+            if gname.startswith("blk.") and gname.endswith(".bias") and canonical_name(gname, config.arch) is None:
+                check_dropped_bias(path, gname, dequantize_tensor(mm, info, torch.float32, path))
         if config.rope_scaling and config.rope_scaling.get("rope_type") == "freq_factors":
             freqs = dequantize_tensor(mm, header.tensors["rope_freqs.weight"], torch.float32, path)
             config.rope_scaling["freq_factors"] = freqs.tolist()

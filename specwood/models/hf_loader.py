@@ -11,7 +11,8 @@ import torch
 
 from specwood.errors import ModelFileError
 from specwood.models.config import ModelConfig
-from specwood.models.canonical import check_layers, layer_index, split_fused, stack_experts, validate_state_dict
+from specwood.models.canonical import (check_dropped_bias, check_layers, layer_index, split_fused, stack_experts,
+                                      validate_state_dict)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -161,8 +162,11 @@ def load_hf_folder(
     check_layers(config, layers)
     files = weight_files(path)
     wanted: dict[Path, list[tuple[str, str]]] = {}
+    dropped_biases: dict[Path, list[str]] = {}
     for hf_name, f in files.items():
         cname = canonical_name(hf_name, config.arch)
+        if cname is None and hf_name.endswith(".bias") and _LAYER_RE.match(hf_name):
+            dropped_biases.setdefault(f, []).append(hf_name)
         if cname is None or (cname == "output.weight" and config.tie_embeddings):
             continue
         li = layer_index(cname)
@@ -171,12 +175,14 @@ def load_hf_folder(
         wanted.setdefault(f, []).append((hf_name, cname))
     sd: dict[str, torch.Tensor] = {}
     shift = NORM_SHIFT.get(config.arch)
-    for f, names in wanted.items():
+    for f in dict.fromkeys([*wanted, *dropped_biases]):
         if not f.is_file():
             raise ModelFileError(f"{f}: shard listed in the index is missing; re-download the model folder")
         try:
             with safe_open(f, framework="pt") as sf:
-                for hf_name, cname in names:
+                for hf_name in dropped_biases.get(f, ()):
+                    check_dropped_bias(path, hf_name, sf.get_tensor(hf_name))
+                for hf_name, cname in wanted.get(f, []):
                     t = sf.get_tensor(hf_name)
                     if shift is not None and cname.endswith("norm.weight"):
                         t = t.float() + shift  # in fp32, as the model's norm computes it

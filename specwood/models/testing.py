@@ -121,6 +121,9 @@ _GGUF_GLOBAL = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "ou
 
 
 def gguf_tensor_name(canonical: str) -> str:
+    """The GGUF name of a canonical tensor; a name already in the file's form ("blk.N....") as it is."""
+    if canonical.startswith("blk."):
+        return canonical
     if canonical in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[canonical]
     _, i, rest = canonical.split(".", 2)
