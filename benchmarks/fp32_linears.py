@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
+
+from specwood.planner.machine import machine_record
 
 # the 1.5B target's wqkv (q alone and k, v apart here), w13 / w2 halves: one layer's matmuls
 LAYER_SHAPES = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)]
@@ -42,8 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     weights = {s: [torch.randn(*s) for _ in range(max(2, int(4e8 // (s[0] * s[1] * 4))))] for s in LAYER_SHAPES}
-    result: dict[str, object] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                                 "layer_ms": {}, "small_us": {}}
+    result: dict[str, object] = {**machine_record(), "threads": torch.get_num_threads(), "layer_ms": {}, "small_us": {}}
     print("rows  F.linear ms  oneDNN ms  ratio   (one layer's four shapes)")
     for rows in ROWS:
         plain = fast = 0.0

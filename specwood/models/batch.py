@@ -127,10 +127,11 @@ def _forward_packed(model: Transformer, cache: KVCache, inputs: list[RowInput], 
     hidden = model.hidden_packed(parts, cache)
     if not getattr(model, "is_last", True):
         return [hidden[first[i]:first[i] + len(x.tokens)] for i, x in enumerate(inputs)], [None] * len(inputs)
-    counts = torch.tensor([len(x.outputs) for x in inputs])
-    wanted = torch.cat([x.outputs for x in inputs]).long() + torch.repeat_interleave(torch.tensor(first), counts)
+    counts = [len(x.outputs) for x in inputs]
+    wanted = (torch.cat([x.outputs for x in inputs]).long()
+              + torch.repeat_interleave(torch.tensor(first), torch.tensor(counts)))
     out = model.head(hidden[wanted.to(dev)])
-    return list(out.split([len(x.outputs) for x in inputs])), _features(model, hidden, inputs, first)
+    return list(out.split(counts)), _features(model, hidden, inputs, first)
 
 
 def _forward_graphed(model: Transformer, graphs: GraphedForward, inputs: list[RowInput]
