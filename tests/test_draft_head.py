@@ -261,3 +261,24 @@ def test_head_auto_loads_the_shipped_head_for_its_target(tiny_pair, tmp_path, mo
     ref = engine.generate([5, 6, 7], max_tokens=12)
     assert engine.generate([5, 6, 7], max_tokens=12, method="head").token_ids == ref.token_ids
     assert specwood.load(str(folder), None, dtype="fp32", progress=False, head="none").draft_head is None
+
+
+def test_training_prompts_cut_functions_as_the_parser_does():
+    """`drafter_data.source_segment` (lines split once a file) gives `ast.get_source_segment`'s text
+    for every function: line ends \\n, \\r\\n and a lone \\r, a form feed inside a line (not a line end to
+    the parser), and non-ASCII text before a node (the parser's offsets count UTF-8 bytes)."""
+    import ast
+
+    from specwood.drafter_data import source_lines, source_segment, stdlib_files
+
+    odd = ("def a(x):\r\n    return x\r\n\rdef b(y):\n    s = 'é\x0c ü'; t = {'k': 1}\n    return s\n"
+           "class C:\n    def m(self): return 'ø'  # ü\n\n    async def n(self):\n        pass\n")
+    sources = [odd] + [f.read_text(encoding="utf-8") for f in stdlib_files()[:12]]
+    checked = 0
+    for source in sources:
+        lines = source_lines(source)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Return, ast.Assign)):
+                assert source_segment(lines, node) == ast.get_source_segment(source, node), ast.dump(node)[:80]
+                checked += 1
+    assert checked > 100

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_planner import KEY, synthetic_plan
@@ -152,6 +153,20 @@ def test_a_plan_from_another_cpu_or_build_is_discarded_in_one_line(capsys):
     plan.source, plan.machine = "analytic", {}  # a device model: measured nowhere
     save_plan(plan)
     assert load_plan(KEY) is not None
+
+
+def test_the_kernel_digest_covers_the_modules_that_choose_kernels():
+    """A plan timed before a kernel choice changed (e.g. fp32 linears moved to oneDNN in linears.py)
+    is re-measured: the digest `machine_record` stores covers the C++ sources and those modules."""
+    import specwood.models.kernels as kernels_pkg
+    import specwood.models.linears as linears
+    from specwood.planner.machine import kernel_sources
+
+    sources = kernel_sources()
+    assert all(p.is_file() for p in sources)
+    assert Path(linears.__file__).resolve() in sources
+    cpp = {p.name for p in Path(kernels_pkg.__file__).parent.iterdir() if p.suffix in (".cpp", ".h")}
+    assert cpp and cpp <= {p.name for p in sources}
 
 
 def test_a_plan_measured_beside_busy_processes_is_not_stored(monkeypatch, capsys):

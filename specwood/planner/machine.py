@@ -26,19 +26,30 @@ _ISA = re.compile(r"^(sse\d.*|ssse3|avx.*|fma|f16c|amx.*|bmi\d|vnni.*|asimd.*|sv
 @functools.cache
 def machine_record() -> dict[str, str]:
     """This machine and build, as a plan stores it: the CPU model, its instruction sets that
-    timings depend on, and a digest of our C++ kernels' sources, torch's and specwood's versions."""
+    timings depend on, a digest of our kernels (`kernel_sources`), torch's and specwood's versions."""
     import torch
 
     from specwood.models.kernels import cpu_flags, cpu_model
     from specwood.version import __version__
 
-    folder = Path(__file__).resolve().parent.parent / "models" / "kernels"
     digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.[ch]*")):  # .cpp, .h
+    for path in kernel_sources():
         digest.update(path.name.encode() + path.read_bytes())
     return {"cpu": cpu_model() or "unknown",
             "isa": " ".join(sorted(f for f in cpu_flags() if _ISA.match(f))),
             "kernels": f"{digest.hexdigest()[:12]} torch {torch.__version__} specwood {__version__}"}
+
+
+# the Python modules that choose which kernel runs a layer (e.g. linears.py sends large fp32 linears
+# to oneDNN): a change there changes the timings as much as a change in the C++ sources
+KERNEL_CHOICES = ("linears.py", "layer_ops.py", "kquant_kernels.py", "w4a8.py", "amx.py")
+
+
+def kernel_sources() -> list[Path]:
+    """The files whose digest `machine_record` stores: our C++ kernels' sources and headers, and
+    the modules of KERNEL_CHOICES."""
+    models = Path(__file__).resolve().parent.parent / "models"
+    return sorted((models / "kernels").glob("*.[ch]*")) + [models / name for name in KERNEL_CHOICES]
 
 
 def machine_change(recorded: dict[str, str]) -> str | None:
