@@ -17,16 +17,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from specwood.models.linears import onednn_linear
 from specwood.planner.machine import machine_record
 
 # the 1.5B target's wqkv (q alone and k, v apart here), w13 / w2 halves: one layer's matmuls
 LAYER_SHAPES = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)]
 ROWS = [1, 2, 3, 4, 6, 8, 12, 32, 64, 256]
 SMALL = [(64, 64), (512, 256), (1024, 512)]
-
-
-def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
 def per_call_ms(fn, calls: int, repeats: int = 6) -> float:
@@ -50,14 +47,14 @@ def main() -> None:
         for shape, ws in weights.items():
             x = torch.randn(rows, shape[1])
             plain += per_call_ms(lambda: [F.linear(x, w) for w in ws], len(ws))
-            fast += per_call_ms(lambda: [onednn(x, w) for w in ws], len(ws))
+            fast += per_call_ms(lambda: [onednn_linear(x, w) for w in ws], len(ws))
         result["layer_ms"][rows] = {"F.linear": round(plain, 3), "oneDNN": round(fast, 3)}  # type: ignore[index]
         print(f"{rows:4d}  {plain:11.2f}  {fast:9.2f}  {plain / fast:5.2f}")
     print("small weights, one row: F.linear us / oneDNN us")
     for shape in SMALL:
         w, x = torch.randn(*shape), torch.randn(1, shape[1])
         a = per_call_ms(lambda: [F.linear(x, w) for _ in range(200)], 200, 10) * 1e3
-        b = per_call_ms(lambda: [onednn(x, w) for _ in range(200)], 200, 10) * 1e3
+        b = per_call_ms(lambda: [onednn_linear(x, w) for _ in range(200)], 200, 10) * 1e3
         result["small_us"][f"{shape[0]}x{shape[1]}"] = {"F.linear": round(a, 2), "oneDNN": round(b, 2)}  # type: ignore[index]
         print(f"{shape}: {a:.1f} / {b:.1f}")
     if args.out:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specwood.models.amx import tile_path
+from specwood.models.linears import onednn_linear
 from specwood.models.q6k import Q6Linear, Q6Weights
 from specwood.models.q8_0 import Q8Linear, Q8Weights
 from specwood.models.w4a8 import (Q4Linear, Q4Weights, Q5Linear, Q5Weights, KQuantLinear, kquant_matmul, quantize_q4,
@@ -77,7 +78,7 @@ class PackedExperts(nn.Module):
         return torch.stack([p.to_dense() for p in self.packed])
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed[expert], None, "none", [], "")
+        return onednn_linear(x, self.packed[expert])
 
     def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return one_call_an_expert(self, x, counts)

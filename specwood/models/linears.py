@@ -28,6 +28,12 @@ def onednn_fp32_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) on oneDNN's matmul, nothing fused after it: `weight` plain [N, K] or
+    reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class OneDnnLinear(nn.Linear):
     """An fp32 nn.Linear (the same weight and bias tensors, so ties and state dicts are unchanged)
     whose forward runs oneDNN's matmul instead of F.linear.
@@ -64,7 +70,7 @@ class OneDnnLinear(nn.Linear):
         if (x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu"
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return onednn_linear(x, self.weight, self.bias)
 
 
 class PackedLinear(nn.Module):
@@ -87,7 +93,7 @@ class PackedLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return onednn_linear(x, self.packed, self.bias)
 
 
 def int4_available() -> bool:
