@@ -274,25 +274,30 @@ def test_the_batch_decides_once_per_step_from_its_requests():
 # --- greedy token identity through the new paths ----------------------------------------------
 
 
-@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.usefixtures("one_thread_private_cache")
 def test_auto_probing_and_batch_choice_stay_greedy_identical(tiny_tokenizer):
     """A draft that is nearly always wrong (an unrelated model): auto soon decodes plainly and
     probes now and then, alone and with four requests sharing steps (the batch's one decision and
-    its probes). Every answer equals ar's."""
+    its probes). Every answer equals ar's.
+
+    The plan prices a draft forward as a target forward (the two tiny models are the same size),
+    so the measured costs agree with it from the first step: with the draft priced at 1% of a
+    forward the decision came back to 2-token trees by itself on some machines while the learnt
+    price caught up, and never waited long enough to probe (CI, 2026-11-29)."""
     import random
 
     from conftest import make_tiny_model
     from specwood.engine.api import Engine
     from specwood.engine.scheduler import SchedulerConfig
-    from specwood.planner.fits import DEFAULT_AAT
     from specwood.planner.store import plan_key_for, save_plan
 
     engine = Engine(make_tiny_model(seed=0), tiny_tokenizer, draft=make_tiny_model(seed=11), target_name="tiny",
                     draft_name="unrelated")
-    xs = (1, 2, 8)
-    plan = Plan(key=plan_key_for(engine, "dyspec"), contexts=[64], verify_times={64: {v: 0.01 for v in xs}},
-                draft_times={64: {v: 1e-4 * (v - 1) for v in xs}}, aat=DEFAULT_AAT, draft_prefill_s=0.0).refresh()
-    assert plan.choose(64) == ("dyspec", 8)
+    # the plan expects deep acceptance (AAT(8) ~ 6.2), so it drafts until the verdicts say otherwise
+    plan = Plan(key=plan_key_for(engine, "dyspec"), contexts=[64], verify_times={64: {1: 0.01, 2: 0.01, 8: 0.012}},
+                draft_times={64: {1: 0.0, 2: 0.01, 8: 0.04}}, aat=AATFit(A=1.0, B=2.5, C=0.0, r2=1.0, n_points=0),
+                draft_prefill_s=0.0).refresh()
+    assert plan.choose(64) == ("dyspec", 5)
     save_plan(plan)
     rnd = random.Random(5)
     prompts = [[rnd.randrange(32, 127) for _ in range(n)] for n in (5, 17, 30, 9)]
