@@ -312,7 +312,9 @@ def test_loadtest_against_fake_server(fake_server, tmp_path: Path) -> None:
         assert ar["completion_tokens"] == spec["completion_tokens"] == 28
         # ar: one token per STEP_S; spec: three per STEP_S
         assert STEP_S * 1e3 <= ar["tbt_ms_p50"] < STEP_S * 1e3 + 25
-        assert STEP_S * 1e3 / 3 <= spec["tbt_ms_p50"] < STEP_S * 1e3 / 3 + 12
+        # three tokens a chunk: a third of ar's gap, overheads included (a bound relative to ar's,
+        # not to the clock: a busy machine's late wake-ups lengthen both alike)
+        assert STEP_S * 1e3 / 3 <= spec["tbt_ms_p50"] < ar["tbt_ms_p50"] / 2
         assert spec["itl_ms_p50"] >= STEP_S * 1e3
         assert spec["mean_accepted_tokens"] == pytest.approx(3.0) and ar["mean_accepted_tokens"] is None
         assert ar["decode_tokens_per_s"] == pytest.approx(24 / ar["wall_s"])

@@ -337,3 +337,45 @@ def test_the_drafts_prefill_grows_with_the_prompt_and_decides_at_long_context():
     assert OnlineCosts(plan).prefill_is_earned(d, tokens, 4096) is False
     plan.draft_prefill_by_length = {}
     assert OnlineCosts(plan).prefill_is_earned(d, tokens, 4096) is True
+
+
+@pytest.mark.usefixtures("one_thread_private_cache")
+def test_a_seeded_sampled_answer_does_not_depend_on_the_clock(tiny_tokenizer, monkeypatch):
+    """A seeded sampled request's trees follow the plan and its own verdicts, never measured time:
+    with every step's measured times skewed (copies of the context 100x dearer than other steps
+    and drafting 100x cheaper, then the reverse), its answer is the same token for token. Two choices
+    read the clock for a request timed alone: the price of a copy against a plain step (lookup)
+    and whether a probe that drafted went on drafting (its tokens against the time it took)."""
+    import dataclasses
+
+    from conftest import make_tiny_model
+    from specwood.engine.api import Engine
+    from specwood.planner.store import plan_key_for, save_plan
+    from specwood.planner.trackers import LookupOrModelShape
+    from specwood.sampling import SamplingParams
+
+    engine = Engine(make_tiny_model(seed=0), tiny_tokenizer, draft=make_tiny_model(seed=11), target_name="tiny",
+                    draft_name="unrelated")
+    save_plan(Plan(key=plan_key_for(engine, "dyspec"), contexts=[64], verify_times={64: {1: 0.01, 2: 0.01, 8: 0.012}},
+                   draft_times={64: {1: 0.0, 2: 0.01, 8: 0.04}}, aat=AATFit(A=1.0, B=2.5, C=0.0, r2=1.0, n_points=0),
+                   draft_prefill_s=0.0).refresh())
+    prompt = [40 + (i % 7) for i in range(42)]  # its n-grams recur: the request copies from its context
+    step_seen = PlannedShape.on_step
+
+    def answer(copy_factor: float, plain_factor: float, draft_factor: float) -> tuple[list[int], dict]:
+        def skewed(self, tree, verdict, cost=None):
+            if cost is not None:
+                copying = isinstance(self._step, LookupOrModelShape) and self._step.copied > 0
+                cost = dataclasses.replace(cost, verify_s=cost.verify_s * (copy_factor if copying else plain_factor),
+                                           draft_s=cost.draft_s * draft_factor)
+            step_seen(self, tree, verdict, cost)
+
+        monkeypatch.setattr(PlannedShape, "on_step", skewed)
+        out = engine.generate(prompt, SamplingParams(temperature=0.3, seed=7), max_tokens=64, method="auto",
+                              progress=False, suffix=False, lookup=True)
+        return out.token_ids, out.stats
+
+    first, stats = answer(100.0, 1.0, 0.01)
+    assert stats["auto_lookup_steps"] > 0 and stats.get("auto_probes", 0) > 0, {k: v for k, v in stats.items() if k.startswith("auto")}  # both choices were made
+    for factors in ((1.0, 100.0, 100.0), (1.0, 1.0, 1.0)):
+        assert answer(*factors)[0] == first, factors

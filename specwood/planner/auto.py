@@ -248,7 +248,8 @@ class PlannedShape(ShapePolicy):
         model_rate = (d.p_eff / d.p_ar if d is not None and x > 1 and d.p_eff > 0 and x == d.x
                       else 1.0)
         lt = self.lookup_tracker
-        copy_price = self.copy_cost.ratio / self.plain_cost.ratio
+        # a seeded sampled request prices copies as the plan does: its measured ratio would tie its trees to the clock
+        copy_price = self.copy_cost.ratio / self.plain_cost.ratio if self.timed_alone else 1.0
 
         def chain_length(longest: int) -> int:
             """The copy length with the best expected rate, if that beats the model's (else 0)."""
@@ -305,7 +306,11 @@ class PlannedShape(ShapePolicy):
             self.draft_costs.relax(self._load)
         self._behind = 1 if drafted else self._behind + emitted
         if self._probing and self.probes is not None:
-            took = cost.verify_s + drafting if cost is not None else 0.0
+            if self.timed_alone:
+                took = cost.verify_s + drafting if cost is not None else 0.0
+            else:  # a seeded sampled request: whether its probe goes on drafting follows the plan's prices
+                t_v, t_d = self._costs(1).step_costs(self._context_len)
+                took = t_v(x) + t_d(x)
             self.probes.result(took > 0 and emitted / took > 1.0 / self._costs(1).t_v(self._context_len, 1))
 
     def _relax_acceptance(self) -> None:
