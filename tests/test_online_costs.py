@@ -376,6 +376,7 @@ def test_a_seeded_sampled_answer_does_not_depend_on_the_clock(tiny_tokenizer, mo
         return out.token_ids, out.stats
 
     first, stats = answer(100.0, 1.0, 0.01)
-    assert stats["auto_lookup_steps"] > 0 and stats.get("auto_probes", 0) > 0, {k: v for k, v in stats.items() if k.startswith("auto")}  # both choices were made
+    auto_stats = {k: v for k, v in stats.items() if k.startswith("auto")}
+    assert stats["auto_lookup_steps"] > 0 and stats.get("auto_probes", 0) > 0, auto_stats  # both choices were made
     for factors in ((1.0, 100.0, 100.0), (1.0, 1.0, 1.0)):
         assert answer(*factors)[0] == first, factors
