@@ -94,19 +94,36 @@ def make_stat_engine() -> Engine:
     return engine
 
 
-@pytest.fixture()
-def private_plans(monkeypatch, tmp_path, stat_engine):
-    """auto and prior read plans from a private cache; auto gets a stored plan that speculates at
-    every context and batch size (flat T_v) with trees of BUDGET + 1 tokens."""
+def store_auto_plan(engine: Engine, draft_price: float) -> None:
+    """A stored plan that speculates at every context and batch size (flat T_v) with trees of
+    BUDGET + 1 tokens, drafting priced at `draft_price` seconds a drafted token."""
     from specwood.planner.fits import DEFAULT_AAT
     from specwood.planner.store import Plan, plan_key_for, save_plan
 
-    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
     xs = (1, 2, BUDGET + 1)
-    plan = Plan(key=plan_key_for(stat_engine, "dyspec"), contexts=[64], verify_times={64: {x: 0.01 for x in xs}},
-                draft_times={64: {x: 1e-4 * (x - 1) for x in xs}}, aat=DEFAULT_AAT, draft_prefill_s=0.0).refresh()
+    plan = Plan(key=plan_key_for(engine, "dyspec"), contexts=[64], verify_times={64: {x: 0.01 for x in xs}},
+                draft_times={64: {x: draft_price * (x - 1) for x in xs}}, aat=DEFAULT_AAT,
+                draft_prefill_s=0.0).refresh()
     assert plan.choose(len(PROMPT)) == ("dyspec", BUDGET + 1)
     save_plan(plan)
+
+
+@pytest.fixture()
+def private_plans(monkeypatch, tmp_path, stat_engine):
+    """auto and prior read plans from a private cache; auto gets store_auto_plan's plan."""
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
+    store_auto_plan(stat_engine, 1e-4)
+
+
+@pytest.fixture()
+def copying_plans(monkeypatch, tmp_path, stat_engine):
+    """private_plans with drafting priced 100x lower (1 us a token): where a request's context
+    recurs, auto drafts the model's tree with the copied chain merged in ("both") in shared steps
+    as it does alone. At 1e-4 the price of shared drafting learnt in the first batch (up to 4x the
+    plan's, DraftCostTracker) made the chain alone win under load ("suffix": the suffix method's
+    verification path, which its own law case covers)."""
+    monkeypatch.setenv("SPECWOOD_CACHE", str(tmp_path / "cache"))
+    store_auto_plan(stat_engine, 1e-6)
 
 
 # --- the exact law ------------------------------------------------------------------------------
@@ -145,6 +162,7 @@ def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, st
                                                   max_queue=BATCH), drafts=())
     counts = np.zeros((OUTCOMES, OUTCOMES), dtype=np.int64)
     spec_steps = accepted = copied = 0
+    sources: dict[str, int] = {}
     for start in range(0, n, BATCH):
         reqs = [engine.new_request(prompt, max_tokens=MAX_TOKENS, temperature=params.temperature,
                                    top_k=params.top_k, top_p=params.top_p, seed=request_seed(stream, start + i),
@@ -162,11 +180,13 @@ def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, st
             counts[a, b] += 1
             spec_steps += r.stats.steps
             accepted += r.stats.accepted
-            sources = r.result.stats.get("auto_sources") or {}
-            copied += (int(r.result.stats.get("auto_lookup_steps", 0)) + sources.get("suffix", 0)
-                       + sources.get("both", 0))
+            used = r.result.stats.get("auto_sources") or {}
+            copied += int(r.result.stats.get("auto_lookup_steps", 0)) + used.get("suffix", 0) + used.get("both", 0)
+            for source, steps in used.items():
+                sources[source] = sources.get(source, 0) + steps
     assert sched.idle and sched.executor.cache.free_rows == batch
     run_requests.copied = copied  # auto's steps that copied from the context (the last run)
+    run_requests.sources = sources  # auto's steps by what drafted them (the suffix source's choices)
     return counts, spec_steps, accepted
 
 
@@ -207,24 +227,26 @@ def test_engine_samples_the_target_law(stat_engine, private_plans, case):
 
 
 # the prompt ends as it starts, so where the first sampled token continues it as at the start (16),
-# auto's first step copies the tokens that followed (a "selected" chain) instead of drafting with
-# the model; auto copies only in steps a request has to itself, so these runs go one at a time
+# auto's first step merges the tokens that followed (a "selected" chain, from the suffix source)
+# into the model's sampled tree ("both"): one tree verified under two rules. The suffix source
+# weighs copies at every load, so these runs share steps like the others (the n-gram lookup
+# copies only in steps a request has alone: asserted below)
 LOOKUP_PROMPT = [20, 3, 4, 16, 0, 2, 15, 17, 20, 3, 4]
-LOOKUP_SAMPLES = SAMPLES  # one request per step is ~4x slower (25,000 as before SAMPLES was halved)
+LOOKUP_SAMPLES = SAMPLES
 
 
-def test_auto_copying_from_the_context_samples_the_target_law(stat_engine, private_plans):
+def test_auto_copying_from_the_context_samples_the_target_law(stat_engine, copying_plans):
     params = SamplingParams(temperature=1.0)
     law = exact_law(stat_engine, params, LOOKUP_PROMPT)
     counts, spec_steps, accepted = run_requests(stat_engine, "auto", params, LOOKUP_SAMPLES, stream=500,
-                                                prompt=LOOKUP_PROMPT, options={"progress": False}, batch=1)
-    copied = run_requests.copied
+                                                prompt=LOOKUP_PROMPT, options={"progress": False})
+    copied, merged = run_requests.copied, run_requests.sources.get("both", 0)
     p = g_test(counts, law)
     p_first = g_test(counts.sum(1), law.sum(1))
-    print(f"\nauto copying: p(first)={p_first:.3g} p(first, second)={p:.3g} | steps {spec_steps}, copied {copied}, "
-          f"accepted {accepted}")
-    # a step copies when the first sampled token is 16 (then the last 4 tokens recur), ~45%
-    assert copied > LOOKUP_SAMPLES // 4 and accepted > LOOKUP_SAMPLES // 10
+    print(f"\nauto copying: p(first)={p_first:.3g} p(first, second)={p:.3g} | steps {spec_steps}, copied {copied} "
+          f"({merged} merged into the model's tree), accepted {accepted}")
+    # a step copies when the first sampled token is 16 (then the last 4 tokens recur), ~46%
+    assert merged > LOOKUP_SAMPLES // 4 and accepted > LOOKUP_SAMPLES // 10
     assert min(p, p_first) > P_MIN, "auto's copied chains do not sample the target's distribution"
     # the same prompt without copying drafts with the model: the copy really was the path taken
     run_requests(stat_engine, "auto", params, 64, stream=501, prompt=LOOKUP_PROMPT,
@@ -259,14 +281,14 @@ def test_biased_verifier_is_caught(stat_engine, private_plans, monkeypatch, meth
     assert p < P_BIASED, f"the test cannot see a +{BIAS} acceptance bias"
 
 
-def test_biased_verifier_is_caught_on_copied_chains(stat_engine, private_plans, monkeypatch):
+def test_biased_verifier_is_caught_on_copied_chains(stat_engine, copying_plans, monkeypatch):
     params = SamplingParams(temperature=1.0)
     law = exact_law(stat_engine, params, LOOKUP_PROMPT)
     biased = BiasedVerify(BIAS)
     monkeypatch.setattr(step_mod, "verify_trees", biased.trees)
     counts, _, _ = run_requests(stat_engine, "auto", params, LOOKUP_SAMPLES, stream=1500, prompt=LOOKUP_PROMPT,
-                                options={"progress": False}, batch=1)
-    assert run_requests.copied > LOOKUP_SAMPLES // 4
+                                options={"progress": False})
+    assert run_requests.sources.get("both", 0) > LOOKUP_SAMPLES // 4
     p = g_test(counts, law)
     print(f"\nbiased auto copying (+{BIAS}): p(first, second)={p:.3g}")
     assert p < P_BIASED, f"the test cannot see a +{BIAS} acceptance bias on copied chains"
