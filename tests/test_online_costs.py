@@ -274,6 +274,23 @@ def test_the_batch_decides_once_per_step_from_its_requests():
 # --- greedy token identity through the new paths ----------------------------------------------
 
 
+def unrelated_draft_engine(tiny_tokenizer) -> tuple:
+    """A tiny target and an unrelated draft of its size (nearly always wrong), with a stored plan
+    that prices a draft forward as a target forward and expects deep acceptance (AAT(8) ~ 6.2), so
+    it drafts until the verdicts say otherwise. Returns (engine, plan)."""
+    from conftest import make_tiny_model
+    from specwood.engine.api import Engine
+    from specwood.planner.store import plan_key_for, save_plan
+
+    engine = Engine(make_tiny_model(seed=0), tiny_tokenizer, draft=make_tiny_model(seed=11), target_name="tiny",
+                    draft_name="unrelated")
+    plan = Plan(key=plan_key_for(engine, "dyspec"), contexts=[64], verify_times={64: {1: 0.01, 2: 0.01, 8: 0.012}},
+                draft_times={64: {1: 0.0, 2: 0.01, 8: 0.04}}, aat=AATFit(A=1.0, B=2.5, C=0.0, r2=1.0, n_points=0),
+                draft_prefill_s=0.0).refresh()
+    save_plan(plan)
+    return engine, plan
+
+
 @pytest.mark.usefixtures("one_thread_private_cache")
 def test_auto_probing_and_batch_choice_stay_greedy_identical(tiny_tokenizer):
     """A draft that is nearly always wrong (an unrelated model): auto soon decodes plainly and
@@ -286,19 +303,10 @@ def test_auto_probing_and_batch_choice_stay_greedy_identical(tiny_tokenizer):
     price caught up, and never waited long enough to probe (CI, 2026-11-29)."""
     import random
 
-    from conftest import make_tiny_model
-    from specwood.engine.api import Engine
     from specwood.engine.scheduler import SchedulerConfig
-    from specwood.planner.store import plan_key_for, save_plan
 
-    engine = Engine(make_tiny_model(seed=0), tiny_tokenizer, draft=make_tiny_model(seed=11), target_name="tiny",
-                    draft_name="unrelated")
-    # the plan expects deep acceptance (AAT(8) ~ 6.2), so it drafts until the verdicts say otherwise
-    plan = Plan(key=plan_key_for(engine, "dyspec"), contexts=[64], verify_times={64: {1: 0.01, 2: 0.01, 8: 0.012}},
-                draft_times={64: {1: 0.0, 2: 0.01, 8: 0.04}}, aat=AATFit(A=1.0, B=2.5, C=0.0, r2=1.0, n_points=0),
-                draft_prefill_s=0.0).refresh()
+    engine, plan = unrelated_draft_engine(tiny_tokenizer)
     assert plan.choose(64) == ("dyspec", 5)
-    save_plan(plan)
     rnd = random.Random(5)
     prompts = [[rnd.randrange(32, 127) for _ in range(n)] for n in (5, 17, 30, 9)]
     refs = [engine.generate(p, max_tokens=48, method="ar").token_ids for p in prompts]
@@ -348,17 +356,10 @@ def test_a_seeded_sampled_answer_does_not_depend_on_the_clock(tiny_tokenizer, mo
     and whether a probe that drafted went on drafting (its tokens against the time it took)."""
     import dataclasses
 
-    from conftest import make_tiny_model
-    from specwood.engine.api import Engine
-    from specwood.planner.store import plan_key_for, save_plan
     from specwood.planner.trackers import LookupOrModelShape
     from specwood.sampling import SamplingParams
 
-    engine = Engine(make_tiny_model(seed=0), tiny_tokenizer, draft=make_tiny_model(seed=11), target_name="tiny",
-                    draft_name="unrelated")
-    save_plan(Plan(key=plan_key_for(engine, "dyspec"), contexts=[64], verify_times={64: {1: 0.01, 2: 0.01, 8: 0.012}},
-                   draft_times={64: {1: 0.0, 2: 0.01, 8: 0.04}}, aat=AATFit(A=1.0, B=2.5, C=0.0, r2=1.0, n_points=0),
-                   draft_prefill_s=0.0).refresh())
+    engine, _ = unrelated_draft_engine(tiny_tokenizer)
     prompt = [40 + (i % 7) for i in range(42)]  # its n-grams recur: the request copies from its context
     step_seen = PlannedShape.on_step
 
