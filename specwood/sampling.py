@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -179,7 +181,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = without_padding(logits, params)
     if params.greedy:
         return _one_hot_argmax(logits)
-    scaled = logits / params.temperature
+    scaled = logits / params.temperature if params.temperature != 1.0 else logits  # x / 1 is x
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -191,8 +193,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = _top_p(probs, params.top_p)
     # a row that overflowed (huge logits over a small temperature: inf - inf) or held NaN logits
     # has no distribution to sample: its limit is the argmax
-    broken = ~torch.isfinite(probs).all(-1)
-    if bool(broken.any()):
+    if not bool(torch.isfinite(probs).all()):
+        broken = ~torch.isfinite(probs).all(-1)
         probs = torch.where(broken.unsqueeze(-1), _one_hot_argmax(logits), probs)
     return probs
 
@@ -242,9 +244,16 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> torc
     return draw_token(probs, torch.rand(rows, dtype=torch.float64, generator=generator, device=probs.device))
 
 
+# below this many probabilities a draw runs in Python floats: a dozen torch calls on a few rows
+# cost ~50 us, the same arithmetic on Python floats ~10 (a small vocabulary, a tree's few children)
+_PYTHON_DRAW_MAX = 1024
+
+
 def draw_token(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """`sample_token` on given uniforms: `u` holds one float64 in [0, 1) per row of `probs`
     (a batch of rows whose draws come from different generators)."""
+    if probs.numel() <= _PYTHON_DRAW_MAX:
+        return _draw_token_floats(probs, u)
     flat = probs.reshape(-1, probs.shape[-1]).double()
     cdf = flat.cumsum(-1)
     total = cdf[:, -1]
@@ -256,6 +265,23 @@ def draw_token(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     for r in stray.nonzero().flatten().tolist():
         idx[r, 0] = int(flat[r].nonzero()[-1])
     return idx.reshape(probs.shape[:-1])
+
+
+def _draw_token_floats(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`draw_token` on Python floats, bit for bit: the same float64 running sum (a cumsum adds in
+    order), the same scaled uniform, the same right-hand search and the same stray fix-up."""
+    width = probs.shape[-1]
+    tokens = []
+    for row, draw in zip(probs.reshape(-1, width).tolist(), u.reshape(-1).tolist()):
+        cdf = list(accumulate(row))
+        total = cdf[-1] if cdf else 0.0
+        if not (math.isfinite(total) and total > 0):
+            raise RuntimeError("sampling from a distribution that is empty or not finite (an all-zero or NaN row)")
+        index = min(bisect_right(cdf, draw * total), width - 1)
+        if row[index] <= 0:  # u rounded onto the very end of the cdf
+            index = max(i for i, p in enumerate(row) if p != 0)
+        tokens.append(index)
+    return torch.tensor(tokens, dtype=torch.long, device=probs.device).reshape(probs.shape[:-1])
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

@@ -39,9 +39,11 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests on the real pair in fp32 run in one xdist worker, one after another (pyproject's
     `--dist loadgroup`): the pair is 7.6 GB, and two workers each holding it beside the default
-    mode's load (and a server's) ran CI's 24 GB machine out of memory (a worker killed)."""
+    mode's load (and a server's) ran CI's 24 GB machine out of memory (a worker killed). The tests
+    on the default (q4) pair join them: one worker then loads that pair once (~20 s a load), not
+    once per worker and once more for the fidelity test beside the fp32 pair."""
     for item in items:
-        if "real_pair_engine_fp32" in getattr(item, "fixturenames", ()):
+        if {"real_pair_engine_fp32", "real_default_engine"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("real_pair_fp32"))
 
 

@@ -47,6 +47,39 @@ def test_sampling_an_empty_or_nan_row_is_an_error_not_a_token():
             sample_token(torch.tensor([row]), None)
 
 
+def test_small_draws_on_python_floats_equal_the_torch_draw_bit_for_bit(monkeypatch):
+    """draw_token's path for few probabilities (Python floats) picks the index its torch path picks
+    for the same rows and uniforms: peaked, flat, zero-padded and unnormalised rows, fp32 and fp64,
+    and a uniform scaled onto the cdf's very end (the fix-up back to the last possible token). Either
+    path may serve a request."""
+    import specwood.sampling as sampling
+
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for trial in range(3000):
+        width, rows = int(torch.randint(1, 200, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        p = torch.rand(rows, width, generator=g) ** 6 + 1e-30
+        if trial % 3 == 0:
+            p[:, width - width // 2:] = 0.0  # a zero tail: u near 1 lands past the last non-zero
+        if trial % 7 == 0:
+            p[:, : width // 3] = 0.0
+        p = p.double() if trial % 11 == 0 else p
+        p = p / p.sum(-1, keepdim=True) if trial % 2 else p
+        u = torch.rand(rows, dtype=torch.float64, generator=g)
+        if trial % 5 == 0:
+            u[:] = 1.0  # u * total == total: past the zero tail, back to the last non-zero
+        if bool((p.sum(-1) > 0).all()):
+            cases.append((p[0], u[:1]) if trial % 13 == 0 else (p, u))
+    small = [sampling.draw_token(p, u) for p, u in cases]
+    monkeypatch.setattr(sampling, "_PYTHON_DRAW_MAX", -1)  # every draw on the torch path
+    strays = 0
+    for (p, u), got in zip(cases, small):
+        want = sampling.draw_token(p, u)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), (p, u)
+        strays += int(bool((u == 1.0).all()) and bool((p.reshape(-1, p.shape[-1])[:, -1] == 0).all()))
+    assert strays > 50  # the fix-up ran on both paths
+
+
 def test_a_drafted_padding_id_is_rejected_and_never_emitted():
     """The sampling verifier with a draft that put all its mass on a padding id (-inf for the
     target): the child is rejected, the correction comes from the target's real tokens."""
