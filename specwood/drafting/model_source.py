@@ -123,25 +123,16 @@ class ModelDraftSource(DraftSource):
         slot_of = dict(self.slot_of)  # committed in absorb: a failed forward leaves no trace
         for k, node in enumerate(todo):
             slot_of[node] = first_new + k
-        S, T = first_new + len(todo), n_pending + len(todo)
+        S = first_new + len(todo)
         self.kv_row()[0].check_room(S)
         self.model.check_positions(tree_base + max((tree.depths[n] for n in todo), default=0))
-        mask = torch.zeros(T, S, dtype=torch.bool)
-        if n_pending:
-            mask[:n_pending, :tree_base] = torch.ones(n_pending, tree_base, dtype=torch.bool).tril(diagonal=base)
-        mask[n_pending:, :tree_base] = True
-        rows, cols = [], []
-        for r, node in enumerate(todo, start=n_pending):
-            for a in tree.path_to(node):
-                rows.append(r)
-                cols.append(slot_of[a])
-        mask[rows, cols] = True
+        paths = [[slot_of[a] for a in tree.path_to(node)] for node in todo]
         return _DraftRows(
             todo=todo,
             tokens=self.pending + [tree.tokens[n] for n in todo],
             positions=list(range(base, tree_base)) + [tree_base + tree.depths[n] for n in todo],
             slots=list(range(base, tree_base)) + [slot_of[n] for n in todo],
-            mask=mask,
+            mask=_draft_mask(n_pending, base, tree_base, S, paths),
             new_slots={n: slot_of[n] for n in todo},
         )
 
@@ -207,6 +198,32 @@ def processed_path(seen: TokenTree, tokens: list[int], processed: Container[int]
             break
         path.append(node)
     return path
+
+
+# below this many mask cells a draft call's mask is built as Python lists in one tensor call (~8 us
+# for a few rows), above it with torch ops over whole blocks (~20 us for any size; lists cost ~0.3 us a cell)
+_LIST_MASK_CELLS = 512
+
+
+def _draft_mask(n_pending: int, base: int, tree_base: int, width: int, paths: list[list[int]]) -> torch.Tensor:
+    """[n_pending + len(paths), width] bool: pending token r (position base + r) sees slots up to
+    base + r; a tree node sees the committed slots [0, tree_base) and its path's slots."""
+    rows = n_pending + len(paths)
+    if rows * width <= _LIST_MASK_CELLS:
+        cells = [[c <= base + r for c in range(tree_base)] + [False] * (width - tree_base) for r in range(n_pending)]
+        for path in paths:
+            row = [True] * tree_base + [False] * (width - tree_base)
+            for slot in path:
+                row[slot] = True
+            cells.append(row)
+        return torch.tensor(cells, dtype=torch.bool).reshape(rows, width)
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    if n_pending:
+        mask[:n_pending, :tree_base] = torch.ones(n_pending, tree_base, dtype=torch.bool).tril(diagonal=base)
+    mask[n_pending:, :tree_base] = True
+    at = [(r, slot) for r, path in enumerate(paths, start=n_pending) for slot in path]
+    mask[[r for r, _ in at], [slot for _, slot in at]] = True
+    return mask
 
 
 def forward_draft_calls(calls: list[tuple[ModelDraftSource, TokenTree, list[int]]]) -> list[torch.Tensor]:

@@ -78,12 +78,13 @@ def _pick(q: torch.Tensor, count: int, sample: bool, generator: torch.Generator 
         return []
     if not sample:
         return torch.topk(q, count).indices.tolist()
-    residual = q.clone()
+    residual = q.clone() if count > 1 else q  # (a single draw changes nothing)
     tokens = []
-    for _ in range(count):
-        y, _ = _sample_index(residual, generator)
+    for k in range(count):
+        y = int(sample_token(residual, generator))
         tokens.append(y)
-        residual[y] = 0.0
+        if k + 1 < count:
+            residual[y] = 0.0
     return tokens
 
 
@@ -284,20 +285,29 @@ class DySpecShape(TreeShape):
         tree = TokenTree.with_root(root, _rule(params))
         dists: dict[int, torch.Tensor] = {}  # node -> original q
         residual: dict[int, torch.Tensor] = {}  # node -> q with drawn children zeroed (unnormalised)
+        # node -> (q as Python floats, tokens of q not drawn yet): a drawn token's q, which is also
+        # its residual's entry (each is drawn once), and whether any is left, without a tensor op
+        left: dict[int, tuple[list[float], list[int]]] = {}
         order = itertools.count()
         heap: list[tuple[float, int, int]] = [(-1.0, next(order), 0)]  # (-v, push order, node)
         while heap and tree.size < self.budget:
             neg_v, _, node = heapq.heappop(heap)
             if node not in dists:
                 yield from self._fetch(tree, node, heap, dists, residual, params)
-            r = residual[node]
-            if not bool((r > 0).any()):
+            if node not in left:  # (a prefetch may have brought its q before)
+                q_values = dists[node].tolist()
+                left[node] = (q_values, [sum(1 for x in q_values if x > 0)])
+            q_values, support = left[node]
+            if not support[0]:
                 continue  # q's support is used up below this node
-            y, share = _draw(r, sample, generator)
-            child = tree.add_node(node, y, float(dists[node][y]))
+            r = residual[node]
+            y = int(sample_token(r, generator)) if sample else int(r.argmax())
+            share = min(1.0, q_values[y] / float(r.double().sum()))  # R[y] after renormalisation
+            child = tree.add_node(node, y, q_values[y])
             if sample:
                 tree.child_dists[node] = dists[node]
             r[y] = 0.0
+            support[0] -= 1
             v = -neg_v
             if v * (1.0 - share) > 0.0:
                 heapq.heappush(heap, (-v * (1.0 - share), next(order), node))

@@ -260,6 +260,8 @@ class Engine:
         bad = next((token for token, _ in params.logit_bias if token >= V), None)
         if bad is not None:
             raise SamplingParamsError(f"logit_bias token id {bad} is outside the vocabulary [0, {V})")
+        if params.json_schema is None and params.emit_limit == self.emit_limit:
+            return params  # already this model's (a replace re-validates every field: ~20 us a request)
         grammar = params.grammar
         if params.json_schema is not None:
             from specwood.constrain.grammars import json_schema_grammar

@@ -47,7 +47,7 @@ def pad_rows(inputs: list[RowInput], scratch_slot: int) -> tuple[torch.Tensor, .
     number of ops whatever B (a copy per row and tensor was ~2 ms for 256 rows, a fifth of a tiny
     model's batched step)."""
     B = len(inputs)
-    lengths = [len(x.tokens) for x in inputs]
+    lengths = [x.tokens.shape[0] for x in inputs]  # (shape[0] here and below: Tensor.__len__ costs ~1 us)
     widths = [x.mask.shape[1] for x in inputs]
     T, S = max(lengths), max(widths)
     first = inputs[0].tokens
@@ -90,14 +90,14 @@ def forward_rows_features(model: Transformer, cache: KVCache, inputs: list[RowIn
         cache.check_room(x.mask.shape[1])
         model.check_positions(int(x.positions.max()))  # host-side tensors: no device sync
     graphs = getattr(cache, "graphs", None)
-    if graphs is not None and graphs.fits(len(inputs), max(len(x.tokens) for x in inputs)):
+    if graphs is not None and graphs.fits(len(inputs), max(x.tokens.shape[0] for x in inputs)):
         return _forward_graphed(model, graphs, inputs)
     if len(inputs) == 1 and inputs[0].features is None:  # no padding: a view of the one row
         x = inputs[0]
         out = model(x.tokens[None].to(dev), x.positions.to(dev), x.mask.to(dev), cache, x.slots.to(dev),
                     output_rows=x.outputs.to(dev), rows=slice(x.row, x.row + 1))
         return [out[0]], [None]
-    return _forward_packed(model, cache, inputs, similar_lengths([len(x.tokens) for x in inputs]))
+    return _forward_packed(model, cache, inputs, similar_lengths([x.tokens.shape[0] for x in inputs]))
 
 
 def _features(model: Transformer, hidden: torch.Tensor, inputs: list[RowInput], first: list[int]
@@ -126,8 +126,8 @@ def _forward_packed(model: Transformer, cache: KVCache, inputs: list[RowInput], 
                       torch.tensor([x.row for x in rows_in], device=dev)))
     hidden = model.hidden_packed(parts, cache)
     if not getattr(model, "is_last", True):
-        return [hidden[first[i]:first[i] + len(x.tokens)] for i, x in enumerate(inputs)], [None] * len(inputs)
-    counts = [len(x.outputs) for x in inputs]
+        return [hidden[first[i]:first[i] + x.tokens.shape[0]] for i, x in enumerate(inputs)], [None] * len(inputs)
+    counts = [x.outputs.shape[0] for x in inputs]
     wanted = (torch.cat([x.outputs for x in inputs]).long()
               + torch.repeat_interleave(torch.tensor(first), torch.tensor(counts)))
     out = model.head(hidden[wanted.to(dev)])
@@ -140,15 +140,15 @@ def _forward_graphed(model: Transformer, graphs: GraphedForward, inputs: list[Ro
     tokens, positions, slots, mask = pad_rows(inputs, graphs.cache.scratch_slot)
     hidden = graphs(tokens, positions, mask, slots, [x.row for x in inputs])
     if not getattr(model, "is_last", True):
-        return [hidden[b, :len(x.tokens)].clone() for b, x in enumerate(inputs)], [None] * len(inputs)
+        return [hidden[b, :x.tokens.shape[0]].clone() for b, x in enumerate(inputs)], [None] * len(inputs)
     out = model.head(hidden, _wanted(inputs, hidden.device))
     T = hidden.shape[1]
     feats = _features(model, hidden.flatten(0, 1), inputs, [b * T for b in range(len(inputs))])
-    return list(out.split([len(x.outputs) for x in inputs])), feats
+    return list(out.split([x.outputs.shape[0] for x in inputs])), feats
 
 
 def _wanted(inputs: list[RowInput], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(batch row, token) index pairs of the logits each row asked for."""
-    sel_b = torch.cat([torch.full((len(x.outputs),), b, dtype=torch.long) for b, x in enumerate(inputs)])
+    sel_b = torch.cat([torch.full((x.outputs.shape[0],), b, dtype=torch.long) for b, x in enumerate(inputs)])
     sel_t = torch.cat([x.outputs.long() for x in inputs])
     return sel_b.to(dev), sel_t.to(dev)

@@ -183,6 +183,10 @@ class KVCache:
 
     def compact(self, kept: list[int] | torch.Tensor, start: int, row: int = 0) -> None:
         """Move row `row`'s entries at slots `kept` (in order) to the contiguous slots start, start+1, …"""
+        if isinstance(kept, list) and kept == list(range(start, start + len(kept))):
+            self.check_room(start + len(kept))  # already in place (a chain's whole path, a lone root)
+            self.lengths[row] = start + len(kept)
+            return
         kept = torch.as_tensor(kept, dtype=torch.long, device=self.k.device)
         n = kept.numel()
         self.check_room(start + n)

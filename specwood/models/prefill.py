@@ -1,6 +1,8 @@
 """Writing a prompt's K/V into a cache row: the first forward of every request, for target and draft."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from specwood.models.batch import RowInput, forward_rows_features
@@ -53,12 +55,27 @@ def prefill_input(row: int, prompt: list[int], start: int, end: int, features: b
     row `row`, causal over the earlier slots; the last token's logits wanted (and, with
     `features`, every token's features). After the forward, `prefill_outputs` sets the row's
     length to `end`."""
+    small = (end - start) * end <= _CACHED_MASK_CELLS
+    pos, causal, last = _cached_chunk_layout(start, end) if small else _chunk_layout(start, end)
+    return RowInput(row, torch.tensor(prompt[start:end], dtype=torch.long), pos, pos, causal, last,
+                    torch.arange(end - start) if features else None)
+
+
+def _chunk_layout(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions (and slots) [start, end), the causal mask over slots [0, end) and the last token's
+    index."""
     pos = torch.arange(start, end)
     # a comparison, not ones().tril(): tril enters an OpenMP region whatever its size, which costs
     # milliseconds per call when another process holds the other cores (a prefill per request)
     causal = torch.arange(end) <= pos.unsqueeze(1)
-    return RowInput(row, torch.tensor(prompt[start:end], dtype=torch.long), pos, pos, causal,
-                    torch.tensor([end - start - 1]), torch.arange(end - start) if features else None)
+    return pos, causal, torch.tensor([end - start - 1])
+
+
+# the same for every short prompt chunk at [start, end), so built once (the forward only reads a
+# RowInput's tensors; four tensor calls a request were ~5% of a batch of short prompts); at most
+# 256 masks of 64k cells (16 MB), long chunks built each time
+_CACHED_MASK_CELLS = 1 << 16
+_cached_chunk_layout = functools.lru_cache(maxsize=256)(_chunk_layout)
 
 
 def prefill_outputs(cache: KVCache, chunks: list[tuple[int, list[int], int, int]], out: list[torch.Tensor]
