@@ -285,9 +285,7 @@ class DySpecShape(TreeShape):
         tree = TokenTree.with_root(root, _rule(params))
         dists: dict[int, torch.Tensor] = {}  # node -> original q
         residual: dict[int, torch.Tensor] = {}  # node -> q with drawn children zeroed (unnormalised)
-        # node -> (q as Python floats, tokens of q not drawn yet): a drawn token's q, which is also
-        # its residual's entry (each is drawn once), and whether any is left, without a tensor op
-        left: dict[int, tuple[list[float], list[int]]] = {}
+        left: dict[int, int] = {}  # node -> tokens of q not drawn yet: whether any is, without a tensor op
         order = itertools.count()
         heap: list[tuple[float, int, int]] = [(-1.0, next(order), 0)]  # (-v, push order, node)
         while heap and tree.size < self.budget:
@@ -295,19 +293,18 @@ class DySpecShape(TreeShape):
             if node not in dists:
                 yield from self._fetch(tree, node, heap, dists, residual, params)
             if node not in left:  # (a prefetch may have brought its q before)
-                q_values = dists[node].tolist()
-                left[node] = (q_values, [sum(1 for x in q_values if x > 0)])
-            q_values, support = left[node]
-            if not support[0]:
+                left[node] = int((dists[node] > 0).sum())
+            if not left[node]:
                 continue  # q's support is used up below this node
             r = residual[node]
             y = int(sample_token(r, generator)) if sample else int(r.argmax())
-            share = min(1.0, q_values[y] / float(r.double().sum()))  # R[y] after renormalisation
-            child = tree.add_node(node, y, q_values[y])
+            q_y = float(dists[node][y])  # also R[y]: each token is drawn (and zeroed in R) once
+            share = min(1.0, q_y / float(r.double().sum()))  # R[y] after renormalisation
+            child = tree.add_node(node, y, q_y)
             if sample:
                 tree.child_dists[node] = dists[node]
             r[y] = 0.0
-            support[0] -= 1
+            left[node] -= 1
             v = -neg_v
             if v * (1.0 - share) > 0.0:
                 heapq.heappush(heap, (-v * (1.0 - share), next(order), node))

@@ -81,12 +81,19 @@ class TokenTree:
     def ancestor_mask(self) -> torch.Tensor:
         """M[i, j] is True iff j is i or an ancestor of i."""
         n = len(self.tokens)
-        rows: list[list[bool]] = []  # Python lists: two tensor writes a node cost more below ~64 nodes
+        if n <= 64:  # Python lists: two tensor writes a node cost more, up to ~64 nodes (n^2 cells after)
+            rows: list[list[bool]] = []
+            for i, p in enumerate(self.parents):
+                row = rows[p].copy() if p >= 0 else [False] * n
+                row[i] = True
+                rows.append(row)
+            return torch.tensor(rows, dtype=torch.bool).reshape(n, n)
+        m = torch.zeros(n, n, dtype=torch.bool)
         for i, p in enumerate(self.parents):
-            row = rows[p].copy() if p >= 0 else [False] * n
-            row[i] = True
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.bool).reshape(n, n)
+            if p >= 0:
+                m[i] = m[p]
+            m[i, i] = True
+        return m
 
     def positions(self, prefix_len: int) -> torch.Tensor:
         """Sequence position of each node: the root sits right after the `prefix_len` cached tokens."""
