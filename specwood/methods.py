@@ -225,7 +225,8 @@ def _prepare_early_exit(engine: EngineLike, options: dict[str, Any]) -> DrafterF
     layer = options.pop("exit_layer", None) or max(1, engine.target_config.n_layers // 4)
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise SpecwoodError(f"exit_layer must be an integer, got {layer!r}")
-    if options.get("shape", "chain") == "chain" and options.get("budget") is None and options.get("depth") is None:
+    if str(options.get("shape", "chain")).strip().lower() == "chain" and options.get("budget") is None \
+            and options.get("depth") is None:
         # an untrained exit accepts almost nothing (AAT ~1.0): each drafted token is a wasted quarter
         # forward, so the default chain is 2 tokens (on the fp32 1.5B target 0.54x `ar`, at 5 0.35x)
         options["depth"] = EARLY_EXIT_DEPTH

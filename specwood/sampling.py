@@ -244,15 +244,27 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> torc
     return draw_token(probs, torch.rand(rows, dtype=torch.float64, generator=generator, device=probs.device))
 
 
-# below this many probabilities a draw runs in Python floats: a dozen torch calls on a few rows
-# cost ~50 us, the same arithmetic on Python floats ~10 (a small vocabulary, a tree's few children)
+# below this many probabilities a draw on the CPU runs in Python floats: a dozen torch calls on a
+# few rows cost ~50 us, the same arithmetic on Python floats ~10 (a small vocabulary); the CPU's
+# float64 cumsum adds in order, so both give the same index
 _PYTHON_DRAW_MAX = 1024
+
+
+def sample_index(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """`sample_token` of one distribution [V], as an int: the same uniform from `generator`, the
+    same draw (a drafted node's token, drawn a few times per request, without a tensor for it)."""
+    if probs.dim() != 1:
+        raise ValueError(f"sample_index draws from one distribution [V], got shape {tuple(probs.shape)}")
+    u = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device)
+    if probs.numel() <= _PYTHON_DRAW_MAX and probs.device.type == "cpu":
+        return _draw_floats(probs.tolist(), u.item())
+    return int(draw_token(probs, u))
 
 
 def draw_token(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """`sample_token` on given uniforms: `u` holds one float64 in [0, 1) per row of `probs`
     (a batch of rows whose draws come from different generators)."""
-    if probs.numel() <= _PYTHON_DRAW_MAX:
+    if probs.numel() <= _PYTHON_DRAW_MAX and probs.device.type == "cpu":  # (a GPU's cumsum adds in another order)
         return _draw_token_floats(probs, u)
     flat = probs.reshape(-1, probs.shape[-1]).double()
     cdf = flat.cumsum(-1)
@@ -268,20 +280,23 @@ def draw_token(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_token_floats(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """`draw_token` on Python floats, bit for bit: the same float64 running sum (a cumsum adds in
-    order), the same scaled uniform, the same right-hand search and the same stray fix-up."""
-    width = probs.shape[-1]
-    tokens = []
-    for row, draw in zip(probs.reshape(-1, width).tolist(), u.reshape(-1).tolist()):
-        cdf = list(accumulate(row))
-        total = cdf[-1] if cdf else 0.0
-        if not (math.isfinite(total) and total > 0):
-            raise RuntimeError("sampling from a distribution that is empty or not finite (an all-zero or NaN row)")
-        index = min(bisect_right(cdf, draw * total), width - 1)
-        if row[index] <= 0:  # u rounded onto the very end of the cdf
-            index = max(i for i, p in enumerate(row) if p != 0)
-        tokens.append(index)
+    """`draw_token` on Python floats (`_draw_floats` a row)."""
+    rows = probs.reshape(-1, probs.shape[-1]).tolist()
+    tokens = [_draw_floats(row, draw) for row, draw in zip(rows, u.reshape(-1).tolist())]
     return torch.tensor(tokens, dtype=torch.long, device=probs.device).reshape(probs.shape[:-1])
+
+
+def _draw_floats(row: list[float], draw: float) -> int:
+    """`draw_token`'s index for one row, bit for bit: the same float64 running sum (a cumsum adds in
+    order), the same scaled uniform, the same right-hand search and the same stray fix-up."""
+    cdf = list(accumulate(row))
+    total = cdf[-1] if cdf else 0.0
+    if not (math.isfinite(total) and total > 0):
+        raise RuntimeError("sampling from a distribution that is empty or not finite (an all-zero or NaN row)")
+    index = min(bisect_right(cdf, draw * total), len(row) - 1)
+    if row[index] <= 0:  # u rounded onto the very end of the cdf
+        index = max(i for i, p in enumerate(row) if p != 0)
+    return index
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

@@ -80,6 +80,21 @@ def test_small_draws_on_python_floats_equal_the_torch_draw_bit_for_bit(monkeypat
     assert strays > 50  # the fix-up ran on both paths
 
 
+def test_sample_index_is_sample_token_as_an_int():
+    """The drafters' one-distribution draw takes the same uniform from the generator and gives the
+    same token as sample_token, on both of draw_token's paths (few and many probabilities)."""
+    from specwood.sampling import sample_index
+
+    for width in (5, 32, 1024, 1025, 4000):
+        for seed in range(40):
+            q = torch.rand(width, generator=torch.Generator().manual_seed(seed)) ** 3
+            q[width // 2:] = 0.0 if seed % 2 else q[width // 2:]
+            g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            assert [int(sample_token(q, g1)) for _ in range(3)] == [sample_index(q, g2) for _ in range(3)]
+    with pytest.raises(ValueError, match="one distribution"):
+        sample_index(torch.ones(2, 4), None)
+
+
 def test_a_drafted_padding_id_is_rejected_and_never_emitted():
     """The sampling verifier with a draft that put all its mass on a padding id (-inf for the
     target): the child is rejected, the correction comes from the target's real tokens."""

@@ -27,7 +27,7 @@ import torch
 
 from specwood.drafting.base import Drafting, TreeShape, draft_probs
 from specwood.errors import SpecwoodError
-from specwood.sampling import SamplingParams, sample_token
+from specwood.sampling import SamplingParams, sample_index
 from specwood.tree.token_tree import TokenTree
 
 MAX_SEQUENCES = 8
@@ -84,7 +84,7 @@ class MultiSequenceShape(TreeShape):
                 if not bool((q > 0).any()):
                     left[i] = 0
                     continue
-                token = int(sample_token(q, generator)) if sample else int(q.argmax())
+                token = sample_index(q, generator) if sample else int(q.argmax())
                 if sample:
                     tree.child_dists[ends[i]] = q
                 ends[i] = tree.add_node(ends[i], token, float(q[token]))

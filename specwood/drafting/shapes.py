@@ -34,7 +34,7 @@ from specwood.drafting.base import MAX_BUDGET, DraftCall, Drafting, TreeShape, d
 from specwood.drafting.ngram import PromptLookupShape
 from specwood.drafting.sequoia import DEFAULT_ACCEPTANCE, Layout, sequoia_tree
 from specwood.errors import SpecwoodError
-from specwood.sampling import SamplingParams, sample_token
+from specwood.sampling import SamplingParams, sample_index
 from specwood.tree.token_tree import ChildRule, TokenTree
 
 SPECINFER_BRANCHING: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
@@ -57,7 +57,7 @@ def _dists(tree: TokenTree, nodes: list[int],
 def _sample_index(weights: torch.Tensor, generator: torch.Generator | None) -> tuple[int, float]:
     """Draw an index with probability proportional to the non-negative `weights`; also returns
     the total mass."""
-    return int(sample_token(weights, generator)), float(weights.double().sum())
+    return sample_index(weights, generator), float(weights.double().sum())
 
 
 def _draw(residual: torch.Tensor, sample: bool, generator: torch.Generator | None) -> tuple[int, float]:
@@ -81,7 +81,7 @@ def _pick(q: torch.Tensor, count: int, sample: bool, generator: torch.Generator 
     residual = q.clone() if count > 1 else q  # (a single draw changes nothing)
     tokens = []
     for k in range(count):
-        y = int(sample_token(residual, generator))
+        y = sample_index(residual, generator)
         tokens.append(y)
         if k + 1 < count:
             residual[y] = 0.0
@@ -297,7 +297,7 @@ class DySpecShape(TreeShape):
             if not left[node]:
                 continue  # q's support is used up below this node
             r = residual[node]
-            y = int(sample_token(r, generator)) if sample else int(r.argmax())
+            y = sample_index(r, generator) if sample else int(r.argmax())
             q_y = float(dists[node][y])  # also R[y]: each token is drawn (and zeroed in R) once
             share = min(1.0, q_y / float(r.double().sum()))  # R[y] after renormalisation
             child = tree.add_node(node, y, q_y)
