@@ -250,13 +250,17 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> torc
 _PYTHON_DRAW_MAX = 1024
 
 
+def _draws_on_floats(probs: torch.Tensor) -> bool:
+    return probs.numel() <= _PYTHON_DRAW_MAX and probs.device.type == "cpu"  # (a GPU's cumsum adds in another order)
+
+
 def sample_index(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """`sample_token` of one distribution [V], as an int: the same uniform from `generator`, the
     same draw (a drafted node's token, drawn a few times per request, without a tensor for it)."""
     if probs.dim() != 1:
         raise ValueError(f"sample_index draws from one distribution [V], got shape {tuple(probs.shape)}")
     u = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device)
-    if probs.numel() <= _PYTHON_DRAW_MAX and probs.device.type == "cpu":
+    if _draws_on_floats(probs):
         return _draw_floats(probs.tolist(), u.item())
     return int(draw_token(probs, u))
 
@@ -264,7 +268,7 @@ def sample_index(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def draw_token(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """`sample_token` on given uniforms: `u` holds one float64 in [0, 1) per row of `probs`
     (a batch of rows whose draws come from different generators)."""
-    if probs.numel() <= _PYTHON_DRAW_MAX and probs.device.type == "cpu":  # (a GPU's cumsum adds in another order)
+    if _draws_on_floats(probs):
         return _draw_token_floats(probs, u)
     flat = probs.reshape(-1, probs.shape[-1]).double()
     cdf = flat.cumsum(-1)

@@ -54,20 +54,13 @@ def _dists(tree: TokenTree, nodes: list[int],
     return draft_probs((yield tree, nodes), params)
 
 
-def _sample_index(weights: torch.Tensor, generator: torch.Generator | None) -> tuple[int, float]:
-    """Draw an index with probability proportional to the non-negative `weights`; also returns
-    the total mass."""
-    return sample_index(weights, generator), float(weights.double().sum())
-
-
-def _draw(residual: torch.Tensor, sample: bool, generator: torch.Generator | None) -> tuple[int, float]:
-    """One token from an unnormalised residual (a draw, or its argmax under greedy params) and
-    its share of the residual mass, i.e. R[y] after renormalisation. Needs mass > 0."""
-    if sample:
-        y, mass = _sample_index(residual, generator)
-    else:
-        y, mass = int(residual.argmax()), float(residual.double().sum())
-    return y, min(1.0, float(residual[y]) / mass)
+def _draw(residual: torch.Tensor, sample: bool, generator: torch.Generator | None) -> tuple[int, float, float]:
+    """One token from an unnormalised residual (a draw, or its argmax under greedy params), its
+    residual value R[y] (its q while each token is drawn, and zeroed, once) and its share of the
+    residual mass, i.e. R[y] after renormalisation. Needs mass > 0."""
+    y = sample_index(residual, generator) if sample else int(residual.argmax())
+    value = float(residual[y])
+    return y, value, min(1.0, value / float(residual.double().sum()))
 
 
 def _pick(q: torch.Tensor, count: int, sample: bool, generator: torch.Generator | None) -> list[int]:
@@ -297,9 +290,7 @@ class DySpecShape(TreeShape):
             if not left[node]:
                 continue  # q's support is used up below this node
             r = residual[node]
-            y = sample_index(r, generator) if sample else int(r.argmax())
-            q_y = float(dists[node][y])  # also R[y]: each token is drawn (and zeroed in R) once
-            share = min(1.0, q_y / float(r.double().sum()))  # R[y] after renormalisation
+            y, q_y, share = _draw(r, sample, generator)
             child = tree.add_node(node, y, q_y)
             if sample:
                 tree.child_dists[node] = dists[node]
@@ -386,9 +377,9 @@ class DySpecThresholdShape(TreeShape):
             node, r = frontier[i][0], residual[i]
             if not bool((r > 0).any()):
                 continue  # q's support is used up below this node
-            y, share = _draw(r, sample, generator)
+            y, q_y, share = _draw(r, sample, generator)
             v = -neg_v
-            children.append((tree.add_node(node, y, float(qs[i][y])), v * share))
+            children.append((tree.add_node(node, y, q_y), v * share))
             if sample:
                 tree.child_dists[node] = qs[i]
             r[y] = 0.0
