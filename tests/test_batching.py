@@ -261,6 +261,13 @@ def test_newcomers_share_the_prefill(tiny_engine):
     assert sched.executor.prefill_share(4, decoding=False) == (PREFILL_CHUNK // 4, PREFILL_CHUNK)
     assert sched.executor.prefill_share(64, decoding=False) == (16, PREFILL_CHUNK)
     assert sched.executor.prefill_share(3, decoding=True) == (16, PREFILL_CHUNK)
+    # a step budget of the caller's (vLLM's max_num_batched_tokens): shared out the same way
+    wide = engine.make_scheduler(SchedulerConfig(max_batch=2, prefill_chunk_tokens=16, prefill_step_tokens=2048),
+                                 drafts=())
+    assert wide.executor.prefill_share(4, decoding=False) == (512, 2048)
+    assert wide.executor.prefill_share(3, decoding=True) == (16, 2048)
+    with pytest.raises(SpecwoodError, match="prefill_step_tokens must be an integer >= 1"):
+        SchedulerConfig(prefill_step_tokens=0)
     jobs = [Job("ar", random_prompt(rnd, 10), 12), Job("dyspec", random_prompt(rnd, 9), 12),
             Job("ar", random_prompt(rnd, 11), 12), Job("chain", random_prompt(rnd, 200), 12)]
     factories = {m: quiet_prepare(engine, m, TINY_OPTIONS[m]) for m in ("ar", "dyspec", "chain")}

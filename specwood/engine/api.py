@@ -1,6 +1,7 @@
 """The Python API: `specwood.load(...)` returns an Engine whose `generate` runs any method."""
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
@@ -260,8 +261,14 @@ class Engine:
         bad = next((token for token, _ in params.logit_bias if token >= V), None)
         if bad is not None:
             raise SamplingParamsError(f"logit_bias token id {bad} is outside the vocabulary [0, {V})")
-        if params.json_schema is None and params.emit_limit == self.emit_limit:
-            return params  # already this model's (a replace re-validates every field: ~20 us a request)
+        if params.json_schema is None:
+            if params.emit_limit == self.emit_limit:
+                return params  # already this model's
+            # the model's own emit limit on validated parameters: a replace would re-validate every field
+            # (~20 us a request)
+            params = copy.copy(params)
+            object.__setattr__(params, "emit_limit", self.emit_limit)
+            return params
         grammar = params.grammar
         if params.json_schema is not None:
             from specwood.constrain.grammars import json_schema_grammar

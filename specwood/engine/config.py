@@ -19,6 +19,7 @@ from typing import Final, Literal
 import torch
 
 from specwood.errors import SpecwoodError
+from specwood.models.prefill import PREFILL_CHUNK
 
 TREE_ROOM = 1025  # cache slots a row keeps for the largest tree (MAX_BUDGET drafted nodes + root)
 BASE_ROW_LEN = 4096 + TREE_ROOM  # rows under a KV budget start at this length (or the budget's cap)
@@ -45,6 +46,9 @@ class SchedulerConfig:
     tree_room: int = TREE_ROOM  # slots a row keeps beyond prompt + new tokens for a tree
     base_row_len: int = BASE_ROW_LEN  # under kv_memory: the rows' length when idle
     prefill_chunk_tokens: int = 64  # prompt tokens a newcomer advances per step while others decode
+    # prompt tokens of all newcomers together in one step (vLLM's max_num_batched_tokens, llama.cpp's
+    # --batch-size): bounds a step's activations; many short prompts beyond it wait a step
+    prefill_step_tokens: int = PREFILL_CHUNK
     cuda_graphs: bool | None = None  # decode steps replay CUDA graphs (None: where the device has them)
 
     def __post_init__(self) -> None:
@@ -71,7 +75,8 @@ class SchedulerConfig:
             raise SpecwoodError("growable re-allocates static rows; under kv_memory rows grow by themselves")
         sizes: tuple[tuple[str, int | None, int], ...] = (
             ("row_len", self.row_len, 2), ("tree_room", self.tree_room, 0), ("base_row_len", self.base_row_len, 2),
-            ("prefill_chunk_tokens", self.prefill_chunk_tokens, 1))
+            ("prefill_chunk_tokens", self.prefill_chunk_tokens, 1),
+            ("prefill_step_tokens", self.prefill_step_tokens, 1))
         for name, size, least in sizes:
             if size is not None and (not _is_int(size) or size < least):
                 raise SpecwoodError(f"{name} must be an integer >= {least}, got {size}")

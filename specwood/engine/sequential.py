@@ -36,7 +36,7 @@ from specwood.errors import ContextLengthError, SpecwoodError
 from specwood.models.batch import RowInput, forward_rows_features
 from specwood.models.cache import KVCache
 from specwood.models.cuda_graphs import GraphedForward, cuda_graphs_wanted
-from specwood.models.prefill import PREFILL_CHUNK, prefill_input, prefill_outputs, prefill_rows_features
+from specwood.models.prefill import prefill_input, prefill_outputs, prefill_rows_features
 from specwood.models.prefix_cache import PrefixCache
 from specwood.models.transformer import Transformer
 from specwood.tree.token_tree import TokenTree
@@ -200,6 +200,7 @@ class SequentialExecutor(Executor, TargetRows):
         self.target = target
         self.cuda_graphs = cuda_graphs_wanted() if config.cuda_graphs is None else config.cuda_graphs
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
+        self.prefill_step_tokens = config.prefill_step_tokens
         self.growable = config.growable  # a private scheduler may re-allocate its pools while idle
         self.tree_room = tree_room  # slots a row keeps beyond prompt + new tokens for a tree
         self.row_len = row_len or min(target.max_positions + tree_room, STATIC_ROW_LEN)
@@ -373,14 +374,14 @@ class SequentialExecutor(Executor, TargetRows):
 
         While others decode, every newcomer advances `prefill_chunk_tokens`: the running
         requests' step waits on these chunks, and a long prompt gets in at the same pace whoever
-        else arrives (at most PREFILL_CHUNK in all; the rest wait their turn). With nobody
-        decoding, PREFILL_CHUNK is shared out equally, never less than `prefill_chunk_tokens`
+        else arrives (at most `prefill_step_tokens` in all; the rest wait their turn). With nobody
+        decoding, `prefill_step_tokens` is shared out equally, never less than `prefill_chunk_tokens`
         each: short prompts get their first token after a step or two instead of waiting for
         one forward over every long prompt that arrived with them."""
         each = self.prefill_chunk_tokens
         if not decoding:
-            each = max(each, PREFILL_CHUNK // max(1, newcomers))
-        return each, max(PREFILL_CHUNK, each)
+            each = max(each, self.prefill_step_tokens // max(1, newcomers))
+        return each, max(self.prefill_step_tokens, each)
 
     # --- the rows of its step (TargetRows) --------------------------------------------------------
 

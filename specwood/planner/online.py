@@ -127,6 +127,7 @@ class OnlineCosts:
         self._memo: dict[tuple, float] = {}
         self._memo_version: tuple[int, int] = (-1, -1)
         self._priors: dict[tuple[float, float], float] = {}
+        self._plan_prices: dict[tuple[float, float, int], float] = {}  # draft_price's plan part, remembered
 
     def prior_only(self) -> "OnlineCosts":
         if not self.measured:
@@ -200,11 +201,17 @@ class OnlineCosts:
         measured: the plan's T_d(x) at this context, grown by batching as `batch_share` grows
         it (by the draft's own forward of `batch` rows, or, untimed, the target's), times the
         machine's speed. What DraftCostTracker compares a step's drafting with."""
-        t_d = prior_t_d(self.plan, ctx, x, self._prior_t_v)
-        if batch > 1:
-            rows = ((lambda v: interpolate(self.plan.draft_row_times, v)) if len(self.plan.draft_row_times) >= 2
-                    else (lambda v: self._prior_t_v(ctx, v)))
-            t_d *= float(rows(batch)) / (batch * float(rows(1)))
+        key = (ctx, x, batch)
+        t_d = self._plan_prices.get(key)
+        if t_d is None:  # the plan's part (it does not change): asked several times a request and step
+            t_d = prior_t_d(self.plan, ctx, x, self._prior_t_v)
+            if batch > 1:
+                rows = ((lambda v: interpolate(self.plan.draft_row_times, v)) if len(self.plan.draft_row_times) >= 2
+                        else (lambda v: self._prior_t_v(ctx, v)))
+                t_d *= float(rows(batch)) / (batch * float(rows(1)))
+            if len(self._plan_prices) > 4096:
+                self._plan_prices.clear()
+            self._plan_prices[key] = t_d
         return t_d * self.machine(ctx, batch)
 
     def draft_excess(self, ctx: float, batch: int = 1) -> float:
