@@ -151,18 +151,23 @@ _M64 = (1 << 64) - 1
 
 
 def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, stream: int,
-                 prompt: list[int] = PROMPT, options: dict | None = None, batch: int = BATCH):
+                 prompt: list[int] = PROMPT, options: dict | None = None, batch: int = BATCH,
+                 one_step_prefill: bool = True):
     """`n` requests of `method` through one scheduler in batches of BATCH: the joint counts of
-    the first two outcomes, the number of speculative steps and of accepted drafted tokens."""
+    the first two outcomes, the number of speculative steps and of accepted drafted tokens.
+    `one_step_prefill`: a batch's prompts all in its first step; else the server's step budget
+    (newcomers admitted over several steps, each beside the decode step of those before)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # prior without stored scores warns (analytic prior)
         factory = engine.prepare(method, options if options is not None else options_for(method))
     # rows keep the scheduler's default tree room: draft sources need it (see test_batching)
     # a whole batch's prompts in one step: one prefill forward and one decode step a batch, not seven
     # of each for the default step budget's 512 tokens (~15% of a case's time)
+    step_tokens = {"prefill_step_tokens": BATCH * len(prompt)} if one_step_prefill else {}
     sched = engine.make_scheduler(SchedulerConfig(max_batch=batch, row_len=len(prompt) + MAX_TOKENS + TREE_ROOM,
-                                                  max_queue=BATCH, prefill_step_tokens=BATCH * len(prompt)),
-                                  drafts=())
+                                                  max_queue=BATCH, **step_tokens), drafts=())
+    records: list = []
+    sched.observers.append(records.append)  # one StepRecord a decode step
     counts = np.zeros((OUTCOMES, OUTCOMES), dtype=np.int64)
     spec_steps = accepted = copied = 0
     sources: dict[str, int] = {}
@@ -188,6 +193,7 @@ def run_requests(engine: Engine, method: str, params: SamplingParams, n: int, st
             for source, steps in used.items():
                 sources[source] = sources.get(source, 0) + steps
     assert sched.idle and sched.executor.cache.free_rows == batch
+    run_requests.decode_steps = len(records)  # the scheduler's decode steps (the last run)
     run_requests.copied = copied  # auto's steps that copied from the context (the last run)
     run_requests.sources = sources  # auto's steps by what drafted them (the suffix source's choices)
     return counts, spec_steps, accepted
@@ -203,6 +209,11 @@ CASES += [("dyspec", SamplingParams(temperature=0.8, top_k=12, top_p=0.9)),
           ("eagle", SamplingParams(temperature=1.2, top_p=0.95))]
 
 
+# this case keeps the server's step budget: its batches are admitted over several steps, each a
+# decode step of earlier requests beside newcomers' prompts (the steps every other case now skips)
+STAGGERED_CASE = "dyspec_t1.0"
+
+
 def case_id(case) -> str:
     method, p = case
     extra = "".join(f"_{k}{v}" for k, v in (("k", p.top_k), ("p", p.top_p)) if v not in (0, 1.0))
@@ -214,7 +225,8 @@ def test_engine_samples_the_target_law(stat_engine, private_plans, case):
     method, params = case
     law = exact_law(stat_engine, params)
     t0 = time.perf_counter()
-    counts, spec_steps, accepted = run_requests(stat_engine, method, params, SAMPLES, stream=CASES.index(case))
+    counts, spec_steps, accepted = run_requests(stat_engine, method, params, SAMPLES, stream=CASES.index(case),
+                                                one_step_prefill=case_id(case) != STAGGERED_CASE)
     dt = time.perf_counter() - t0
     p = g_test(counts, law)
     p_first = g_test(counts.sum(1), law.sum(1))
@@ -226,6 +238,11 @@ def test_engine_samples_the_target_law(stat_engine, private_plans, case):
         live = SAMPLES - int(counts[V].sum())
         assert spec_steps == live, (spec_steps, live)
         assert accepted > (live // 10 if method in ("pld", "suffix") else live // 3), (accepted, live)
+    batches = -(-SAMPLES // BATCH)
+    if case_id(case) == STAGGERED_CASE:  # admitted over several steps (42 prompts a step)
+        assert run_requests.decode_steps > 4 * batches, run_requests.decode_steps
+    else:  # one prefill step, then one decode step a batch
+        assert run_requests.decode_steps == batches, run_requests.decode_steps
     assert min(p, p_first) > P_MIN, f"{method} does not sample the target's distribution"
 
 
