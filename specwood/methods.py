@@ -205,10 +205,10 @@ SHAPE_OPTIONS: dict[str, tuple[str, ...]] = {
 
 def _shape_option(method: str, options: dict[str, Any], default: str) -> Any:
     """The tree shape a method with a `shape` option drafts with, built from the options left."""
-    from specwood.drafting.shapes import make_shape
+    from specwood.drafting.shapes import canonical_shape, make_shape
 
-    shape_name = options.pop("shape", default)
-    allowed = SHAPE_OPTIONS.get(str(shape_name), ())
+    shape_name = canonical_shape(options.pop("shape", default))  # "Chain" takes chain's options
+    allowed = SHAPE_OPTIONS.get(shape_name, ())
     extra = sorted(set(options) - set(allowed))
     if extra:
         raise SpecwoodError(f"{method} with shape '{shape_name}' does not use option(s) {', '.join(extra)}")
@@ -225,7 +225,9 @@ def _prepare_early_exit(engine: EngineLike, options: dict[str, Any]) -> DrafterF
     layer = options.pop("exit_layer", None) or max(1, engine.target_config.n_layers // 4)
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise SpecwoodError(f"exit_layer must be an integer, got {layer!r}")
-    if str(options.get("shape", "chain")).strip().lower() == "chain" and options.get("budget") is None \
+    from specwood.drafting.shapes import canonical_shape
+
+    if canonical_shape(options.get("shape", "chain")) == "chain" and options.get("budget") is None \
             and options.get("depth") is None:
         # an untrained exit accepts almost nothing (AAT ~1.0): each drafted token is a wasted quarter
         # forward, so the default chain is 2 tokens (on the fp32 1.5B target 0.54x `ar`, at 5 0.35x)

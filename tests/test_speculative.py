@@ -89,3 +89,19 @@ def test_vocabulary_mismatch_is_refused(tiny_pair, tiny_tokenizer, tiny_model_fa
     other = tiny_model_factory(vocab_size=tiny_pair.target.config.vocab_size + 8, seed=5)
     with pytest.raises(SpecwoodError, match=r"draft vocabulary \(\d+ tokens.*target's \(\d+ tokens"):
         Engine(tiny_pair.target, tiny_tokenizer, draft=other)
+
+
+def test_shape_options_take_any_spelling_of_the_shape(tiny_engine):
+    """A `shape` option is read by its registered name: "Chain" gets early-exit's default chain of
+    EARLY_EXIT_DEPTH and takes chain's options, "Dyspec" takes dyspec's; an unknown one is refused."""
+    from specwood.methods import EARLY_EXIT_DEPTH
+
+    for spelling in ("chain", "Chain", " CHAIN "):
+        shape = tiny_engine.prepare("early-exit", {"shape": spelling})(lambda model: None, 4, 4).shape
+        assert shape.name == "chain" and shape.max_nodes == EARLY_EXIT_DEPTH, spelling
+    assert tiny_engine.prepare("early-exit", {"shape": "Dyspec", "depth": 3})(lambda model: None, 4, 4).shape.name \
+        == "dyspec"
+    with pytest.raises(SpecwoodError, match="does not use option"):
+        tiny_engine.prepare("early-exit", {"shape": "Chain", "topk": 2})
+    with pytest.raises(SpecwoodError, match="unknown tree shape 'medusa'"):
+        tiny_engine.prepare("early-exit", {"shape": "medusa"})

@@ -408,7 +408,8 @@ SHAPES: list[str] = list(SHAPE_CLASSES)
 MODEL_SHAPES: list[str] = [name for name, cls in SHAPE_CLASSES.items() if cls.needs_model]  # all but pld
 
 
-def _canonical(name: str) -> str:
+def canonical_shape(name: str) -> str:
+    """A shape's registered name for any spelling ("Chain", "dyspec_threshold"); unknown: a one-line error."""
     key = str(name).strip().lower().replace("_", "-")
     if key not in SHAPES:
         raise SpecwoodError(f"unknown tree shape {name!r}; choose one of: {', '.join(SHAPES)}")
@@ -417,7 +418,7 @@ def _canonical(name: str) -> str:
 
 def needs_model(name: str) -> bool:
     """Whether the shape asks a draft source for distributions (pld does not)."""
-    return SHAPE_CLASSES[_canonical(name)].needs_model
+    return SHAPE_CLASSES[canonical_shape(name)].needs_model
 
 
 def make_shape(
@@ -445,7 +446,7 @@ def make_shape(
     time; `--method auto` (the planner) picks the budget from measurements instead.
     pld:              k = min(budget, depth) of those given, default 8 tokens; no model.
     """
-    key = _canonical(name)
+    key = canonical_shape(name)
     if budget is not None:
         _check_int("budget", budget, 1, MAX_BUDGET)
     if depth is not None:

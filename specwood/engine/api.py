@@ -269,11 +269,9 @@ class Engine:
             params = copy.copy(params)
             object.__setattr__(params, "emit_limit", self.emit_limit)
             return params
-        grammar = params.grammar
-        if params.json_schema is not None:
-            from specwood.constrain.grammars import json_schema_grammar
+        from specwood.constrain.grammars import json_schema_grammar
 
-            grammar = json_schema_grammar(dict(params.json_schema))
+        grammar = json_schema_grammar(dict(params.json_schema))  # (a grammar beside it is refused: SamplingParams)
         return replace(params, emit_limit=self.emit_limit, grammar=grammar, json_schema=None)
 
     def prepare_grammars(self) -> None:
