@@ -1,6 +1,6 @@
 """The layer kernels (kernels/layer_ops.cpp): each equals its torch version within rounding, each
-row's result is independent of the other rows, attention over a tree node's visible keys equals
-attention over the same keys laid out consecutively (what makes a tree verify to exactly the
+row's result (a MoE router's logits too) is independent of the other rows, attention over a tree
+node's visible keys equals attention over the same keys laid out consecutively (what makes a tree verify to exactly the
 one-token forwards along its paths), and the whole model keeps every method lossless on either
 implementation."""
 import pytest
@@ -75,6 +75,33 @@ def test_attention_equals_torch_and_rows_are_independent(dtype, head_dim, H, S):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_router_logits_are_each_rows_own(dtype):
+    """A MoE router's logits on the kernel: close to the product, and each row's bits whatever rows
+    share the call and however many threads run it (which experts a token gets must not depend on
+    its batch: MKL's fp32 matmul gives a row alone other bits than the same row among 64, so a
+    model in fp32 routed a tree's nodes differently from the one-token forwards). 13 outputs: three
+    groups of four and one alone."""
+    g = torch.Generator().manual_seed(12)
+    ops = kernel_layer_ops()
+    router = torch.nn.Linear(272, 13, bias=False).to(dtype)
+    x = (torch.randn(64, 272, generator=g) * 2).to(dtype)
+    with torch.inference_mode():
+        out = ops.router_logits(x, router)
+        exact = x.double() @ router.weight.double().t()
+        assert out.dtype == dtype and close(out, exact, dtype)
+        assert torch.equal(torch.cat([ops.router_logits(x[i:i + 1], router) for i in range(64)]), out)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(ops.router_logits(x, router), out)
+        finally:
+            torch.set_num_threads(threads)
+        # torch's matmul is what it replaces, and what a router with a bias (none has one) still runs
+        biased = torch.nn.Linear(272, 13).to(dtype)
+        assert torch.equal(ops.router_logits(x, biased), biased(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_skips_masked_keys_before_summing(dtype):
     """A tree node sees its prefix and its ancestors among other nodes' slots; the same keys in
     consecutive slots (a one-token forward along its path) give the bit-identical result."""
@@ -142,6 +169,8 @@ def test_the_avx2_build_gives_the_avx512_builds_bits():
         assert torch.equal(wide.rms_norm(x, w, 1e-6), avx2.rms_norm(x, w, 1e-6))
         gu = (torch.randn(5, 2 * 80, generator=g) * 8).to(dtype)  # exp's clamps at -87 and 88 included
         assert torch.equal(wide.silu_mul(gu), avx2.silu_mul(gu))
+        router = torch.nn.Linear(176, 11, bias=False).to(dtype)
+        assert torch.equal(wide.router_logits(x, router), avx2.router_logits(x, router))
         for head_dim in (16, 48, 64, 128):  # 48: a partial vector in RoPE's halves
             B, T, H, Hkv, S = 2, 3, 6, 2, 41
             qkv = torch.randn(B, T, (H + 2 * Hkv) * head_dim, generator=g).to(dtype)

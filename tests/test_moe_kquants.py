@@ -92,14 +92,21 @@ def test_the_default_mode_runs_the_experts_as_stored(q4_available, tiny_tokens, 
     assert (ours.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
 
 
-@pytest.mark.parametrize("kind", ["q4_k_m", "mixed"])
-def test_a_rows_output_does_not_depend_on_its_batch(q4_available, tiny_tokens, moe_files, kind):
+@pytest.mark.parametrize("kind, activations", [("q4_k_m", "auto"), ("mixed", "auto"), ("q4_k_m", "fp32")])
+def test_a_rows_output_does_not_depend_on_its_batch(q4_available, tiny_tokens, moe_files, kind, activations,
+                                                    monkeypatch):
     """The k-quant MoE layer gives each row, alone or among 63 others routed anywhere, the same
-    bits: its experts' kernels are row-exact and its k outputs are summed in expert order. The one
-    kernel call for all experts (`grouped`) gives the bits of one call per expert."""
+    bits: its router's logits and its experts' kernels are row-exact and its k outputs are summed
+    in expert order. The one kernel call for all experts (`grouped`) gives the bits of one call
+    per expert. `fp32`: activations in fp32, as a CPU without bf16 (AVX2) runs the default mode,
+    where the router is a plain fp32 linear (this failed there while MKL computed it)."""
+    from specwood.engine import api
     from specwood.engine.api import load
 
+    if activations == "fp32":
+        monkeypatch.setattr(api, "cpu_has_bf16", lambda: False)
     model = load(moe_files[kind], None, dtype="q4", progress=False).target
+    assert model.dtype == (torch.float32 if activations == "fp32" else api.resolve_dtype("auto", "cpu"))
     ff = model.layers[0].feed_forward
     if kind == "mixed":  # gate and up in two calls of two types, down in a third
         assert (ff.w13.op_names, ff.w2.op_names) == (["q4_linear", "q5_linear"], ["q8_linear"])

@@ -1,5 +1,5 @@
 """The small operations of a decoder layer -- RMSNorm, the rotary embedding, the SiLU-gated product,
-attention -- in torch operators, or in one C++ call each on an AVX512 or AVX2 CPU
+attention, a MoE router's logits -- in torch operators, or in one C++ call each on an AVX512 or AVX2 CPU
 (`kernels/layer_ops.cpp`).
 
 The model's modules hold one of these objects as `ops` and call it; `Transformer.use_layer_kernels`
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from specwood.models.kernels import AVX512_FLAGS, CpuKernel, build_for_this_cpu, cpu_flags
 from specwood.models.rope import apply_rope
@@ -65,6 +66,11 @@ class TorchLayerOps:
         """Gemma's gated product: GELU (tanh approximation) of the gate times up."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+    def router_logits(self, x: torch.Tensor, router: nn.Module) -> torch.Tensor:
+        """A MoE router's logits for rows x [N, dim]: the module itself here (row-exact as far
+        as its kernel is: MKL's fp32 matmul is not)."""
+        return router(x)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
@@ -140,6 +146,16 @@ class KernelLayerOps(TorchLayerOps):
             return super().silu_mul(gate_up)
         flat = gate_up.reshape(-1, gate_up.shape[-1])
         return self.kernel.silu_mul(flat.contiguous()).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    def router_logits(self, x: torch.Tensor, router: nn.Module) -> torch.Tensor:
+        """Each row's dots alone, in one order (`linear_rows`), for a router that is a plain
+        linear: which experts a token gets must not depend on the rows beside it, and MKL's fp32
+        matmul (the router of a model in fp32, as on a CPU without bf16) sums in an order that
+        does. A packed one (bf16 on oneDNN) keeps its kernel, row-exact already."""
+        w = router.weight if isinstance(router, nn.Linear) and router.bias is None else None
+        if w is None or not self.takes(x) or w.dtype != x.dtype or x.shape[-1] % 16 or not w.is_cpu:
+            return super().router_logits(x, router)
+        return self.kernel.linear_rows(x.contiguous(), w.contiguous())
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:

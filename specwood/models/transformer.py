@@ -161,7 +161,7 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(self.ops.router_logits(flat, self.router), dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
