@@ -159,12 +159,17 @@ class MoEFeedForward(nn.Module):
         self.top_k, self.norm_topk_prob = c.n_experts_used, c.norm_topk_prob
         self.ops = TORCH_OPS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [N, dim] -> each row's k experts' weights and indices [N, k] (fp32, int64)."""
         probs = torch.softmax(self.ops.router_logits(flat, self.router), dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
+        weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.route(flat)  # [N, k]
         experts, by_expert = experts.sort(dim=-1)  # a row's choices in expert order: the order they are summed in
         weights = weights.gather(-1, by_expert).to(x.dtype).flatten()
         choices = experts.flatten()  # [N k]: row n's j-th choice at n * k + j

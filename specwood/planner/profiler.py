@@ -200,10 +200,10 @@ def measure_expert_union(model: Transformer, xs: Sequence[int], ctx: int, trees:
     cfg = model.config
     counts: list[int] = []
 
-    def routed(module: Any, args: Any, logits: torch.Tensor) -> None:
-        counts.append(len(torch.unique(logits.topk(cfg.n_experts_used).indices)))
+    def routed(module: MoEFeedForward, args: tuple[torch.Tensor, ...]) -> None:  # the layer's own routing
+        counts.append(len(torch.unique(module.route(args[0].reshape(-1, args[0].shape[-1]))[1])))
 
-    hooks = [block.feed_forward.router.register_forward_hook(routed) for block in model.layers
+    hooks = [block.feed_forward.register_forward_pre_hook(routed) for block in model.layers
              if isinstance(block.feed_forward, MoEFeedForward)]
     gen = torch.Generator().manual_seed(seed)
     union: dict[int, float] = {}
