@@ -90,6 +90,7 @@ def test_router_logits_are_each_rows_own(dtype):
         exact = x.double() @ router.weight.double().t()
         assert out.dtype == dtype and close(out, exact, dtype)
         assert torch.equal(torch.cat([ops.router_logits(x[i:i + 1], router) for i in range(64)]), out)
+        assert torch.equal(ops.router_logits(x.view(4, 16, 272), router), out.view(4, 16, 13))  # any leading dims
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)

@@ -155,7 +155,8 @@ class KernelLayerOps(TorchLayerOps):
         w = router.weight if isinstance(router, nn.Linear) and router.bias is None else None
         if w is None or not self.takes(x) or w.dtype != x.dtype or x.shape[-1] % 16 or not w.is_cpu:
             return super().router_logits(x, router)
-        return self.kernel.linear_rows(x.contiguous(), w.contiguous())
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        return self.kernel.linear_rows(flat, w.contiguous()).view(*x.shape[:-1], w.shape[0])
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
