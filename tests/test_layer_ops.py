@@ -1,8 +1,8 @@
 """The layer kernels (kernels/layer_ops.cpp): each equals its torch version within rounding, each
 row's result (a MoE router's logits too) is independent of the other rows, attention over a tree
-node's visible keys equals attention over the same keys laid out consecutively (what makes a tree verify to exactly the
-one-token forwards along its paths), and the whole model keeps every method lossless on either
-implementation."""
+node's visible keys equals attention over the same keys laid out consecutively (what makes a tree
+verify to exactly the one-token forwards along its paths), and the whole model keeps every method
+lossless on either implementation."""
 import pytest
 import torch
 from conftest import assert_every_method_matches_ar, make_tiny_model

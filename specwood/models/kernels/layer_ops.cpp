@@ -437,16 +437,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   });
 }
 
-// out[r, n] = x[r] . w[n] for every row r and output n, each dot on its own: one 16-lane chain
-// over K in order, then sum16 -- the same bits for a row alone or among any others, on any number
-// of threads (a thread takes whole dots). Four outputs share each load of x's chunk.
-template <typename T>
-inline float dot_chain(const T* x, const T* w, int64_t k) {
-  __m512 acc = _mm512_mul_ps(load16(x), load16(w));
-  for (int64_t i = 16; i < k; i += 16) acc = _mm512_fmadd_ps(load16(x + i), load16(w + i), acc);
-  return sum16(acc);
-}
-
+// out[r, n] = x[r] . w[n] for every row r and output n, each dot on its own: partial_dot's 16-lane
+// chain over K in order, then sum16 -- the same bits for a row alone or among any others, on any
+// number of threads (a thread takes whole dots). Four outputs share each load of x's chunk.
 template <typename T>
 void linear_rows_impl(const T* x, const T* w, T* out, int64_t m, int64_t n, int64_t k) {
   const int64_t quads = (n + 3) / 4;
@@ -456,7 +449,7 @@ void linear_rows_impl(const T* x, const T* w, T* out, int64_t m, int64_t n, int6
       const T* xr = x + r * k;
       T* o = out + r * n;
       if (n0 + 4 > n) {  // the last outputs: the same chain, one output at a time
-        for (int64_t j = n0; j < n; ++j) o[j] = static_cast<T>(dot_chain(xr, w + j * k, k));
+        for (int64_t j = n0; j < n; ++j) o[j] = static_cast<T>(sum16(partial_dot(xr, w + j * k, k)));
         continue;
       }
       const T* w0 = w + n0 * k;
